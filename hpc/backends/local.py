@@ -1,0 +1,81 @@
+"""The local backend: ``hpc run``, the embedded default. No Slurm needed.
+
+It writes the same job directory a Slurm job writes, then starts one per-node launcher per
+(simulated) node on this machine, all meeting at a c10d rendezvous on 127.0.0.1 on a free
+port. Rank 0's output streams to the terminal; every rank's output is in the job
+directory. Ctrl-C (SIGINT) and SIGTERM are passed to the launchers, which pass the warning
+on to the workers so they can save before exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from hpc import jobdir
+from hpc.jobspec import JobSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare(spec: JobSpec) -> Path:
+    """Creates the job directory and writes ``jobspec.json`` (refuses to reuse a finished one)."""
+    job_dir = jobdir.create(Path(spec.job_dir))
+    path = job_dir / jobdir.JOBSPEC
+    if path.exists():
+        old = JobSpec.load(job_dir)
+        if (old.script, old.nproc_per_node) != (spec.script, spec.nproc_per_node):
+            print(f"hpc: note: {job_dir} held another job's spec; it is replaced "
+                  "(checkpoints there are reused when compatible)", file=sys.stderr)
+    jobdir.write_atomic(path, spec.to_json())
+    return job_dir
+
+
+def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_id: str) -> list[str]:
+    return [spec.python, "-m", "runtime.launch", "--job-dir", str(job_dir), "--node-rank",
+            str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id]
+
+
+def run(spec: JobSpec) -> int:
+    """Runs ``spec`` locally; returns the job's exit status."""
+    job_dir = prepare(spec)
+    nodes = spec.max_nodes
+    port = free_port() if spec.rdzv_port == 29400 else spec.rdzv_port
+    run_id = uuid.uuid4().hex[:12]
+    print(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
+          f"process(es); job dir {job_dir}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd())
+             for i in range(nodes)]
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    code = codes[0] if codes[0] != 0 else max(codes, key=abs)
+    outcomes = jobdir.read_outcomes(job_dir)
+    last = outcomes[-1] if outcomes else None
+    what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
+    print(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}",
+          file=sys.stderr)
+    result = job_dir / jobdir.RESULT
+    if result.exists():
+        print(f"hpc run: result {result}", file=sys.stderr)
+    return code

@@ -1,0 +1,165 @@
+"""The ``hpc`` command.
+
+Flags for job options are generated from :class:`~hpc.jobspec.JobSpec`'s field declarations,
+so every option has one name, one parser and one help text everywhere. Bad input exits with
+status 2 and one message naming the flag, the value, the valid form and an example, before
+anything is created or submitted. This module imports nothing heavy: ``hpc --help`` must be
+instant on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc import __version__
+from hpc.errors import HpcError, SpecError
+from hpc.jobspec import JobSpec, flag_name, option_fields, parse_options
+
+EXIT_USAGE = 2
+
+_SLURM_ONLY = {"partition", "account", "qos", "constraint", "exclude", "mem", "cpus_per_task",
+               "gpus_per_node", "time_limit_s", "signal", "signal_lead_s", "requeue",
+               "max_requeues", "python"}
+
+
+def _add_job_options(p: argparse.ArgumentParser, *, slurm: bool) -> None:
+    p.add_argument("script", help="training script (a torchrun-style Python script)")
+    p.add_argument("--config", default="", help="config file (default: ./hpc.toml, "
+                   "[tool.hpc] in ./pyproject.toml, ~/.config/hpc/hpc.toml)")
+    groups: dict[str, argparse._ArgumentGroup] = {
+        "job": p.add_argument_group("job options (CLI > profile > defaults; see docs/config.md)")}
+    for f in option_fields():
+        if not slurm and f.name in _SLURM_ONLY:
+            continue
+        meta = f.metadata
+        default = f.default
+        help_text = meta["help"] + (f" [default: {_show(default)}]" if default not in ("", 0, ()) else "")
+        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text,
+                                      metavar=meta.get("metavar") or f.name.upper().replace("_S", ""))
+        if meta.get("repeat"):
+            kwargs["action"] = "append"
+        groups["job"].add_argument(flag_name(f.name), **kwargs)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(x, int) for x in value):
+        return str(value[0]) if value[0] == value[1] else f"{value[0]}:{value[1]}"
+    return str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpc",
+        description="Take a PyTorch training job from a Slurm login node to many nodes and keep "
+                    "it alive there: preemption, time limits and node loss included.",
+        epilog="Script arguments go after '--': hpc run train.py --nproc-per-node 2 -- --lr 3e-4")
+    parser.add_argument("--version", action="version", version=f"hpc-elastic {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run locally (no Slurm): N processes through the elastic agent")
+    _add_job_options(run, slurm=False)
+
+    for name, help_text in (("submit", "submit to Slurm"), ("render", "print the sbatch script that submit would run")):
+        sp = sub.add_parser(name, help=help_text)
+        _add_job_options(sp, slurm=True)
+        sp.add_argument("--backend", default="sbatch", choices=("sbatch", "submitit", "torchx"),
+                        help="how to submit [default: sbatch]")
+        if name == "submit":
+            sp.add_argument("--dry-run", action="store_true", help="print what would run; submit nothing")
+
+    st = sub.add_parser("status", help="state, nodes, elapsed, requeues and history of jobs")
+    st.add_argument("job", nargs="*", help="job ids or job directories (default: your recent jobs)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+
+    lg = sub.add_parser("logs", help="rank-0 output of a job, across requeues and restarts")
+    lg.add_argument("job", help="job id or job directory")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep following until the job ends")
+    lg.add_argument("--rank", type=int, default=0, help="which global rank [default: 0]")
+
+    cn = sub.add_parser("cancel", help="cancel a job")
+    cn.add_argument("job", nargs="+", help="job ids or job directories")
+
+    dr = sub.add_parser("doctor", help="check this node (or an allocation): network, GPUs, versions")
+    dr.add_argument("--json", action="store_true", help="machine-readable output")
+    dr.add_argument("--rdzv-host", default="", help="rendezvous host to check routes to")
+    dr.add_argument("--nodes", default="", help="run across N nodes of a Slurm allocation via srun")
+    return parser
+
+
+def build_spec(args: argparse.Namespace) -> JobSpec:
+    """Builds the validated JobSpec from CLI flags, the config profile and the defaults."""
+    from hpc import jobdir
+    from hpc.config import find_config
+
+    config = find_config(args.config)
+    profile_raw, where = config.options_for(getattr(args, "profile", ""))
+    merged = parse_options(profile_raw, source=lambda n: where[n])
+    given = {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
+    merged.update(parse_options(given, source=flag_name))
+
+    script = Path(args.script).expanduser()
+    if not script.is_file():
+        raise SpecError("SCRIPT", args.script, "an existing Python file",
+                        "hpc run examples/train_gpt.py -- --preset tiny",
+                        f"No such file (looked in {Path.cwd()})")
+    merged.setdefault("job_name", script.stem)
+    if not merged.get("job_dir"):
+        merged["job_dir"] = str(jobdir.default_job_dir(merged["job_name"]))
+    merged["job_dir"] = str(Path(merged["job_dir"]).expanduser().absolute())
+    if merged.get("checkpoint_dir"):
+        merged["checkpoint_dir"] = str(Path(merged["checkpoint_dir"]).expanduser().absolute())
+    return JobSpec(script=str(script.absolute()), script_args=tuple(args.script_args), **merged)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, script_args = argv[:i], argv[i + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.script_args = script_args
+    try:
+        return _dispatch(args)
+    except SpecError as e:
+        print(f"hpc {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except HpcError as e:
+        print(f"hpc {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from hpc.backends import local
+        return local.run(build_spec(args))
+    if args.command in ("submit", "render"):
+        from hpc import submit
+        spec = build_spec(args)
+        if args.command == "render" or args.dry_run:
+            return submit.dry_run(spec, args.backend)
+        return submit.submit(spec, args.backend)
+    if args.command == "status":
+        from hpc import status
+        return status.main(args)
+    if args.command == "logs":
+        from hpc import logs
+        return logs.main(args)
+    if args.command == "cancel":
+        from hpc import status
+        return status.cancel(args)
+    if args.command == "doctor":
+        from runtime import doctor
+        return doctor.main(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

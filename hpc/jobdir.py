@@ -1,0 +1,124 @@
+"""The job directory: one place per job that holds everything about it.
+
+Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`` and
+``hpc logs`` and the tests read one format::
+
+    JOB_DIR/
+      jobspec.json                 what was asked (written once, on the login node)
+      job.sbatch                   the rendered batch script (Slurm backends)
+      logs/
+        slurm-<jobid>.out          the batch script's own output (Slurm)
+        alloc-<A>/node-<host>.log  the per-node launcher's log for allocation A
+        alloc-<A>/restart-<K>/rank-<R>.log   each worker's stdout+stderr
+      checkpoints/                 step-000123/ ... and the ``latest`` pointer
+      outcomes.jsonl               one record per allocation: why it ended
+      exit-intent.json             rank 0's reason for a clean exit (preempted, ...)
+      wandb_run_id                 one W&B run for the job's whole life
+      result.json                  written by the example trainer
+
+Job directories are created private to the user (0700): they hold logs and may hold
+secrets a user's script prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+JOBSPEC = "jobspec.json"
+OUTCOMES = "outcomes.jsonl"
+EXIT_INTENT = "exit-intent.json"
+RESULT = "result.json"
+SBATCH = "job.sbatch"
+
+OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled")
+
+
+def default_job_dir(name: str, root: Path | None = None, now: float | None = None) -> Path:
+    """``./jobs/<name>-<YYYYmmdd-HHMMSS>`` (unique by time)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "job"
+    return (root or Path.cwd() / "jobs") / f"{safe}-{stamp}"
+
+
+def create(job_dir: Path) -> Path:
+    """Creates the job directory (and ``logs/``) private to the user; returns it absolute."""
+    job_dir = job_dir.expanduser().absolute()
+    job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(job_dir, 0o700)
+    (job_dir / "logs").mkdir(exist_ok=True, mode=0o700)
+    return job_dir
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def alloc_log_dir(job_dir: Path, allocation: int) -> Path:
+    return Path(job_dir) / "logs" / f"alloc-{allocation}"
+
+
+def rank_log(job_dir: Path, allocation: int, restart: int, rank: int) -> Path:
+    return alloc_log_dir(job_dir, allocation) / f"restart-{restart}" / f"rank-{rank}.log"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Why one allocation (one run of the job on some nodes) ended."""
+
+    allocation: int
+    kind: str
+    exit_code: int
+    step: int | None = None
+    reason: str = ""
+    node: str = ""
+    slurm_job_id: str = ""
+    time: float = 0.0
+    restarts: int = 0
+    world_size: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.kind in OUTCOME_KINDS, self.kind
+
+
+def append_outcome(job_dir: Path, outcome: Outcome) -> None:
+    """Appends one record to ``outcomes.jsonl`` (a single write, so lines never interleave)."""
+    data = asdict(outcome)
+    data["time"] = data["time"] or time.time()
+    line = json.dumps(data, sort_keys=True) + "\n"
+    fd = os.open(Path(job_dir) / OUTCOMES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_outcomes(job_dir: Path) -> list[Outcome]:
+    path = Path(job_dir) / OUTCOMES
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            out.append(Outcome(**json.loads(line)))
+    return out
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None

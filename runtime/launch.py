@@ -1,0 +1,318 @@
+"""The per-node launcher: one per node, around torch's elastic agent.
+
+Every backend runs this on each node (Slurm: one task per node; ``hpc run``: locally)::
+
+    python -m runtime.launch --job-dir JOB_DIR [--rdzv-host HOST] [--node-rank N]
+
+It reads ``jobspec.json``, prepares the environment (network interfaces, the torch 2.13
+rendezvous fix, tuned rendezvous timeouts), and runs torch's elastic agent in-process with
+``MIN:MAX`` nodes and c10d rendezvous on the first node. It owns the node's signals: the
+warning signal (SIGUSR2 by default) and SIGTERM are *forwarded* to the workers while the
+agent stays alive, so the workers can agree, save a checkpoint and exit cleanly (torch's
+agent would otherwise kill them on SIGTERM). When the agent is done, node 0's launcher
+records why the allocation ended in ``outcomes.jsonl``.
+
+Planning (what to set, what to run) is pure (:func:`plan_launch`); :func:`run` executes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc import jobdir
+from hpc.jobspec import JobSpec
+from runtime.env import SlurmEnv
+
+log = logging.getLogger("hpc.launch")
+
+# DESIGN §5: tuned so a re-formed group is ready ~5 s after a node loss instead of ~30 s.
+RDZV_CONF: dict[str, Any] = {
+    "join_timeout": 600,
+    "last_call_timeout": 2,
+    "close_timeout": 5,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 5,
+}
+
+# Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
+EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
+              "node_failure": 76, "cancelled": 130}
+
+
+@dataclass(frozen=True)
+class EnvChange:
+    """One environment variable the launcher wants to set, and what happened to it."""
+
+    name: str
+    new: str
+    old: str | None
+    reason: str
+    kept_user_value: bool = False
+
+    def describe(self) -> str:
+        if self.kept_user_value:
+            return f"{self.name}={self.old!r} kept (set by the user; we would set {self.new!r}: {self.reason})"
+        return f"{self.name}: {self.old!r} -> {self.new!r} ({self.reason})"
+
+
+def env_defaults(current: Mapping[str, str], wanted: Mapping[str, tuple[str, str]]) -> list[EnvChange]:
+    """Plans setting ``wanted`` (name -> (value, reason)) without overriding user values."""
+    changes = []
+    for name, (value, reason) in wanted.items():
+        old = current.get(name)
+        changes.append(EnvChange(name, value, old, reason, kept_user_value=old is not None and old != value))
+    return changes
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the agent needs, decided before anything runs."""
+
+    spec: JobSpec
+    job_dir: Path
+    allocation: int
+    node_rank: int
+    nnodes: tuple[int, int]
+    rdzv_endpoint: str
+    is_rdzv_host: bool
+    run_id: str
+    env_changes: tuple[EnvChange, ...]
+    worker_env: dict[str, str] = field(default_factory=dict)
+    argv: tuple[str, ...] = ()
+
+    @property
+    def log_dir(self) -> Path:
+        return jobdir.alloc_log_dir(self.job_dir, self.allocation)
+
+
+def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_host: str,
+                node_rank: int, run_id: str, extra_changes: tuple[EnvChange, ...] = ()) -> LaunchPlan:
+    """Decides the agent's configuration and the workers' environment (pure).
+
+    Args:
+        spec: The job.
+        job_dir: Its directory.
+        env: The launcher's environment (``os.environ``).
+        rdzv_host: Host (name or address) of the c10d rendezvous, the first node.
+        node_rank: This node's index in the allocation (0 hosts the rendezvous).
+        run_id: Rendezvous run id, the same on every node of one allocation.
+        extra_changes: Planned changes from elsewhere (network interface detection).
+    """
+    slurm = SlurmEnv.from_env(env)
+    wanted = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
+            "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
+        "PYTHONUNBUFFERED": ("1", "worker logs appear as they are written"),
+        "OMP_NUM_THREADS": (str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)),
+                            "one share of the node's CPUs per worker"),
+    }
+    changes = list(extra_changes) + env_defaults(env, wanted)
+    # The user's --env is an explicit request for this job: it wins over the inherited env.
+    for name, value in spec.env:
+        changes.append(EnvChange(name, value, env.get(name), "--env"))
+    ours = {
+        "HPC_JOB_DIR": str(job_dir),
+        "HPC_ALLOCATION": str(slurm.restart_count),
+        "HPC_NODE_RANK": str(node_rank),
+        "HPC_MERGE_STDERR": "1",
+        "HPC_AGENT_PID": str(os.getpid()),
+    }
+    worker_env = {c.name: c.new for c in changes if not c.kept_user_value} | ours
+    return LaunchPlan(
+        spec=spec, job_dir=job_dir, allocation=slurm.restart_count, node_rank=node_rank,
+        nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{spec.rdzv_port}",
+        is_rdzv_host=node_rank == 0, run_id=run_id, env_changes=tuple(changes),
+        worker_env=worker_env,
+        argv=("-m", "runtime.worker", spec.script, *spec.script_args),
+    )
+
+
+def _logs_specs(plan: LaunchPlan) -> Any:
+    """Per-rank log files: ``logs/alloc-A/restart-K/rank-R.log``; rank 0 is tee'd to stdout."""
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class HpcLogsSpecs(LogsSpecs):
+        def __init__(self) -> None:
+            super().__init__(log_dir=str(plan.log_dir))
+
+        @property
+        def root_log_dir(self) -> str:
+            return str(plan.log_dir)
+
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            dest = LogsDest()
+            for local_rank, wenv in envs.items():
+                restart = int(wenv.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                rank = int(wenv["RANK"])
+                path = jobdir.rank_log(plan.job_dir, plan.allocation, restart, rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                dest.stdouts[local_rank] = str(path)
+                dest.stderrs[local_rank] = ""
+                dest.error_files[local_rank] = str(path.with_suffix(".error.json"))
+                wenv["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
+                if rank == 0:
+                    dest.tee_stdouts[local_rank] = str(path)
+            return dest
+
+    return HpcLogsSpecs()
+
+
+class SignalForwarder:
+    """Records warning signals and forwards them to the workers; never raises in the agent.
+
+    Slurm's ``--signal`` and a preemption's SIGTERM reach the launcher; torch's agent would
+    kill the workers on SIGTERM. Instead we pass the signal on to our child processes (the
+    workers), whose own handlers only record it; they then agree, save and exit.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.signals = signals
+        self.received: list[tuple[float, str]] = []
+
+    def install(self) -> None:
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.received.append((time.time(), name))
+        for pid in _children(os.getpid()):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        log.warning("received %s: forwarded to workers %s", name, _children(os.getpid()))
+
+
+def _children(ppid: int) -> list[int]:
+    """PIDs whose parent is ``ppid`` (from /proc; the agent's workers)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields_after_comm = stat.rsplit(")", 1)[1].split()
+        if int(fields_after_comm[1]) == ppid:
+            out.append(int(entry.name))
+    return out
+
+
+def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> str:
+    """The allocation's outcome kind from the agent's result and rank 0's exit intent (pure)."""
+    if result == "succeeded":
+        if intent and intent.get("allocation") == allocation and intent.get("kind") in jobdir.OUTCOME_KINDS:
+            return str(intent["kind"])
+        return "finished"
+    return {"failed": "app_error", "signal": "cancelled", "rendezvous": "node_failure"}[result]
+
+
+def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
+    """Runs the elastic agent for ``plan``; returns the launcher's exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    spec = plan.spec
+    for change in plan.env_changes:
+        log.info("env %s", change.describe())
+    os.environ.update(plan.worker_env)
+    handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
+    config = LaunchConfig(
+        min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
+        run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend="c10d",
+        rdzv_configs=dict(RDZV_CONF, is_host=plan.is_rdzv_host), max_restarts=spec.max_restarts,
+        monitor_interval=0.5, start_method="spawn", logs_specs=_logs_specs(plan),
+        log_line_prefix_template="[rank${rank}]: ",
+        signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
+    )
+    started = time.time()
+    reason, result = "", "succeeded"
+    try:
+        elastic_launch(config, sys.executable)(*plan.argv)
+    except ChildFailedError as e:
+        result = "failed"
+        rank, failure = e.get_first_failure()
+        reason = f"rank {rank} exited with {failure.exitcode}: {failure.message}".strip()
+    except SignalException as e:
+        result, reason = "signal", f"launcher got {e.sigval.name}"
+    except RendezvousError as e:
+        result, reason = "rendezvous", f"rendezvous failed: {e}"
+    intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
+    if intent and intent.get("time", 0) < started:
+        intent = None
+    kind = classify(result, intent, plan.allocation)
+    code = EXIT_CODES[kind]
+    if intent and kind != "finished":
+        reason = reason or str(intent.get("reason", ""))
+    if forwarder.received and kind == "finished":
+        reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
+    log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
+    if plan.node_rank == 0:
+        jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
+            allocation=plan.allocation, kind=kind, exit_code=code, reason=reason,
+            step=(intent or {}).get("step"), node=socket.gethostname(),
+            slurm_job_id=SlurmEnv.from_env(os.environ).job_id, restarts=0))
+    return code
+
+
+def _setup_logging(plan: LaunchPlan) -> None:
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [hpc launch node {plan.node_rank}] %(levelname)s %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr),
+                                       logging.FileHandler(plan.log_dir / f"node-{socket.gethostname()}.log")]
+    root = logging.getLogger()
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    for noisy in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job-dir", required=True, help="job directory holding jobspec.json")
+    p.add_argument("--rdzv-host", default=os.environ.get("HPC_RDZV_HOST", "127.0.0.1"),
+                   help="host of the c10d rendezvous (the first node)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's index (default: SLURM_NODEID, else 0)")
+    p.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port (default: the spec's)")
+    p.add_argument("--run-id", default=None, help="rendezvous id (default: the Slurm job id)")
+    args = p.parse_args(argv)
+
+    job_dir = Path(args.job_dir).absolute()
+    spec = JobSpec.load(job_dir)
+    if args.rdzv_port:
+        spec = spec.replace(rdzv_port=args.rdzv_port)
+    slurm = SlurmEnv.from_env(os.environ)
+    node_rank = args.node_rank if args.node_rank is not None else slurm.node_id
+    run_id = args.run_id or (f"{slurm.job_id}-{slurm.restart_count}" if slurm.active else uuid.uuid4().hex[:12])
+    extra: tuple[EnvChange, ...] = ()
+    plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
+                       run_id=run_id, extra_changes=extra)
+    _setup_logging(plan)
+    log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,
+             socket.gethostname(), plan.rdzv_endpoint, run_id)
+    forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
+    forwarder.install()
+    return run(plan, forwarder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The first code each worker process runs: bind its life to the agent, then run the script.
+
+torch's elastic agent starts workers in their own session, so when an agent dies (killed,
+OOM, node teardown) its workers would otherwise live on, holding GPUs and ports. Before the
+user's script runs, each worker asks the kernel to SIGKILL it when its parent (the agent)
+dies (``PR_SET_PDEATHSIG``), and exits at once if the agent is already gone. Then it runs
+the script exactly as ``python script.py args`` would, so existing scripts need no change.
+
+Usage (the launcher builds this command): ``python -m runtime.worker SCRIPT [ARGS...]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def bind_to_parent(expected_parent: int | None) -> None:
+    """Dies with SIGKILL when the parent dies; exits now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            print(f"[hpc worker] prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}",
+                  file=sys.stderr)
+    except OSError as e:  # not Linux
+        print(f"[hpc worker] cannot bind to the agent's life: {e}", file=sys.stderr)
+        return
+    if expected_parent is not None and os.getppid() != expected_parent:
+        # The agent died between fork and prctl: nobody will reap or stop us.
+        sys.exit(f"[hpc worker] agent {expected_parent} is gone; exiting")
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: python -m runtime.worker SCRIPT [ARGS...]")
+    agent = os.environ.get("HPC_AGENT_PID")
+    bind_to_parent(int(agent) if agent else None)
+    if os.environ.get("HPC_MERGE_STDERR") == "1":
+        sys.stderr.flush()
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
