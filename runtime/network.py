@@ -183,7 +183,8 @@ def choose_interfaces(
             reasons.append(f"skip {f.name}: {why}")
         else:
             candidates.append(f)
-    routed = [f for f in candidates if f.routes_to_rendezvous or (allow_loopback and f.kind == "loopback")]
+    routed = [f for f in candidates if f.kind == "loopback"] if allow_loopback else []
+    routed = routed or [f for f in candidates if f.routes_to_rendezvous]
     if not routed:
         raise NetworkError(
             f"no usable interface on this node routes to {where}. Checked: "
