@@ -127,8 +127,8 @@ def _skip_reason(f: InterfaceFacts, *, allow_loopback: bool, multi_node: bool, w
     if not f.addresses:
         return "has no IP address (link-local IPv6 does not count)"
     if _is_virtual(f) and not f.routes_to_rendezvous:
-        return (f"{f.kind} link of containers, VMs or tunnels on this host (docker/br-/virbr/veth/"
-                f"cni/tun...), and it does not carry the route to {where}")
+        return (f"a {f.kind} link (bridge, veth, dummy, tunnel, or a docker/virbr/cni network on this "
+                f"host) that does not carry the route to {where}")
     return None
 
 
