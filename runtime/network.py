@@ -106,9 +106,8 @@ class EnvChange:
 
 
 def _where(host: str | None, addr: str | None) -> str:
-    if host and addr and host != addr:
-        return f"the rendezvous host {host!r} ({addr})"
-    return f"the rendezvous host {host or addr or '(unknown)'}"
+    both = host and addr and host != addr
+    return f"the rendezvous host {host!r} ({addr})" if both else f"the rendezvous host {host or addr or '(unknown)'}"
 
 
 def _is_virtual(f: InterfaceFacts) -> bool:
@@ -229,21 +228,15 @@ def network_env(choice: NetworkChoice, current_env: Mapping[str, str]) -> list[E
         One `EnvChange` per variable, in a stable order.
     """
     name = choice.socket_ifname
-    wanted = [
-        ("NCCL_SOCKET_IFNAME", f"={name}", f"exact match on {name}; a bare prefix would also match {name}.100"),
-        ("GLOO_SOCKET_IFNAME", name, f"Gloo takes exact interface names; {name} routes to the rendezvous host"),
-    ]
+    wanted = [("NCCL_SOCKET_IFNAME", f"={name}", f"exact match on {name}; a bare prefix would also match {name}.100"),
+              ("GLOO_SOCKET_IFNAME", name, f"Gloo takes exact interface names; {name} routes to the rendezvous host")]
     if choice.ib_hcas:
         wanted.append(("NCCL_IB_HCA", "=" + ",".join(choice.ib_hcas),
                        "exact match on the ACTIVE ports; a bare mlx5_1 would also match mlx5_10"))
-    changes = []
-    for var, value, why in wanted:
-        if var in current_env:
-            changes.append(EnvChange(var, current_env[var], current_env[var], kept=True,
-                                     reason=f"set by the user, not overridden; we would have set {value!r}"))
-        else:
-            changes.append(EnvChange(var, None, value, reason=why))
-    return changes
+    return [EnvChange(var, current_env[var], current_env[var], kept=True,
+                      reason=f"set by the user, not overridden; we would have set {value!r}")
+            if var in current_env else EnvChange(var, None, value, reason=why)
+            for var, value, why in wanted]
 
 
 def apply_env(changes: Iterable[EnvChange], env: MutableMapping[str, str]) -> None:
@@ -257,14 +250,9 @@ def apply_env(changes: Iterable[EnvChange], env: MutableMapping[str, str]) -> No
 def _run_ip(args: Sequence[str]) -> Any:
     """Run `ip -j ARGS`; return the parsed JSON, or None when ip is missing or fails."""
     try:
-        out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    try:
+        out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, timeout=10, check=True)
         return json.loads(out.stdout)
-    except ValueError:
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
 
@@ -276,9 +264,8 @@ def _read(path: Path) -> str | None:
 
 
 def _read_int(path: Path) -> int | None:
-    text = _read(path)
     try:
-        return int(text, 0) if text is not None else None
+        return int(_read(path) or "", 0)
     except ValueError:
         return None
 
