@@ -89,20 +89,25 @@ class NetworkChoice:
 
 @dataclass(frozen=True)
 class EnvChange:
-    """One environment variable we set, or kept because the user had set it."""
+    """One environment variable we want to set, and what happened to it.
+
+    Same fields as `runtime.launch.EnvChange`, so the launcher can pass these straight through.
+    """
 
     name: str
+    new: str
+    """The value we would set."""
     old: str | None
-    new: str | None
+    """The value before (None: unset)."""
     reason: str
-    kept: bool = False
+    kept_user_value: bool = False
+    """The user had set `old`; it stays and `new` is not applied."""
 
     def describe(self) -> str:
         """Return a log line `NAME: old -> new (reason)`."""
-        old = "(unset)" if self.old is None else repr(self.old)
-        if self.kept:
-            return f"{self.name}: kept {old} ({self.reason})"
-        return f"{self.name}: {old} -> {self.new!r} ({self.reason})"
+        if self.kept_user_value:
+            return f"{self.name}={self.old!r} kept (set by the user; we would set {self.new!r}: {self.reason})"
+        return f"{self.name}: {'(unset)' if self.old is None else repr(self.old)} -> {self.new!r} ({self.reason})"
 
 
 def _where(host: str | None, addr: str | None) -> str:
@@ -218,7 +223,8 @@ def choose_interfaces(
 def network_env(choice: NetworkChoice, current_env: Mapping[str, str]) -> list[EnvChange]:
     """Plan the environment variables for `choice`; pure.
 
-    A variable present in `current_env` (even empty) was set by the user and is kept as is.
+    A variable present in `current_env` with another value (even empty) was set by the user: it is
+    kept, and recorded with `kept_user_value=True`.
 
     Args:
         choice: the result of `choose_interfaces`.
@@ -233,17 +239,15 @@ def network_env(choice: NetworkChoice, current_env: Mapping[str, str]) -> list[E
     if choice.ib_hcas:
         wanted.append(("NCCL_IB_HCA", "=" + ",".join(choice.ib_hcas),
                        "exact match on the ACTIVE ports; a bare mlx5_1 would also match mlx5_10"))
-    return [EnvChange(var, current_env[var], current_env[var], kept=True,
-                      reason=f"set by the user, not overridden; we would have set {value!r}")
-            if var in current_env else EnvChange(var, None, value, reason=why)
+    return [EnvChange(var, value, current_env.get(var), why,
+                      kept_user_value=current_env.get(var) not in (None, value))
             for var, value, why in wanted]
 
 
 def apply_env(changes: Iterable[EnvChange], env: MutableMapping[str, str]) -> None:
     """Set every change that is not a kept user value into `env` (e.g. `os.environ`)."""
     for c in changes:
-        if not c.kept:
-            assert c.new is not None, c
+        if not c.kept_user_value:
             env[c.name] = c.new
 
 

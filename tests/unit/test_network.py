@@ -148,7 +148,7 @@ def test_env_uses_exact_match_syntax() -> None:
     assert changes["NCCL_SOCKET_IFNAME"].new == "=eth0"
     assert changes["GLOO_SOCKET_IFNAME"].new == "eth0"
     assert changes["NCCL_IB_HCA"].new == "=mlx5_0:1,mlx5_1:1"
-    assert all(c.old is None and not c.kept for c in changes.values())
+    assert all(c.old is None and not c.kept_user_value for c in changes.values())
     assert changes["NCCL_SOCKET_IFNAME"].describe().startswith("NCCL_SOCKET_IFNAME: (unset) -> '=eth0' (")
 
 
@@ -158,17 +158,17 @@ def test_env_without_ib_leaves_nccl_ib_hca_alone() -> None:
 
 
 def test_env_never_overrides_a_user_value() -> None:
-    user = {"NCCL_SOCKET_IFNAME": "^docker,lo", "NCCL_IB_HCA": ""}
+    user = {"NCCL_SOCKET_IFNAME": "^docker,lo", "NCCL_IB_HCA": "", "GLOO_SOCKET_IFNAME": "eth0"}
     changes = network_env(NetworkChoice("eth0", ("mlx5_0:1",), ()), user)
     by_name = {c.name: c for c in changes}
     kept = by_name["NCCL_SOCKET_IFNAME"]
-    assert kept == EnvChange("NCCL_SOCKET_IFNAME", "^docker,lo", "^docker,lo", kept.reason, kept=True)
-    assert "we would have set '=eth0'" in kept.reason
-    assert by_name["NCCL_IB_HCA"].kept and by_name["NCCL_IB_HCA"].new == ""
+    assert kept == EnvChange("NCCL_SOCKET_IFNAME", "=eth0", "^docker,lo", kept.reason, kept_user_value=True)
+    assert by_name["NCCL_IB_HCA"].kept_user_value and by_name["NCCL_IB_HCA"].old == ""
+    assert not by_name["GLOO_SOCKET_IFNAME"].kept_user_value  # the same value: nothing to keep
     env = dict(user)
     apply_env(changes, env)
-    assert env == {"NCCL_SOCKET_IFNAME": "^docker,lo", "NCCL_IB_HCA": "", "GLOO_SOCKET_IFNAME": "eth0"}
-    assert kept.describe().startswith("NCCL_SOCKET_IFNAME: kept '^docker,lo' (set by the user")
+    assert env == user
+    assert kept.describe().startswith("NCCL_SOCKET_IFNAME='^docker,lo' kept (set by the user; we would set '=eth0'")
 
 
 def fake_ip(route: Any) -> Any:
