@@ -1,0 +1,255 @@
+"""Metrics: one sink protocol, a null sink for non-zero ranks, and a collective reduction.
+
+Why this shape: every rank runs the same training loop, but only rank 0 should talk to W&B.
+Scattering `if rank == 0` through user code is how loops end up rank-divergent (and deadlock on
+the next collective), so every rank gets a sink from `make_sink`: the W&B sink on rank 0, a
+`NullSink` elsewhere, and the loop calls it unconditionally.
+
+Reduction is collective: `reduce_metrics` must be called by every rank of the group together. It
+packs all values that share an op into one tensor and does one `all_reduce` per op kind (at most
+four per call, not one per metric), on a CPU/gloo group so logging never touches the GPU stream.
+
+`StepFilter` is the exactly-once rule for history shared by the sinks: a step is logged only when
+it is greater than every step already logged for this job, persisted in the job directory so it
+survives requeues (see `runtime.wandb_sink` for why we chose first-write-wins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+ReduceOp = Literal["mean", "sum", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("mean", "sum", "max", "min")
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Where rank-local code sends metrics, events and config. All methods must never raise."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record scalar metrics for a global training step."""
+
+    def event(self, name: str, step: int | None = None, **fields: Any) -> None:
+        """Record a lifecycle event (preempted, restarted, node_lost, ...)."""
+
+    def config(self, update: Mapping[str, Any]) -> None:
+        """Merge values into the run configuration."""
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and finish; safe to call twice."""
+
+
+class NullSink:
+    """A sink that does nothing: what every rank but 0 gets."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:  # noqa: D102
+        pass
+
+    def event(self, name: str, step: int | None = None, **fields: Any) -> None:  # noqa: D102
+        pass
+
+    def config(self, update: Mapping[str, Any]) -> None:  # noqa: D102
+        pass
+
+    def close(self, exit_code: int = 0) -> None:  # noqa: D102
+        pass
+
+
+class JsonlSink:
+    """Append one JSON object per line to a local file: the fallback when W&B is unavailable.
+
+    Lines look like `{"kind": "log", "step": 3, "time": ..., "metrics": {...}}`; kinds are `log`,
+    `event`, `config` and `close`. The file is opened in append mode and flushed per line, so a
+    crash loses at most the line being written, and restarts append to the same file.
+
+    Args:
+        path: the file to append to; parent directories are created.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: Any = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        record["time"] = time.time()
+        self._file.write(json.dumps(record, default=str, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Append a `log` line."""
+        self._write({"kind": "log", "step": int(step), "metrics": {k: float(v) for k, v in
+                                                                      metrics.items()}})
+
+    def event(self, name: str, step: int | None = None, **fields: Any) -> None:
+        """Append an `event` line."""
+        self._write({"kind": "event", "name": name, "step": step, "fields": fields})
+
+    def config(self, update: Mapping[str, Any]) -> None:
+        """Append a `config` line."""
+        self._write({"kind": "config", "config": dict(update)})
+
+    def close(self, exit_code: int = 0) -> None:
+        """Append a `close` line and close the file."""
+        if self._file is not None:
+            self._write({"kind": "close", "exit_code": exit_code})
+            self._file.close()
+            self._file = None
+
+
+class StepFilter:
+    """Admit each step once per job: only steps above the highest step ever admitted.
+
+    The high-water mark is persisted (atomically, after each admitted step) in a small JSON file
+    keyed by run id, so a requeued or restarted job that resumes from an older checkpoint does
+    not log the re-done steps a second time.
+
+    Args:
+        state_path: the JSON file (`JOB_DIR/wandb_state.json`), or None to keep it in memory.
+        run_id: the run the mark belongs to; a file written for another run id is ignored.
+    """
+
+    def __init__(self, state_path: Path | None, run_id: str) -> None:
+        self.state_path = state_path
+        self.run_id = run_id
+        self.last_step: int | None = None
+        if state_path is not None and state_path.exists():
+            try:
+                state = json.loads(state_path.read_text())
+            except (OSError, ValueError):
+                state = {}
+            if state.get("run_id") == run_id and isinstance(state.get("last_step"), int):
+                self.last_step = state["last_step"]
+
+    def admits(self, step: int) -> bool:
+        """Whether `step` has not been logged yet (is above the high-water mark)."""
+        return self.last_step is None or step > self.last_step
+
+    def mark(self, step: int) -> None:
+        """Record `step` as logged and persist it."""
+        assert self.admits(step), f"step {step} <= last logged {self.last_step}"
+        self.last_step = step
+        if self.state_path is not None:
+            write_atomic(self.state_path,
+                         json.dumps({"run_id": self.run_id, "last_step": step}) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file and a rename (readers never see half)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def reduce_metrics(
+    values: Mapping[str, float | torch.Tensor],
+    ops: Mapping[str, ReduceOp],
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Reduce scalar metrics across the ranks of `group`; every rank must call it together.
+
+    Values that share an op are packed into one float64 tensor and reduced with a single
+    `all_reduce`, so a call costs at most one collective per op kind. Keys must be the same on all
+    ranks (they are sorted, so their order need not be). Without an initialized process group the
+    values are returned as floats unchanged (single-process runs).
+
+    Args:
+        values: metric name to a Python number or a one-element tensor (any device).
+        ops: metric name to "mean", "sum", "max" or "min"; names missing here default to "mean".
+        group: a CPU-capable (gloo) group; None means the default group, which must then be gloo.
+
+    Returns:
+        metric name to the reduced Python float, identical on every rank.
+
+    Raises:
+        ValueError: an op is not one of mean/sum/max/min, or an op names an unknown metric.
+    """
+    bad = {k: v for k, v in ops.items() if v not in REDUCE_OPS}
+    if bad:
+        raise ValueError(f"unknown reduce op(s) {bad}; valid ops: {', '.join(REDUCE_OPS)}")
+    unknown = sorted(set(ops) - set(values))
+    if unknown:
+        raise ValueError(f"ops given for metrics that are not in values: {unknown}")
+    scalars = {k: _to_float(v) for k, v in values.items()}
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return scalars
+    import torch
+
+    world = dist.get_world_size(group)
+    by_op: dict[str, list[str]] = {}
+    for name in sorted(scalars):
+        by_op.setdefault(ops.get(name, "mean"), []).append(name)
+    out: dict[str, float] = {}
+    torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    for op in REDUCE_OPS:  # the same fixed order on every rank
+        names = by_op.get(op)
+        if not names:
+            continue
+        packed = torch.tensor([scalars[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(packed, op=torch_op[op], group=group)
+        if op == "mean":
+            packed /= world
+        out.update(zip(names, packed.tolist()))
+    return out
+
+
+def _to_float(value: float | torch.Tensor) -> float:
+    if hasattr(value, "detach"):
+        if value.numel() != 1:  # type: ignore[union-attr]
+            raise ValueError(f"metric tensors must hold one element, got shape {tuple(value.shape)}")
+        return float(value.detach().cpu().item())  # type: ignore[union-attr]
+    return float(value)
+
+
+def make_sink(
+    rank: int,
+    *,
+    job_dir: Path | str,
+    mode: str = "offline",
+    project: str = "",
+    entity: str = "",
+    name: str = "",
+    metadata: Mapping[str, Any] | None = None,
+    resume_step: int | None = None,
+    init_timeout_s: float = 15.0,
+) -> MetricsSink:
+    """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
+
+    Args:
+        rank: this process's global rank.
+        job_dir: the job directory (holds `wandb_run_id`, `wandb_state.json`, `wandb/`,
+            `metrics.jsonl`).
+        mode: "offline" (default), "online" or "disabled" (then rank 0 writes only the JSONL file).
+        project: W&B project (empty: `hpc-elastic`).
+        entity: W&B entity (empty: the default for the API key).
+        name: display name of the run (empty: W&B's choice).
+        metadata: Slurm and job facts for the run config (job id, node list, restart count, world
+            size, ...).
+        resume_step: the checkpoint step this process resumed from, or None on a fresh start.
+        init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
+
+    Returns:
+        A sink; the caller calls it on every rank without checking the rank.
+    """
+    if rank != 0:
+        return NullSink()
+    from runtime.wandb_sink import WandbSettings, WandbSink
+
+    settings = WandbSettings(mode=mode, project=project, entity=entity, name=name,
+                             init_timeout_s=init_timeout_s)
+    return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step)

@@ -1,0 +1,308 @@
+"""Rank 0's W&B sink: one job is one W&B run, across requeues and elastic restarts.
+
+What it does and why:
+
+* **One run id per job.** The id is made once and stored in `JOB_DIR/wandb_run_id` (exclusive,
+  atomic create, so two racing starts agree); every later start reuses it with `resume="allow"`.
+  We do not use `resume="must"` (it fails in offline mode and on the very first start) nor
+  `resume_from="<id>?_step=N"` (W&B's "rewind": a private-preview, server-side feature that needs
+  online mode; offline runs cannot be resumed or rewound at all, wandb/wandb#4624 and #2423, and an
+  offline rewind segment overwrites the earlier one on `wandb sync`, wandb/wandb#5865).
+* **Each step at most once (first write wins).** Offline history is append-only across restarts:
+  every start writes a new `offline-run-*` folder and `wandb sync` concatenates them. So the sink
+  logs a step only if it is above the highest step ever logged for this run, persisted in
+  `JOB_DIR/wandb_state.json` after each log. After a crash at step M with the last checkpoint at
+  N < M, the re-done steps N+1..M are not logged again; their history keeps the values from the
+  first attempt (same data, same weights at N, so close to the re-run's values, not bit-equal
+  unless the run is deterministic). A `resumed` event records `resume_step` and the last logged
+  step so the gap is visible. This works offline and online alike, costs nothing at resume, and
+  never loses a step that reached W&B.
+* **Events** (`preempted`, `restarted`, `node_lost`, ...) are history keys `events/<name>` = 1 with
+  fields as `events/<name>/<field>`, merged into the next logged row (or the current row, when
+  its step is the event's step). They chart at the step they happened and are read back from the
+  offline file like any metric, without creating extra rows (which would duplicate a `_step`).
+* **Failures never stop training.** `wandb.init` and `run.log` are retried briefly (tenacity),
+  `init` is bounded by `settings.init_timeout` (online without network otherwise blocks ~90 s);
+  then the sink warns once and continues into `JOB_DIR/metrics.jsonl` (`JsonlSink`).
+* wandb is imported inside, never at module load: the login node stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import string
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.metrics import JsonlSink, StepFilter
+
+if TYPE_CHECKING:
+    from runtime.env import WorkerEnv
+
+log = logging.getLogger(__name__)
+
+WANDB_MODES = ("offline", "online", "disabled")
+RUN_ID_FILE = "wandb_run_id"
+STATE_FILE = "wandb_state.json"
+FALLBACK_FILE = "metrics.jsonl"
+DEFAULT_PROJECT = "hpc-elastic"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WandbSettings:
+    """How rank 0 talks to W&B.
+
+    Attributes:
+        mode: "offline" (default; no network), "online", or "disabled" (JSONL file only).
+        project: W&B project; empty means `hpc-elastic`.
+        entity: W&B entity; empty means the API key's default.
+        name: display name; empty lets W&B choose.
+        dir: where wandb writes `wandb/offline-run-*`; None means the job directory.
+        init_timeout_s: bound on one `wandb.init` attempt, in seconds.
+        init_attempts: `wandb.init` attempts before falling back to the JSONL file.
+        console: wandb console capture ("off": the launcher already keeps per-rank logs).
+    """
+
+    mode: str = "offline"
+    project: str = ""
+    entity: str = ""
+    name: str = ""
+    dir: Path | None = None
+    init_timeout_s: float = 15.0
+    init_attempts: int = 2
+    console: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"wandb mode {self.mode!r} is not one of {', '.join(WANDB_MODES)}; "
+                             "e.g. --wandb-mode offline")
+        if not self.init_timeout_s > 0:
+            raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
+        if self.init_attempts < 1:
+            raise ValueError(f"init_attempts must be >= 1, got {self.init_attempts}")
+
+
+def load_or_create_run_id(job_dir: Path, preferred: str | None = None) -> str:
+    """The job's W&B run id: read `JOB_DIR/wandb_run_id`, or create it exactly once.
+
+    Args:
+        job_dir: the job directory.
+        preferred: an id to store if none exists yet (e.g. from a checkpoint manifest).
+
+    Returns:
+        The id in the file; if two processes race, both return the one that won.
+    """
+    path = Path(job_dir) / RUN_ID_FILE
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    alphabet = string.ascii_lowercase + string.digits
+    run_id = preferred or "".join(secrets.choice(alphabet) for _ in range(8))
+    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(run_id + "\n")
+    try:
+        os.link(tmp, path)  # atomic and exclusive: fails if another process created it first
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def run_metadata(worker: WorkerEnv) -> dict[str, Any]:
+    """Slurm and elastic facts for the run config, from the worker's environment."""
+    return {
+        "slurm/job_id": worker.slurm.job_id,
+        "slurm/nodelist": worker.slurm.nodelist,
+        "slurm/nnodes": worker.slurm.nnodes,
+        "slurm/partition": worker.slurm.partition,
+        "slurm/restart_count": worker.slurm.restart_count,
+        "elastic/restart_count": worker.restart_count,
+        "world_size": worker.world_size,
+        "allocation": worker.allocation,
+        "hostname": worker.hostname,
+    }
+
+
+class WandbSink:
+    """A `MetricsSink` for global rank 0 that writes one W&B run per job (see module docstring).
+
+    Args:
+        job_dir: the job directory.
+        settings: W&B settings.
+        metadata: values for the run config (Slurm job id, node list, restart count, world size).
+        resume_step: the checkpoint step this process resumed from (None on a fresh start).
+        run_id: an id to use when the job directory has none yet (e.g. from a checkpoint).
+    """
+
+    def __init__(self, job_dir: Path | str, settings: WandbSettings | None = None, *,
+                 metadata: Mapping[str, Any] | None = None, resume_step: int | None = None,
+                 run_id: str | None = None) -> None:
+        self.job_dir = Path(job_dir)
+        self.settings = settings or WandbSettings()
+        self.run_id = load_or_create_run_id(self.job_dir, run_id)
+        self._filter = StepFilter(self.job_dir / STATE_FILE, self.run_id)
+        self._run: Any = None
+        self._fallback: JsonlSink | None = None
+        self._pending: dict[str, Any] = {}
+        self._open_step: int | None = None  # step of the row this process logged last
+        self._closed = False
+        self.dropped_steps = 0
+        if self.settings.mode == "disabled":
+            self._fallback = JsonlSink(self.job_dir / FALLBACK_FILE)
+        else:
+            self._start(dict(metadata or {}))
+        if self._fallback is not None and metadata:
+            self._fallback.config(metadata)
+        if resume_step is not None:
+            last = self._filter.last_step
+            self.event("resumed", None, resume_step=int(resume_step),
+                       last_logged_step=-1 if last is None else last)
+
+    @property
+    def last_logged_step(self) -> int | None:
+        """The highest step logged for this run so far (across restarts)."""
+        return self._filter.last_step
+
+    @property
+    def using_fallback(self) -> bool:
+        """Whether metrics go to the JSONL file instead of W&B."""
+        return self._fallback is not None
+
+    def _start(self, metadata: dict[str, Any]) -> None:
+        import tenacity
+
+        s = self.settings
+        root = Path(s.dir) if s.dir is not None else self.job_dir
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if not os.access(root, os.W_OK):  # wandb would silently write to /tmp/wandb instead
+                raise PermissionError(f"W&B directory {root} is not writable")
+            import wandb
+
+            for attempt in tenacity.Retrying(stop=tenacity.stop_after_attempt(s.init_attempts),
+                                             wait=tenacity.wait_fixed(1.0), reraise=True):
+                with attempt:
+                    self._run = wandb.init(
+                        id=self.run_id, resume="allow", mode=s.mode,
+                        project=s.project or DEFAULT_PROJECT, entity=s.entity or None,
+                        name=s.name or None, dir=str(root), config=metadata,
+                        settings=wandb.Settings(init_timeout=s.init_timeout_s, console=s.console))
+            if metadata:  # on a resumed run, init's config does not override old values
+                self._run.config.update(metadata, allow_val_change=True)
+        except Exception as err:  # noqa: BLE001 - any W&B failure must not stop training
+            self._fail("init", err)
+
+    def _fail(self, what: str, err: BaseException) -> None:
+        msg = (f"W&B {what} failed ({type(err).__name__}: {err}); metrics continue in "
+               f"{self.job_dir / FALLBACK_FILE}")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
+        run, self._run = self._run, None
+        if run is not None:
+            try:
+                run.finish(exit_code=1, quiet=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self._fallback = JsonlSink(self.job_dir / FALLBACK_FILE)
+        self._fallback.event("wandb_failed", None, stage=what, error=repr(err))
+        for key, value in self._pending.items():
+            self._fallback.event(key.split("/", 1)[1], None, value=value)
+        self._pending.clear()
+
+    def _wandb_log(self, row: Mapping[str, Any], step: int) -> bool:
+        import tenacity
+
+        try:
+            for attempt in tenacity.Retrying(stop=tenacity.stop_after_attempt(2),
+                                             wait=tenacity.wait_fixed(0.1), reraise=True):
+                with attempt:
+                    self._run.log(dict(row), step=step)
+            return True
+        except Exception as err:  # noqa: BLE001
+            self._fail("log", err)
+            return False
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log metrics for `step` unless that step was already logged for this run.
+
+        Args:
+            metrics: metric name to number (reduced already; see `reduce_metrics`).
+            step: the global training step; steps must increase within a process.
+        """
+        step = int(step)
+        if self._closed:
+            return
+        if not self._filter.admits(step):
+            self.dropped_steps += 1
+            return
+        row = {k: float(v) for k, v in metrics.items()}
+        if self._run is not None:
+            row.update(self._pending)
+            if self._wandb_log(row, step):
+                self._pending.clear()
+                self._open_step = step
+        if self._fallback is not None:
+            self._fallback.log(metrics, step)
+        self._filter.mark(step)
+
+    def event(self, name: str, step: int | None = None, **fields: Any) -> None:
+        """Record an event as `events/<name>` (+ `events/<name>/<field>`) in the history.
+
+        Args:
+            name: event name, e.g. "preempted", "restarted", "node_lost".
+            step: the step it happened at, if known (kept as `events/<name>/step`).
+            **fields: numbers or strings to keep with it.
+        """
+        if self._closed:
+            return
+        if self._fallback is not None:
+            self._fallback.event(name, step, **fields)
+            return
+        record: dict[str, Any] = {f"events/{name}": 1}
+        if step is not None:
+            record[f"events/{name}/step"] = int(step)
+        for key, value in fields.items():
+            ok = isinstance(value, (int, float, str, bool))
+            record[f"events/{name}/{key}"] = value if ok else str(value)
+        self._pending.update(record)
+        if step is not None and step == self._open_step:  # merge into the row still open
+            if self._wandb_log(self._pending, step):
+                self._pending.clear()
+
+    def config(self, update: Mapping[str, Any]) -> None:
+        """Merge `update` into the run config (later values win)."""
+        if self._closed:
+            return
+        if self._run is not None:
+            try:
+                self._run.config.update(dict(update), allow_val_change=True)
+            except Exception as err:  # noqa: BLE001
+                self._fail("config", err)
+        if self._fallback is not None:
+            self._fallback.config(update)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Flush pending events and finish the run; safe to call twice."""
+        if self._closed:
+            return
+        if self._run is not None and self._pending:
+            if self._open_step is not None:
+                self._wandb_log(self._pending, self._open_step)
+            else:  # no row in this process: a new row would duplicate a step; keep in config
+                self.config({f"unattached/{k}": v for k, v in self._pending.items()})
+            self._pending.clear()
+        self._closed = True
+        if self._run is not None:
+            try:
+                self._run.finish(exit_code=exit_code)
+            except Exception as err:  # noqa: BLE001
+                log.warning("W&B finish failed: %s", err)
+            self._run = None
+        if self._fallback is not None:
+            self._fallback.close(exit_code)

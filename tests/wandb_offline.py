@@ -1,0 +1,158 @@
+"""Read W&B offline run files back, for tests.
+
+wandb has no public reader for its offline `.wandb` files (wandb 0.31 no longer ships
+`wandb.sdk.internal.datastore`). The format is small: a 7-byte file header (`:W&B`, magic
+0xBEE1 little-endian, version 0) followed by a LevelDB-log framed stream (32 KiB blocks; each chunk is
+a 4-byte CRC, a 2-byte little-endian length and a 1-byte type FULL/FIRST/MIDDLE/LAST) whose payloads
+are serialized `wandb.proto.wandb_internal_pb2.Record` messages.
+
+Each restart of a run with the same id makes a new `offline-run-*` folder, so `read_run` gathers all
+folders of one run id in start order and concatenates them: that is the history `wandb sync` would
+upload, and what the tests check for "one job, one run, each step exactly once".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+_BLOCK = 32768
+_CHUNK_HEADER = 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+@dataclasses.dataclass
+class OfflineRun:
+    """What one or more offline files of a run contain.
+
+    Attributes:
+        run_ids: every run id seen in run records (one for a well-behaved job).
+        config: the merged config (later updates win), without wandb's `_wandb` key.
+        history: one dict per `log` call, in file order, with `_step` and the logged values.
+        files: the `.wandb` files read, in order.
+    """
+
+    run_ids: set[str] = dataclasses.field(default_factory=set)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    files: list[Path] = dataclasses.field(default_factory=list)
+
+    @property
+    def steps(self) -> list[int]:
+        """The `_step` of every history row, in order."""
+        return [int(row["_step"]) for row in self.history]
+
+    def events(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """`(row step, name, fields)` for each `events/<name>` key (fields: `events/<name>/<f>`)."""
+        out = []
+        for row in self.history:
+            for key in row:
+                parts = key.split("/")
+                if len(parts) == 2 and parts[0] == "events":
+                    prefix = key + "/"
+                    fields = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
+                    out.append((int(row["_step"]), parts[1], fields))
+        return out
+
+
+def iter_records(path: Path) -> Any:
+    """Yield every `Record` in one `.wandb` file.
+
+    Args:
+        path: the `run-<id>.wandb` file.
+
+    Yields:
+        `wandb_internal_pb2.Record` messages in write order. A torn last chunk (crash mid-write) ends
+        the stream quietly.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if not data.startswith(_HEADER):
+        raise ValueError(f"{path} is not a W&B offline file (header {data[:7]!r})")
+    pos, pending = len(_HEADER), b""
+    while pos + _CHUNK_HEADER <= len(data):
+        left_in_block = _BLOCK - pos % _BLOCK
+        if left_in_block < _CHUNK_HEADER:
+            pos += left_in_block
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        payload = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
+        if len(payload) < length or kind not in (_FULL, _FIRST, _MIDDLE, _LAST):
+            return
+        pos += _CHUNK_HEADER + length
+        pending = payload if kind in (_FULL, _FIRST) else pending + payload
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def run_files(wandb_dir: Path, run_id: str) -> list[Path]:
+    """All `.wandb` files of one run id under a wandb directory, oldest first.
+
+    Args:
+        wandb_dir: the directory holding `offline-run-*` folders (usually `<dir>/wandb`), or its
+            parent.
+
+    Returns:
+        The files sorted by folder name (which starts with the UTC start time), then by mtime.
+    """
+    root = Path(wandb_dir)
+    if (root / "wandb").is_dir():
+        root = root / "wandb"
+    files = list(root.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    return sorted(files, key=lambda p: (p.parent.name, p.stat().st_mtime_ns))
+
+
+def _item_value(item: Any) -> Any:
+    return json.loads(item.value_json) if item.value_json else None
+
+
+def _item_key(item: Any) -> str:
+    return "/".join(item.nested_key) if item.nested_key else item.key
+
+
+def read_files(files: list[Path]) -> OfflineRun:
+    """Read and concatenate offline files (for one run, in order)."""
+    out = OfflineRun(files=list(files))
+    for path in files:
+        for record in iter_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                out.run_ids.add(record.run.run_id)
+                _apply_config(out.config, record.run.config)
+            elif kind == "config":
+                _apply_config(out.config, record.config)
+            elif kind == "history":
+                row = {_item_key(i): _item_value(i) for i in record.history.item}
+                out.history.append(row)
+    out.config.pop("_wandb", None)
+    return out
+
+
+def _apply_config(config: dict[str, Any], record: Any) -> None:
+    for item in record.update:
+        config[_item_key(item)] = _unwrap(json.loads(item.value_json))
+    for item in record.remove:
+        config.pop(_item_key(item), None)
+
+
+def _unwrap(value: Any) -> Any:
+    # wandb stores each config value as {"value": ..., "desc": ...}.
+    if isinstance(value, dict) and "value" in value and set(value) <= {"value", "desc"}:
+        return value["value"]
+    return value
+
+
+def read_run(wandb_dir: Path, run_id: str) -> OfflineRun:
+    """Read every offline folder of `run_id` under `wandb_dir`, oldest first."""
+    files = run_files(wandb_dir, run_id)
+    if not files:
+        raise ValueError(f"no offline-run-*-{run_id} folders under {wandb_dir}")
+    return read_files(files)
