@@ -141,8 +141,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hpc.backends import local
         return local.run(build_spec(args))
     if args.command in ("submit", "render"):
-        from hpc import submit
         spec = build_spec(args)
+        from hpc import submit
         if args.command == "render" or args.dry_run:
             return submit.dry_run(spec, args.backend)
         return submit.submit(spec, args.backend)

@@ -33,6 +33,7 @@ from typing import Any
 from hpc import jobdir
 from hpc.jobspec import JobSpec
 from runtime.env import SlurmEnv
+from runtime.network import EnvChange, NetworkError, detect
 
 log = logging.getLogger("hpc.launch")
 
@@ -48,22 +49,6 @@ RDZV_CONF: dict[str, Any] = {
 # Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
 EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
               "node_failure": 76, "cancelled": 130}
-
-
-@dataclass(frozen=True)
-class EnvChange:
-    """One environment variable the launcher wants to set, and what happened to it."""
-
-    name: str
-    new: str
-    old: str | None
-    reason: str
-    kept_user_value: bool = False
-
-    def describe(self) -> str:
-        if self.kept_user_value:
-            return f"{self.name}={self.old!r} kept (set by the user; we would set {self.new!r}: {self.reason})"
-        return f"{self.name}: {self.old!r} -> {self.new!r} ({self.reason})"
 
 
 def env_defaults(current: Mapping[str, str], wanted: Mapping[str, tuple[str, str]]) -> list[EnvChange]:
@@ -294,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="this node's index (default: SLURM_NODEID, else 0)")
     p.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port (default: the spec's)")
     p.add_argument("--run-id", default=None, help="rendezvous id (default: the Slurm job id)")
+    p.add_argument("--local", action="store_true",
+                   help="all nodes are on this machine (hpc run): loopback rendezvous is fine")
     args = p.parse_args(argv)
 
     job_dir = Path(args.job_dir).absolute()
@@ -303,7 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     slurm = SlurmEnv.from_env(os.environ)
     node_rank = args.node_rank if args.node_rank is not None else slurm.node_id
     run_id = args.run_id or (f"{slurm.job_id}-{slurm.restart_count}" if slurm.active else uuid.uuid4().hex[:12])
-    extra: tuple[EnvChange, ...] = ()
+    try:
+        _, changes = detect(args.rdzv_host, multi_node=spec.max_nodes > 1 and not args.local,
+                            env=os.environ)
+    except NetworkError as e:
+        print(f"hpc launch: cannot start on {socket.gethostname()}: {e}", file=sys.stderr)
+        return EXIT_CODES["app_error"]
+    extra = tuple(changes)
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     _setup_logging(plan)

@@ -43,7 +43,7 @@ def prepare(spec: JobSpec) -> Path:
 
 def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_id: str) -> list[str]:
     return [spec.python, "-m", "runtime.launch", "--job-dir", str(job_dir), "--node-rank",
-            str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id]
+            str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id, "--local"]
 
 
 def run(spec: JobSpec) -> int:

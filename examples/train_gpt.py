@@ -1,0 +1,271 @@
+"""A char-level GPT trained with DDP (default) or FSDP2 (``--fsdp``) on hpc-elastic's Session.
+
+Copy this file to start your own job. It needs no download: the text is the Python
+standard library's own source code, read as bytes (a 256-symbol vocabulary).
+
+    hpc run examples/train_gpt.py --nproc-per-node 2 -- --preset tiny
+    hpc submit examples/train_gpt.py --nodes 2:4 --gpus-per-node 8 --time 4:00:00 -- --preset default
+
+What it shows: a fixed global batch whatever the world size (gradient accumulation adapts,
+with ``no_sync`` / FSDP2's ``set_requires_gradient_sync``), gradient clipping, warmup then
+cosine LR, optional activation checkpointing, an exactly-once resumable sampler that
+reshuffles every epoch, and checkpoints/preemption/W&B handled by the Session. At the end it
+writes ``result.json`` in the job directory: final step and loss, a SHA-256 of the final
+weights, and a digest of the ordered sample indices consumed, so an interrupted run can be
+compared with an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from runtime.sampler import ResumableSampler, plan_batches
+from runtime.session import Session
+
+
+# --- model -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    block_size: int
+    vocab_size: int = 256
+    dropout: float = 0.0
+
+
+PRESETS = {
+    # name: (model, global batch, micro batch per rank, steps, lr, data bytes)
+    "tiny": (GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=64), 16, 4, 40, 3e-3, 400_000),
+    "small": (GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=128), 32, 8, 500, 1e-3, 4_000_000),
+    "default": (GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=256), 64, 16, 5000, 6e-4, 16_000_000),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                from torch.utils.checkpoint import checkpoint
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.head(self.ln_f(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# --- data --------------------------------------------------------------------------------
+def load_text(max_bytes: int) -> torch.Tensor:
+    """The standard library's sources, in a fixed order, as a byte tensor (no download)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(lib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+
+
+class Blocks:
+    """Sample ``i`` is the ``i``-th non-overlapping window of ``block_size + 1`` bytes."""
+
+    def __init__(self, data: torch.Tensor, block_size: int) -> None:
+        self.data, self.block_size = data, block_size
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block_size
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.stack([self.data[i * self.block_size: i * self.block_size + self.block_size + 1]
+                            for i in indices])
+        return rows[:, :-1], rows[:, 1:]
+
+
+class TrainState:
+    """What the loop needs besides model/optimizer: the sample-order digest chain."""
+
+    def __init__(self) -> None:
+        self.sample_digest = hashlib.sha256(b"").hexdigest()
+        self.loss = float("nan")
+
+    def consume(self, global_indices: list[int]) -> None:
+        self.sample_digest = hashlib.sha256(
+            (self.sample_digest + ",".join(map(str, global_indices))).encode()).hexdigest()
+
+    def state_dict(self) -> dict:
+        return {"sample_digest": self.sample_digest, "loss": self.loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sample_digest, self.loss = state["sample_digest"], state["loss"]
+
+
+def lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of the full (gathered) weights; a collective under FSDP2 (call on all ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+# --- main --------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per forward")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of steps)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg, global_batch, micro, steps, lr, data_bytes = PRESETS[args.preset]
+    global_batch = args.global_batch or global_batch
+    micro = args.micro_batch or micro
+    max_steps = args.max_steps or steps
+    lr = args.lr or lr
+
+    with Session(seed=args.seed, log_every=args.log_every) as s:
+        accum = plan_batches(global_batch, s.world_size, micro)
+        data = Blocks(load_text(data_bytes), cfg.block_size)
+        sampler = ResumableSampler(len(data), global_batch=global_batch, seed=args.seed)
+        model = GPT(cfg, args.activation_checkpointing)
+        blocks = list(model.blocks)
+        model = s.wrap(model, fsdp=args.fsdp, blocks=blocks)
+        optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup or max(1, max_steps // 10), max_steps))
+        train = TrainState()
+        start = s.restore(model=model, optim=optim, sched=sched, sampler=sampler, train=train)
+        if s.is_rank0:
+            print(f"train_gpt: preset {args.preset}, {sum(p.numel() for p in model.parameters())} "
+                  f"params/rank, world {s.world_size}, global batch {global_batch} = {s.world_size} "
+                  f"x {micro} x {accum} accumulation, {len(data)} samples, start step {start}",
+                  flush=True)
+
+        for step in s.steps(start, max_steps):
+            if args.fail_at_step is not None and step == args.fail_at_step and s.rank == 0 \
+                    and s.restart_count == 0 and os.environ.get("HPC_ALLOCATION", "0") == "0":
+                raise RuntimeError(f"injected failure at step {step} (--fail-at-step)")
+            global_indices = sampler.next_global_batch()
+            mine = global_indices[s.rank::s.world_size]
+            optim.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(accum):
+                x, y = data.batch(mine[i * micro:(i + 1) * micro])
+                sync = i == accum - 1
+                ctx = _no_sync(model, args.fsdp, sync)
+                with ctx:
+                    loss = model(x.to(s.device), y.to(s.device)) / accum
+                    loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            sched.step()
+            train.consume(global_indices)
+            train.loss = total
+            s.log(loss=total, lr=sched.get_last_lr()[0])
+            if args.step_sleep:
+                import time
+                time.sleep(args.step_sleep)
+
+        digest = weights_digest(model)
+        if s.stopped is None and s.is_rank0:
+            result = {"final_step": s.step, "final_loss": train.loss, "weights_sha256": digest,
+                      "sample_order_sha256": train.sample_digest, "world_size": s.world_size,
+                      "preset": args.preset, "fsdp": args.fsdp, "epoch": sampler.epoch,
+                      "cursor": sampler.cursor}
+            (s.job_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+            print(f"train_gpt: done at step {s.step}, loss {train.loss:.4f}, weights {digest[:16]}",
+                  flush=True)
+        s.finish()
+
+
+def _no_sync(model: nn.Module, fsdp: bool, sync: bool):
+    import contextlib
+    if sync:
+        return contextlib.nullcontext()
+    if fsdp:
+        model.set_requires_gradient_sync(False)
+
+        @contextlib.contextmanager
+        def restore():
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return restore()
+    return model.no_sync()
+
+
+if __name__ == "__main__":
+    main()

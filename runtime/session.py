@@ -1,0 +1,328 @@
+"""``Session``: the few lines that make a user's own training loop survive a cluster.
+
+::
+
+    with Session(seed=0) as s:
+        model = s.wrap(MyModel(), fsdp=False)
+        opt = torch.optim.AdamW(model.parameters())
+        start = s.restore(model=model, optim=opt, sampler=sampler)
+        for step in s.steps(start, max_steps):
+            loss = train_step(...)
+            s.log(loss=loss.item())
+        s.finish()
+
+The session initializes the process group (nccl on CUDA, gloo otherwise, with a CPU gloo
+group for control traffic), picks the CUDA device from LOCAL_RANK, wraps the model (DDP or
+FSDP2), restores the latest verified checkpoint, and at every step boundary does what the
+job needs: reduce and log metrics (rank 0 to W&B, everyone else to a null sink), save
+checkpoints on schedule, and run the preemption protocol (all ranks agree, save, record
+the reason, exit cleanly). It tears everything down on every exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc import jobdir
+from hpc.jobspec import JobSpec
+from runtime.env import WorkerEnv
+from runtime.preemption import PreemptionWatcher, StopRequest, decide
+
+log = logging.getLogger("hpc.session")
+
+
+class Session:
+    """Ties the process group, model wrapping, checkpoints, metrics and preemption together.
+
+    Args:
+        seed: Base seed; each rank seeds python/numpy/torch with ``seed`` (same model init
+            everywhere; data order comes from the sampler, not from per-rank RNG).
+        job_dir: Job directory (default: ``HPC_JOB_DIR`` set by the launcher, else ./job).
+        spec: The job's spec (default: ``JOB_DIR/jobspec.json`` when present).
+        log_every: Reduce and log metrics every N steps.
+        timeout_s: Collective timeout for the process groups.
+        env: Environment mapping (tests pass dicts).
+    """
+
+    def __init__(self, *, seed: int = 0, job_dir: str | Path | None = None, spec: JobSpec | None = None,
+                 log_every: int = 10, timeout_s: float = 600.0,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.env = WorkerEnv.from_env(env)
+        self.job_dir = Path(job_dir or self.env.job_dir or "job").absolute()
+        spec_path = self.job_dir / jobdir.JOBSPEC
+        self.spec = spec or (JobSpec.load(self.job_dir) if spec_path.exists() else None)
+        self.seed = seed
+        self.log_every = max(1, log_every)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu")
+        self.cpu_group: Any = None
+        self.stopped: StopRequest | None = None
+        self.step = 0
+        self._pending_metrics: dict[str, list[float]] = {}
+        self._metric_ops: dict[str, str] = {}
+        self._app_state: dict[str, Any] = {}
+        self._watcher: PreemptionWatcher | None = None
+        self._checkpointer: Any = None
+        self._sink: Any = None
+        self._progress: Any = None
+        self._started = time.time()
+        self._owns_group = False
+
+    # --- lifecycle -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def restart_count(self) -> int:
+        return self.env.restart_count
+
+    @property
+    def slurm_job_id(self) -> str:
+        return self.env.slurm.job_id
+
+    def __enter__(self) -> Session:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(error=exc)
+
+    def start(self) -> None:
+        """Initializes the process group, device, seeds, preemption watcher and sinks."""
+        import random
+
+        import numpy as np
+
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.env.local_rank)
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ:   # plain `python script.py`: a world of one
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                                  RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            dist.init_process_group(backend, timeout=self.timeout,
+                                    device_id=self.device if backend == "nccl" else None)
+            self._owns_group = True
+        self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
+            else dist.group.WORLD
+        random.seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+        torch.manual_seed(self.seed)
+        spec = self.spec
+        signals = (f"SIG{spec.signal}" if spec else "SIGUSR2", "SIGTERM")
+        end = float(os.environ.get("HPC_JOB_END_TIME", "0")) or None
+        self._watcher = PreemptionWatcher(signals, self.cpu_group if self.world_size > 1 else None,
+                                          job_end_time=end, lead_s=spec.signal_lead_s if spec else 120)
+        self._watcher.install()
+        self._sink = self._make_sink()
+        if self.is_rank0:
+            log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
+                     self.world_size, backend, self.device, self.restart_count, self.env.allocation)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Flushes any save in flight, closes sinks and the process group (every exit path)."""
+        try:
+            if self._checkpointer is not None and error is None:
+                self._checkpointer.wait()
+        finally:
+            if self._watcher is not None:
+                if error is None:
+                    self._watcher.drain()
+                self._watcher.uninstall()
+            if self._sink is not None:
+                self._sink.close(exit_code=0 if error is None else 1)
+            if self._owns_group and dist.is_initialized():
+                if error is None:
+                    dist.barrier(group=self.cpu_group)
+                dist.destroy_process_group()
+
+    # --- model ---------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
+             mixed_precision: bool | None = None) -> torch.nn.Module:
+        """Moves ``model`` to the device and wraps it in DDP, or FSDP2 (``fully_shard``).
+
+        Args:
+            model: The model.
+            fsdp: Shard with FSDP2 instead of replicating with DDP.
+            blocks: For FSDP2, the submodules to shard one by one (e.g. transformer blocks).
+            mixed_precision: bf16 compute with fp32 reductions under FSDP2 (default: on CUDA).
+        """
+        model = model.to(self.device)
+        if fsdp:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if mp else MixedPrecisionPolicy()
+            for block in blocks or []:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def restore(self, **state: Any) -> int:
+        """Registers the training state and loads the latest verified checkpoint into it.
+
+        Args:
+            **state: Named parts of the state: ``model=``, ``optim=``, and any object with
+                ``state_dict``/``load_state_dict`` (scheduler, sampler, a counter...).
+
+        Returns:
+            The step to start at (0 when there is no checkpoint).
+        """
+        from runtime.checkpoint import Checkpointer
+
+        spec = self.spec
+        self._app_state = _app_state(state)
+        self._checkpointer = Checkpointer(
+            spec.resolved_checkpoint_dir if spec else self.job_dir / "checkpoints",
+            keep_last=spec.keep_last if spec else 3,
+            keep_every=(spec.keep_every or None) if spec else None,
+            every_steps=(spec.checkpoint_every_steps or None) if spec else None,
+            every_min=(spec.checkpoint_every_min or None) if spec else None,
+        )
+        manifest = self._checkpointer.load_latest(self._app_state)
+        self.step = manifest.step if manifest else 0
+        if manifest:
+            self.event("resumed", step=self.step, world_size=self.world_size,
+                       saved_world_size=manifest.world_size)
+        if self._sink is not None and hasattr(self._sink, "resume_from"):
+            self._sink.resume_from(self.step)
+        return self.step
+
+    def save(self, *, blocking: bool = True) -> None:
+        """Saves a checkpoint of the registered state at the current step (all ranks)."""
+        assert self._checkpointer is not None, "call restore() before save()"
+        self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"wandb_run_id": getattr(self._sink, "run_id", None), "world_size": self.world_size,
+                "allocation": self.env.allocation, "slurm_job_id": self.slurm_job_id}
+
+    # --- the loop ------------------------------------------------------------------------
+    def steps(self, start: int, stop: int) -> Iterator[int]:
+        """Yields step indices ``start .. stop-1``; handles each step's boundary after it.
+
+        After the body of step ``k`` (so ``k + 1`` steps are done): metrics are reduced and
+        logged, a checkpoint is saved if due, and the preemption agreement runs. When a stop
+        is agreed the generator saves (deadline permitting), records the exit intent and
+        ends; :attr:`stopped` then says why.
+        """
+        if self._progress is None and self.is_rank0:
+            from runtime.progress import ProgressMeter
+            self._progress = ProgressMeter(total_steps=stop, start_step=start)
+        for step in range(start, stop):
+            yield step
+            self.step = step + 1
+            self._end_of_step(last=self.step == stop)
+            request = self._watcher.poll() if self._watcher else None
+            if request is not None:
+                self._stop(request)
+                return
+            if self._checkpointer is not None and self.step < stop \
+                    and self._checkpointer.should_save(self.step):
+                self.save(blocking=False)
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+            if self._checkpointer.latest_step() != self.step:
+                self.save(blocking=True)
+
+    def _stop(self, request: StopRequest) -> None:
+        self.stopped = request
+        est = self._checkpointer.estimated_save_s() if self._checkpointer else 0.0
+        decision = decide(time.time(), request.deadline, est)
+        if self._checkpointer is not None:
+            if decision.save:
+                self._checkpointer.wait()
+                if self._checkpointer.latest_step() != self.step:
+                    self.save(blocking=True)
+            else:
+                self._checkpointer.wait()
+        saved = self._checkpointer.latest_step() if self._checkpointer else None
+        reason = f"{request.signal_name} ({request.kind}); {decision.reason}; saved step {saved}"
+        self.event(request.kind, step=self.step, signal=request.signal_name, saved_step=saved)
+        if self.is_rank0:
+            log.warning("stopping at step %d: %s", self.step, reason)
+            jobdir.write_atomic(self.job_dir / jobdir.EXIT_INTENT, _json({
+                "allocation": self.env.allocation, "kind": request.kind, "step": saved,
+                "reason": reason, "time": time.time()}))
+
+    # --- metrics -------------------------------------------------------------------------
+    def log(self, ops: Mapping[str, str] | None = None, **metrics: float) -> None:
+        """Records metrics for the current step; reduced across ranks at log steps.
+
+        Args:
+            ops: Reduction per metric (``mean`` default, ``sum``, ``max``, ``min``).
+            **metrics: Values (floats or 0-d tensors).
+        """
+        for k, v in metrics.items():
+            self._pending_metrics.setdefault(k, []).append(float(v))
+            self._metric_ops[k] = (ops or {}).get(k, self._metric_ops.get(k, "mean"))
+
+    def event(self, name: str, step: int | None = None, **fields: Any) -> None:
+        if self._sink is not None:
+            self._sink.event(name, step=step, **fields)
+
+    def _end_of_step(self, *, last: bool) -> None:
+        if self._progress is not None:
+            loss = self._pending_metrics.get("loss", [None])[-1]
+            line = self._progress.update(self.step, loss=loss, force=last)
+            if line:
+                print(line, flush=True)
+        if not (self.step % self.log_every == 0 or last) or not self._pending_metrics:
+            return
+        from runtime.metrics import reduce_metrics
+
+        local = {k: sum(v) / len(v) for k, v in self._pending_metrics.items()}
+        reduced = reduce_metrics(local, self._metric_ops,
+                                 group=self.cpu_group if self.world_size > 1 else None)
+        self._pending_metrics.clear()
+        self._sink.log(reduced, step=self.step)
+
+    def _make_sink(self) -> Any:
+        from runtime.metrics import make_sink
+
+        return make_sink(self.rank, spec=self.spec, job_dir=self.job_dir, env=self.env)
+
+    def finish(self) -> None:
+        """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""
+        if self.stopped is None:
+            self.event("finished", step=self.step)
+
+
+def _app_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(state)
+
+
+def _json(data: Mapping[str, Any]) -> str:
+    import json
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,32 @@
+"""Shared fixtures. Tiers are markers (unit, distributed, slurm, gpu); see pyproject.toml."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+# Paths users really have: spaces, quotes, shell metacharacters. Every test that puts a path
+# into a script or a command runs with these too.
+HOSTILE_NAMES = ["plain", "with space", "quote's \"dq\"", "semi;colon $HOME `x`"]
+
+
+@pytest.fixture(params=HOSTILE_NAMES, ids=["plain", "space", "quotes", "shellmeta"])
+def hostile_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    d = tmp_path / request.param
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Slurm/torchrun variables leak into a test from the outer environment."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "TORCHELASTIC_", "HPC_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")

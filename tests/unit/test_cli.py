@@ -1,0 +1,85 @@
+"""The CLI's contract with users: bad input exits 2 with one clear message, creating nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc.cli import build_parser, build_spec, main
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HPC_CONFIG", raising=False)
+    s = tmp_path / "train.py"
+    s.write_text("print('hi')\n")
+    return s
+
+
+@pytest.mark.parametrize("argv,flag,fragment", [
+    (["--time", "4h"], "--time", "HH:MM:SS"),
+    (["--nodes", "4:2"], "--nodes", "MIN 4 is larger than MAX 2"),
+    (["--nodes", "0"], "--nodes", "at least one"),
+    (["--signal-lead", "-5"], "--signal-lead", "integer >= 0"),
+    (["--profile", "nope"], "--profile", "defined: none defined"),
+    (["--gpus-per-node", "8", "--nproc-per-node", "4"], "--nproc-per-node", "one worker per GPU"),
+    (["--mem", "lots"], "--mem", "K, M, G or T"),
+    (["--requeue", "sometimes"], "--requeue", "auto, never"),
+    (["--time", "1:00", "--signal-lead", "120"], "--signal-lead", "shorter than the time limit"),
+])
+def test_bad_flags_exit_2_naming_flag_value_and_example(script, capsys, argv, flag, fragment):
+    code = main(["render", str(script), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert flag in err and fragment in err and "Example:" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (script.parent / "jobs").exists()
+
+
+def test_missing_script(script, capsys):
+    assert main(["run", "missing.py"]) == 2
+    err = capsys.readouterr().err
+    assert "'missing.py'" in err and "existing Python file" in err
+    assert not (script.parent / "jobs").exists()
+
+
+def test_unknown_config_key_exits_2(script, capsys):
+    (script.parent / "hpc.toml").write_text('[profiles.c]\npartiton = "gpu"\n')
+    assert main(["render", str(script), "--profile", "c"]) == 2
+    err = capsys.readouterr().err
+    assert "'partiton'" in err and "partition" in err
+
+
+def test_unknown_flag_is_argparse_exit_2(script):
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(script), "--nodez", "2"])
+    assert e.value.code == 2
+
+
+def test_precedence_cli_over_profile_over_defaults(script):
+    (script.parent / "hpc.toml").write_text(
+        'default_profile = "c"\n[defaults]\nqos = "low"\naccount = "d"\n'
+        '[profiles.c]\naccount = "p"\npartition = "gpu"\ntime = "2:00:00"\n')
+    args = build_parser().parse_args(["submit", str(script), "--partition", "debug"])
+    args.script_args = ["--lr", "1"]
+    spec = build_spec(args)
+    assert (spec.partition, spec.account, spec.qos) == ("debug", "p", "low")
+    assert spec.time_limit_s == 7200 and spec.profile == "c"
+    assert spec.signal_lead_s == 120                   # built-in default
+    assert spec.script_args == ("--lr", "1")
+    assert Path(spec.job_dir).is_absolute() and Path(spec.script).is_absolute()
+
+
+def test_help_lists_every_issue_flag():
+    out = subprocess.run([sys.executable, "-m", "hpc", "submit", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for flag in ("--nodes", "--gpus-per-node", "--nproc-per-node", "--time", "--partition", "--account",
+                 "--qos", "--mem", "--cpus-per-task", "--signal-lead", "--max-restarts", "--profile",
+                 "--job-dir", "--dry-run"):
+        assert flag in out, flag

@@ -1,0 +1,41 @@
+"""Login-node speed: importing hpc and running `hpc --help` / `hpc render` never imports torch,
+wandb or torchx (each costs 0.4-1.5 s, and torch may not even be installed on a login node)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+BLOCK_HEAVY = textwrap.dedent("""
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "wandb", "torchx", "submitit"):
+                raise ImportError("login node must not import " + name)
+    sys.meta_path.insert(0, Block())
+""")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_HEAVY + code], capture_output=True, text=True)
+
+
+def test_import_hpc_cli_without_torch():
+    r = _run("import hpc, hpc.cli, hpc.jobspec, hpc.config, hpc.jobdir")
+    assert r.returncode == 0, r.stderr
+
+
+def test_hpc_help_without_torch():
+    r = _run("import sys; sys.argv=['hpc','--help']\nfrom hpc.cli import main\nmain()")
+    assert "usage: hpc" in r.stdout, r.stderr
+
+
+def test_no_heavy_module_loaded_by_help():
+    r = subprocess.run([sys.executable, "-c", "import sys\nfrom hpc.cli import build_parser\n"
+                        "build_parser().format_help()\n"
+                        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                        "('torch','wandb','torchx','submitit')))"], capture_output=True, text=True)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
