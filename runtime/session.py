@@ -133,7 +133,6 @@ class Session:
         self._watcher = PreemptionWatcher(signals, self.cpu_group if self.world_size > 1 else None,
                                           job_end_time=end, lead_s=spec.signal_lead_s if spec else 120)
         self._watcher.install()
-        self._sink = self._make_sink()
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
                      self.world_size, backend, self.device, self.restart_count, self.env.allocation)
@@ -205,11 +204,12 @@ class Session:
         )
         manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0
+        meta = dict(manifest.metadata) if manifest else {}
+        self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"))
         if manifest:
             self.event("resumed", step=self.step, world_size=self.world_size,
-                       saved_world_size=manifest.world_size)
-        if self._sink is not None and hasattr(self._sink, "resume_from"):
-            self._sink.resume_from(self.step)
+                       saved_world_size=manifest.world_size, allocation=self.env.allocation,
+                       restart=self.restart_count)
         return self.step
 
     def save(self, *, blocking: bool = True) -> None:
@@ -232,7 +232,7 @@ class Session:
         """
         if self._progress is None and self.is_rank0:
             from runtime.progress import ProgressMeter
-            self._progress = ProgressMeter(total_steps=stop, start_step=start)
+            self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
         for step in range(start, stop):
             yield step
             self.step = step + 1
@@ -282,13 +282,15 @@ class Session:
             self._metric_ops[k] = (ops or {}).get(k, self._metric_ops.get(k, "mean"))
 
     def event(self, name: str, step: int | None = None, **fields: Any) -> None:
-        if self._sink is not None:
-            self._sink.event(name, step=step, **fields)
+        """Records a named event (preempted, resumed, node lost...) in the run (rank 0)."""
+        self._ensure_sink().event(name, step=step, **fields)
 
     def _end_of_step(self, *, last: bool) -> None:
         if self._progress is not None:
             loss = self._pending_metrics.get("loss", [None])[-1]
-            line = self._progress.update(self.step, loss=loss, force=last)
+            line = self._progress.update(self.step, loss=loss)
+            if last:
+                line = self._progress.line()
             if line:
                 print(line, flush=True)
         if not (self.step % self.log_every == 0 or last) or not self._pending_metrics:
@@ -299,12 +301,21 @@ class Session:
         reduced = reduce_metrics(local, self._metric_ops,
                                  group=self.cpu_group if self.world_size > 1 else None)
         self._pending_metrics.clear()
-        self._sink.log(reduced, step=self.step)
+        self._ensure_sink().log(reduced, step=self.step)
 
-    def _make_sink(self) -> Any:
-        from runtime.metrics import make_sink
+    def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None) -> Any:
+        """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily)."""
+        if self._sink is None:
+            from runtime.metrics import make_sink
+            from runtime.wandb_sink import run_metadata
 
-        return make_sink(self.rank, spec=self.spec, job_dir=self.job_dir, env=self.env)
+            spec = self.spec
+            self._sink = make_sink(
+                self.rank, job_dir=self.job_dir, mode=spec.wandb_mode if spec else "offline",
+                project=(spec.wandb_project or spec.job_name) if spec else "",
+                entity=spec.wandb_entity if spec else "", metadata=run_metadata(self.env),
+                resume_step=resume_step)  # TODO(run_id from manifest)
+        return self._sink
 
     def finish(self) -> None:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""
