@@ -156,3 +156,20 @@ def read_run(wandb_dir: Path, run_id: str) -> OfflineRun:
     if not files:
         raise ValueError(f"no offline-run-*-{run_id} folders under {wandb_dir}")
     return read_files(files)
+
+
+def offline_env(root: Path) -> dict[str, str]:
+    """Environment that keeps wandb offline and inside `root` (set it before wandb starts).
+
+    Tests apply it with `monkeypatch.setenv` or pass it to child processes, so no test ever
+    reaches the network or writes to the user's ~/.config/wandb or ~/.cache/wandb.
+    """
+    root = Path(root)
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+           "WANDB_DIR": str(root / "wandb-dir"), "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+           "WANDB_CACHE_DIR": str(root / "wandb-cache"), "WANDB_DATA_DIR": str(root / "wandb-data"),
+           "WANDB_ARTIFACT_DIR": str(root / "wandb-artifacts")}
+    for key, value in env.items():
+        if key.endswith("_DIR"):
+            Path(value).mkdir(parents=True, exist_ok=True)
+    return env
