@@ -44,3 +44,10 @@ def test_hpc_toml_wins_over_pyproject(tmp_path: Path):
     (tmp_path / "hpc.toml").write_text('default_profile = "c"\n[profiles.c]\naccount = "p2"\n')
     cfg = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)})
     assert cfg.options_for("")[0]["account"] == "p2"
+
+
+def test_docs_list_every_option():
+    from hpc.jobspec import flag_name, option_fields
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    for f in option_fields():
+        assert f"`{flag_name(f.name)}`" in doc, f"docs/config.md misses {flag_name(f.name)}"
