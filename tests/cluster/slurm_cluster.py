@@ -245,6 +245,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=1
 JobRequeue=1
+# Reject (not queue forever) jobs over a partition limit: more nodes, longer time.
+EnforcePartLimits=ALL
 SchedulerParameters=sched_interval=1,bf_interval=1
 SlurmdTimeout=10
 MessageTimeout=5
@@ -262,6 +264,8 @@ AccountingStoragePort=6819
 AccountingStoragePass={cluster.munge_socket}
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
+# sacct shows --comment (our submission tags) only with this flag.
+AccountingStoreFlags=job_comment
 MailProg=/bin/true
 MpiDefault=none
 {nodes}
@@ -619,6 +623,9 @@ def heal(cluster: Cluster, node: str) -> None:
     """Bring the node's link back up after :func:`cut`."""
     _check_node(cluster, node)
     _run(["ip", "link", "set", veth_name(node), "up"])
+    # Neighbour entries that failed while the link was down would answer "No route to host".
+    _run(["ip", "-n", netns_name(node), "neigh", "flush", "all"], check=False)
+    _run(["ip", "neigh", "flush", "dev", BRIDGE], check=False)
 
 
 def restart_slurmd(cluster: Cluster, node: str) -> None:
