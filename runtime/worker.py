@@ -46,7 +46,16 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # The agent reads this file to say *why* a rank failed (outcomes.jsonl, hpc status).
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(e)
+        raise
 
 
 if __name__ == "__main__":
