@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.sampler import ResumableSampler, plan_batches
+from runtime.sampler import ResumableSampler, plan_batches, rank_slice
 from runtime.session import Session
 
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
                     and s.restart_count == 0 and os.environ.get("HPC_ALLOCATION", "0") == "0":
                 raise RuntimeError(f"injected failure at step {step} (--fail-at-step)")
             global_indices = sampler.next_global_batch()
-            mine = global_indices[s.rank::s.world_size]
+            mine = rank_slice(global_indices, s.rank, s.world_size)
             optim.zero_grad(set_to_none=True)
             total = 0.0
             for i in range(accum):
