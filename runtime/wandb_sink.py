@@ -206,9 +206,9 @@ class WandbSink:
         run, self._run = self._run, None
         if run is not None:
             try:
-                run.finish(exit_code=1, quiet=True)
-            except Exception:  # noqa: BLE001
-                pass
+                run.finish(exit_code=1)
+            except Exception as finish_err:  # noqa: BLE001
+                log.warning("W&B finish after a failure also failed: %r", finish_err)
         self._fallback = JsonlSink(self.job_dir / FALLBACK_FILE)
         self._fallback.event("wandb_failed", None, stage=what, error=repr(err))
         for key, value in self._pending.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -96,18 +97,27 @@ def iter_records(path: Path) -> Any:
 def run_files(wandb_dir: Path, run_id: str) -> list[Path]:
     """All `.wandb` files of one run id under a wandb directory, oldest first.
 
+    Folders are `offline-run-<YYYYmmdd_HHMMSS>-<id>`; a start within the same second as the
+    previous one gets a `-1`, `-2`, ... suffix.
+
     Args:
         wandb_dir: the directory holding `offline-run-*` folders (usually `<dir>/wandb`), or its
             parent.
+        run_id: the run id.
 
     Returns:
-        The files sorted by folder name (which starts with the UTC start time), then by mtime.
+        The files sorted by start time, then suffix.
     """
     root = Path(wandb_dir)
     if (root / "wandb").is_dir():
         root = root / "wandb"
-    files = list(root.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-    return sorted(files, key=lambda p: (p.parent.name, p.stat().st_mtime_ns))
+    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for folder in root.glob("offline-run-*"):
+        match = pattern.fullmatch(folder.name)
+        if match and (folder / f"run-{run_id}.wandb").is_file():
+            found.append(((match[1], int(match[2] or 0)), folder / f"run-{run_id}.wandb"))
+    return [path for _, path in sorted(found)]
 
 
 def _item_value(item: Any) -> Any:
