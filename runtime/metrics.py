@@ -227,6 +227,7 @@ def make_sink(
     metadata: Mapping[str, Any] | None = None,
     resume_step: int | None = None,
     init_timeout_s: float = 15.0,
+    run_id: str | None = None,
 ) -> MetricsSink:
     """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
 
@@ -242,6 +243,8 @@ def make_sink(
             size, ...).
         resume_step: the checkpoint step this process resumed from, or None on a fresh start.
         init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
+        run_id: a W&B run id to adopt if the job directory has none yet (e.g. from a checkpoint
+            manifest); the id in `JOB_DIR/wandb_run_id` always wins.
 
     Returns:
         A sink; the caller calls it on every rank without checking the rank.
@@ -252,4 +255,5 @@ def make_sink(
 
     settings = WandbSettings(mode=mode, project=project, entity=entity, name=name,
                              init_timeout_s=init_timeout_s)
-    return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step)
+    return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
+                     run_id=run_id)
