@@ -1,0 +1,144 @@
+"""Rendering a :class:`~hpc.jobspec.JobSpec` into the exact batch script and sbatch command.
+
+Pure functions, no Slurm contact: ``hpc render`` and ``hpc submit --dry-run`` print what
+these return, and ``hpc submit`` submits exactly that. Templates live in ``slurm_templates/``
+as data files and are rendered with jinja2's ``StrictUndefined`` (a misspelt variable is an
+error, never an empty string).
+
+Two quoting rules, because two different parsers read the script:
+
+* the shell body: every value goes through ``shell_quote`` (:func:`shlex.quote`);
+* ``#SBATCH`` lines are read by sbatch's own option parser, not by a shell. It splits on
+  blanks, treats ``#`` as a comment start, and strips quotes and backslashes with rules that
+  changed across Slurm versions (old versions know only double quotes, and a blank ends an
+  argument even after a backslash). ``sbatch_quote`` wraps a value in double quotes and puts
+  a backslash before every character outside a small safe set, which every version reads
+  back as the literal character.
+
+Secrets never go into a rendered script, ``jobspec.json`` or a log: :func:`check_no_secrets`
+refuses secret-looking names in the spec's ``env`` and tells the user to export them
+instead (sbatch's ``--export=ALL`` carries the submitter's environment to the job).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from importlib import resources
+
+import jinja2
+
+from hpc.errors import SpecError
+from hpc.jobspec import JobSpec
+
+TEMPLATE = "sbatch_elastic.sh.j2"
+OUTPUT_PATTERN = "slurm-%j.out"
+
+# Names that hold credentials: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...
+_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)$"
+                          r"|^WANDB_API_KEY$", re.IGNORECASE)
+_SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./=:@,+%-]")
+
+
+def is_secret_name(name: str) -> bool:
+    """True for environment variable names that conventionally hold credentials."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def check_no_secrets(spec: JobSpec) -> None:
+    """Refuses secret-looking variables in ``spec.env`` (they would be written to jobspec.json).
+
+    Raises:
+        SpecError: naming the variables and how to pass them instead.
+    """
+    secret = sorted(name for name, _ in spec.env if is_secret_name(name))
+    if secret:
+        names = ", ".join(secret)
+        raise SpecError(
+            "--env", names, "not a secret: --env values are written into jobspec.json and logs",
+            f"export {secret[0]}=... && hpc submit train.py",
+            f"Export {names} in your shell instead: the job inherits the submitting environment "
+            "(sbatch --export=ALL) and hpc-elastic never writes it to disk")
+
+
+def shell_quote(value: object) -> str:
+    """Quotes a value for a POSIX shell (``shlex.quote`` of its text)."""
+    return shlex.quote(str(value))
+
+
+def sbatch_quote(value: object) -> str:
+    """Escapes a value for an ``#SBATCH`` line (sbatch's parser, every Slurm version).
+
+    Raises:
+        SpecError: for a newline, which cannot appear on an ``#SBATCH`` line at all.
+    """
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise SpecError("#SBATCH value", text, "a value without line breaks", "--job-name gpt")
+    if all(_SBATCH_SAFE.fullmatch(c) for c in text):
+        return text
+    # Blanks end an argument even after a backslash, so the value goes in double quotes too.
+    return '"' + "".join(c if _SBATCH_SAFE.fullmatch(c) else "\\" + c for c in text) + '"'
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FunctionLoader(_load_template), undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters["shell_quote"] = shell_quote
+    env.filters["sbatch_quote"] = sbatch_quote
+    return env
+
+
+def _load_template(name: str) -> str:
+    return resources.files("slurm_templates").joinpath(name).read_text()
+
+
+def output_path(spec: JobSpec) -> str:
+    """Where Slurm writes the batch script's own output: ``JOB_DIR/logs/slurm-%j.out``."""
+    return f"{spec.job_dir.rstrip('/')}/logs/{OUTPUT_PATTERN}"
+
+
+def check_renderable(spec: JobSpec) -> None:
+    """Refuses values that no quoting can carry into an sbatch script.
+
+    Raises:
+        SpecError: for a job directory with ``%`` (Slurm would expand it in the output file
+            name) or a line break, or a secret in ``spec.env``.
+    """
+    if not spec.job_dir:
+        raise SpecError("--job-dir", spec.job_dir, "an absolute directory", "--job-dir runs/gpt")
+    if "%" in spec.job_dir or "\n" in spec.job_dir:
+        raise SpecError("--job-dir", spec.job_dir, "a path without '%' or line breaks (Slurm "
+                        "expands % patterns in its output file name)", "--job-dir runs/gpt")
+    check_no_secrets(spec)
+
+
+def render_sbatch(spec: JobSpec, template: str = TEMPLATE) -> str:
+    """Renders the batch script for ``spec`` (pure).
+
+    Args:
+        spec: The validated job (``job_dir`` already absolute).
+        template: Template file name in ``slurm_templates/``.
+
+    Returns:
+        The script text, exactly as ``hpc submit`` writes it to ``JOB_DIR/job.sbatch``.
+    """
+    check_renderable(spec)
+    lo, hi = spec.nodes
+    return _environment().get_template(template).render(
+        spec=spec,
+        nodes_range=str(lo) if lo == hi else f"{lo}-{hi}",
+        output=output_path(spec),
+        requeue=spec.requeue != "never",
+    )
+
+
+def sbatch_argv(script_path: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The sbatch command that submits ``script_path`` (``--export=ALL`` wins over SBATCH_EXPORT).
+
+    Args:
+        script_path: The rendered script (``JOB_DIR/job.sbatch``).
+        extra: More sbatch options placed before the script (e.g. the submission tag).
+    """
+    return ["sbatch", "--parsable", "--export=ALL", *extra, script_path]
