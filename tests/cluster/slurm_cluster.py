@@ -637,12 +637,39 @@ def restart_slurmd(cluster: Cluster, node: str) -> None:
     _start_slurmd(cluster, node)
 
 
+def cancel_all_jobs(cluster: Cluster, timeout: float = 30.0) -> None:
+    """Cancel every job in the cluster and wait until none is pending, running or completing."""
+    _run(["scancel", "--full", "--user=root"], check=False, env=cluster.env)
+
+    def empty() -> bool:
+        proc = _run(["squeue", "-h", "-o", "%i"], check=False, env=cluster.env, timeout=15)
+        return proc.returncode == 0 and not proc.stdout.strip()
+
+    _wait_for("all jobs to end", empty, timeout, 0.3)
+
+
+def restore(cluster: Cluster, timeout: float = READY_TIMEOUT_S) -> None:
+    """Undo what tests did: heal cut links, restart dead daemons, cancel jobs, wait for idle.
+
+    Raises:
+        ClusterError: if the cluster is not back to all nodes idle within ``timeout`` seconds.
+    """
+    for node in cluster.node_names:
+        if "state UP" not in _run(["ip", "link", "show", veth_name(node)]).stdout:
+            heal(cluster, node)
+    _start_slurmctld(cluster)
+    for node in cluster.node_names:
+        _start_slurmd(cluster, node)
+    cancel_all_jobs(cluster)
+    wait_idle(cluster, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down", "status", "env", "crash", "cut", "heal",
                                             "restart-slurmd", "stop-slurmctld",
-                                            "start-slurmctld"])
+                                            "start-slurmctld", "restore"])
     parser.add_argument("node", nargs="?")
     parser.add_argument("--nodes", type=int, default=None, help="number of compute nodes [3]")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
@@ -676,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_slurmctld(cluster)
         elif args.command == "start-slurmctld":
             start_slurmctld(cluster)
+        elif args.command == "restore":
+            restore(cluster)
     except ClusterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

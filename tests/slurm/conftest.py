@@ -1,0 +1,131 @@
+"""Fixtures for the slurm tier: one real multi-node Slurm cluster per test session.
+
+The cluster (``tests/cluster/slurm_cluster.py``) is brought up once, or reused when one is already
+up and healthy, and every test gets it back clean: after each test, cut links are healed, killed
+daemons restarted, leftover jobs cancelled and all nodes idle again, so that a test that crashes a
+node cannot poison the next one. Without root or without Slurm installed the fixture fails with
+the reason; it never skips silently. ``HPC_KEEP_CLUSTER=1`` keeps a cluster this session started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_cluster_module() -> ModuleType:
+    """Import tests/cluster/slurm_cluster.py by path (it is a script, not part of the package)."""
+    name = "hpc_test_slurm_cluster"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _HERE.parent / "cluster" / "slurm_cluster.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+sc = _load_cluster_module()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/slurm is in the slurm tier, even if its module forgot the mark."""
+    for item in items:
+        if _HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.slurm)
+
+
+@dataclass
+class SlurmTestCluster:
+    """A running test cluster, as handed to tests.
+
+    Attributes:
+        cluster: Where it lives (state dir, node count).
+        env: Environment for subprocesses (this process's plus ``SLURM_CONF``).
+        nodes: Compute node names, ``["node1", "node2", "node3"]``.
+        started_here: Whether this session brought it up (and so takes it down).
+    """
+
+    cluster: "sc.Cluster"
+    env: dict[str, str] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
+    started_here: bool = False
+
+    def crash(self, node: str) -> list[int]:
+        """SIGKILL slurmd and every job process on ``node``; returns the killed pids."""
+        return sc.crash(self.cluster, node)
+
+    def cut(self, node: str) -> None:
+        """Take ``node``'s network link down (processes keep running, unreachable)."""
+        sc.cut(self.cluster, node)
+
+    def heal(self, node: str) -> None:
+        """Bring ``node``'s link back up."""
+        sc.heal(self.cluster, node)
+
+    def restart_slurmd(self, node: str) -> None:
+        """Start ``node``'s slurmd again (after :meth:`crash`)."""
+        sc.restart_slurmd(self.cluster, node)
+
+    def stop_controller(self) -> None:
+        """Stop slurmctld (clients then see "Unable to contact slurm controller")."""
+        sc.stop_slurmctld(self.cluster)
+
+    def start_controller(self) -> None:
+        """Start slurmctld again with its saved state."""
+        sc.start_slurmctld(self.cluster)
+
+    def node_states(self) -> dict[str, str]:
+        """sinfo state of each node (``idle``, ``alloc``, ``down*`` ...)."""
+        return sc.node_states(self.cluster)
+
+    def wait_idle(self, nodes: list[str] | None = None, timeout: float = 60.0) -> None:
+        """Wait until the nodes are idle, resuming any that Slurm marked down."""
+        sc.wait_idle(self.cluster, nodes, timeout)
+
+    def restore(self) -> None:
+        """Heal, restart daemons, cancel all jobs, wait until every node is idle."""
+        sc.restore(self.cluster)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmTestCluster]:
+    """The session's Slurm cluster (brought up, or reused when already up and healthy)."""
+    try:
+        sc.check_prerequisites()
+    except sc.ClusterError as exc:
+        pytest.fail(f"the slurm test tier needs the real test cluster: {exc}", pytrace=False)
+    cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", str(sc.DEFAULT_STATE_DIR))))
+    nodes_recorded = sc._load_record(cluster).get("nodes")
+    if nodes_recorded:
+        cluster = sc.Cluster(cluster.state_dir, int(nodes_recorded))
+    healthy = sc.is_healthy(cluster)
+    try:
+        if healthy:
+            sc.restore(cluster)
+        else:
+            sc.up(cluster)
+    except sc.ClusterError as exc:
+        pytest.fail(f"could not bring the Slurm test cluster up: {exc}", pytrace=False)
+    handle = SlurmTestCluster(cluster=cluster, env=cluster.env, nodes=cluster.node_names,
+                              started_here=not healthy)
+    yield handle
+    if handle.started_here and os.environ.get("HPC_KEEP_CLUSTER") != "1":
+        sc.down(cluster)
+
+
+@pytest.fixture(autouse=True)
+def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster) -> Iterator[None]:
+    """After each test: heal, restart, cancel leftover jobs, all nodes idle again."""
+    yield
+    slurm_cluster.restore()
