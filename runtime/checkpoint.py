@@ -1,0 +1,549 @@
+"""Barrier-guarded, verified, sharded checkpoints on torch.distributed.checkpoint (DCP).
+
+A save is a transaction. Every rank writes its shards (DCP) plus one small rank-local file (RNG
+states) into a fresh ``step-000123.tmp/``; each file's CRC-32 is computed while it is written and
+travels to rank 0 inside DCP's own gather of write results. When DCP's coordinator has finished
+(so every rank's files are written and fsynced), rank 0 writes ``manifest.json``, fsyncs,
+renames the directory to ``step-000123/``, moves the ``latest`` pointer atomically and prunes
+old steps. A crash at any point before the rename leaves only a ``.tmp`` directory, which the
+next resume deletes; a directory whose files no longer match the manifest is quarantined.
+
+Every filesystem decision is made by rank 0 and broadcast (ranks disagree on NFS/Lustre), and
+every failure is broadcast too, so no rank waits at a collective that another rank skipped.
+
+Async saves run DCP's thread-mode ``async_save`` on a dedicated gloo group; at most one is in
+flight. Rank 0 commits from the future's completion callback, so a finished async checkpoint is
+durable without any further collective; :meth:`Checkpointer.wait` (called by the next save, a
+load and :meth:`Checkpointer.close`) tells every rank the outcome.
+
+Usage::
+
+    ckpt = Checkpointer("ckpts", keep_last=3, every_steps=100)
+    state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler}
+    manifest = ckpt.load_latest(state)          # None on a fresh start
+    for step in range(manifest.step if manifest else 0, steps):
+        ...
+        if ckpt.should_save(step + 1):
+            ckpt.save(step + 1, state, metadata={"wandb_run_id": run_id})
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Generator, Mapping
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from runtime import rng
+from runtime.checkpoint_manifest import (
+    LATEST_NAME, MANIFEST_NAME, Crc32Stream, FileEntry, Manifest, SaveSchedule, fsync_dir, is_tmp_dir,
+    parse_step, retry_transient, step_dirname, steps_to_prune, verify, write_atomic)
+
+log = logging.getLogger("hpc.checkpoint")
+
+#: Test hook: ``point`` or ``point@rank``; the process SIGKILLs itself there (see tests).
+KILL_AT_ENV = "HPC_CKPT_TEST_KILL_AT"
+#: Write rate assumed before the first measured save (conservative for shared filesystems).
+ASSUMED_WRITE_BYTES_S = 100e6
+_FILES_KEY = "__hpc_files__"
+_RNG_KEY = "_rng"
+_FAILED = (Exception, CheckpointException)
+
+
+class CheckpointError(RuntimeError):
+    """A save or load failed on some rank; raised on every rank with the same message."""
+
+
+def _test_point(name: str, rank: int) -> None:
+    spec = os.environ.get(KILL_AT_ENV)
+    if spec and spec in (name, f"{name}@{rank}"):
+        log.warning("test hook: rank %d killing itself at %s", rank, name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _local_name(rank: int) -> str:
+    return f"rank-{rank:05d}.local.pt"
+
+
+class _ModuleState:
+    """Stateful view of a module through DCP's state_dict API (plain, DDP and FSDP2 alike)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class _OptimizerState:
+    """Stateful view of an optimizer, keyed by parameter names (reshardable)."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optim)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optim, state)
+
+
+def split_state(app_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits user state into DCP's sharded part and the rank-local part (``rank_local = True``).
+
+    Modules and optimizers are wrapped in DCP's state_dict API; an optimizer needs exactly one
+    module in ``app_state`` to name its parameters.
+
+    Raises:
+        ValueError: For a value that is not a module, optimizer or ``state_dict``/``load_state_dict`` object.
+    """
+    modules = [v for v in app_state.values() if isinstance(v, torch.nn.Module)]
+    sharded: dict[str, Any] = {}
+    local: dict[str, Any] = {}
+    for key, value in app_state.items():
+        if isinstance(value, torch.nn.Module):
+            sharded[key] = _ModuleState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            if len(modules) != 1:
+                raise ValueError(f"optimizer {key!r} needs exactly one model in the checkpoint state to "
+                                 f"name its parameters, found {len(modules)}")
+            sharded[key] = _OptimizerState(modules[0], value)
+        elif getattr(value, "rank_local", False):
+            local[key] = value
+        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            sharded[key] = value
+        else:
+            raise ValueError(f"checkpoint state {key!r} is a {type(value).__name__}; expected a module, an "
+                             "optimizer, or an object with state_dict() and load_state_dict()")
+    return sharded, local
+
+
+class _Crc32FileSystem(FileSystem):
+    """DCP's local filesystem, recording size and CRC-32 of every file as it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: dict[str, FileEntry] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with Path(path).open(mode) as raw:
+            stream = Crc32Stream(raw)
+            yield stream  # type: ignore[misc]
+        self.entries[Path(path).name] = FileEntry(Path(path).name, stream.size, stream.crc32)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if (entry := self.entries.pop(Path(path).name, None)) is not None:
+            self.entries[Path(new_path).name] = FileEntry(Path(new_path).name, entry.size, entry.crc32)
+
+
+class _Writer(FileSystemWriter):
+    """DCP writer that adds the rank-local file, retries transient errors, reports checksums."""
+
+    def __init__(self, path: Path, rank: int, local_files: Mapping[str, bytes], thread_count: int) -> None:
+        super().__init__(path, thread_count=thread_count, overwrite=False)
+        self.fs = _Crc32FileSystem()
+        self.rank = rank
+        self.local_files = dict(local_files)
+        self.files: tuple[FileEntry, ...] = ()
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[WriteResult]]:
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(self._write_all(plan, planner))
+        return fut
+
+    @retry_transient
+    def _write_all(self, plan: Any, planner: Any) -> list[WriteResult]:
+        self.fs.entries.clear()
+        for name, data in self.local_files.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+        _test_point("before_shards", self.rank)
+        results = super().write_data(plan, planner).value()
+        _test_point("after_shards", self.rank)
+        files = list(self.fs.entries.values())
+        return [*results, WriteResult(MetadataIndex(f"{_FILES_KEY}{self.rank}"), 0, files)]
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        files: list[FileEntry] = []
+        shards = []
+        for rank_results in results:
+            files += [e for r in rank_results if r.index.fqn.startswith(_FILES_KEY) for e in r.storage_data]
+            shards.append([r for r in rank_results if not r.index.fqn.startswith(_FILES_KEY)])
+        super().finish(metadata, shards)
+        files.append(self.fs.entries[".metadata"])
+        self.files = tuple(sorted(files, key=lambda e: e.name))
+
+
+class _Reader(FileSystemReader):
+    """DCP reader whose per-rank reads retry transient filesystem errors."""
+
+    @retry_transient
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        return super().read_data(plan, planner)
+
+
+def _has_errno(exc: BaseException | None, code: int, depth: int = 0) -> bool:
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, OSError) and exc.errno == code:
+        return True
+    if isinstance(exc, CheckpointException):
+        return any(_has_errno(e, code, depth + 1) for e, _ in exc.failures.values())
+    return _has_errno(exc.__cause__ or exc.__context__, code, depth + 1)
+
+
+def _summary(exc: BaseException) -> str:
+    """One line per failed rank instead of DCP's tracebacks (those go to the log)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {e!r}" for r, (e, _) in sorted(exc.failures.items()))
+    return repr(exc)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    tmp: Path
+    writer: _Writer
+    future: Future[Any]
+    started: float
+    metadata: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    save_s: float = 0.0
+
+
+class Checkpointer:
+    """Saves and restores training state transactionally; all ranks call every method together.
+
+    Args:
+        directory: Where ``step-NNNNNN/`` directories and the ``latest`` pointer live.
+        keep_last: Keep the newest ``keep_last`` checkpoints.
+        keep_every: Also keep every step divisible by this (None: none).
+        every_steps: :meth:`should_save` every N steps (None: no step interval).
+        every_min: :meth:`should_save` every M minutes (rank 0's clock decides for everyone).
+        async_save: ``save(blocking=False)`` writes in the background (else always blocking).
+        verify_checksums: Recompute CRC-32s on resume (sizes are always checked).
+        save_rng: Save and restore each rank's RNG states (see ``runtime.rng``).
+        seed: Base seed for re-seeding ranks that have no saved RNG state.
+        thread_count: DCP writer threads per rank.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_every: int | None = None,
+                 every_steps: int | None = None, every_min: float | None = None, async_save: bool = True,
+                 verify_checksums: bool = True, save_rng: bool = True, seed: int = 0,
+                 thread_count: int = 1) -> None:
+        steps_to_prune([], keep_last=keep_last, keep_every=keep_every)  # validates
+        self.directory = Path(directory).absolute()
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.schedule = SaveSchedule(every_steps, every_min)
+        self.async_save, self.verify_checksums = async_save, verify_checksums
+        self.thread_count = thread_count
+        self._rng = rng.RNGState(seed) if save_rng else None
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self._ctl = dist.new_group(backend="gloo") if self.distributed else None
+        self._bg = dist.new_group(backend="gloo") if self.distributed and async_save else None
+        self._inflight: _InFlight | None = None
+        self._latest: int | None = None
+        self._last_save_step: int | None = None
+        self._last_save_time = time.time()
+        self._estimate_bytes = 0
+        self.last_save_s: float | None = None
+        """Wall time of the last committed save (rank 0's, the same on every rank)."""
+        self.last_block_s: float | None = None
+        """How long the last ``save()`` call blocked the caller."""
+        self.loaded_manifest: Manifest | None = None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    # --- collectives ---------------------------------------------------------------------
+    def _broadcast(self, obj: Any) -> Any:
+        if self._ctl is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._ctl, group_src=0)
+        return box[0]
+
+    def _gather_errors(self, err: str | None) -> str | None:
+        if self._ctl is None:
+            return err
+        errs: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(errs, err, group=self._ctl)
+        return next((e for e in errs if e), None)
+
+    # --- public API ----------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """Step of the newest committed checkpoint known to this job (None before any)."""
+        return self._latest
+
+    def should_save(self, step: int, now: float | None = None) -> bool:
+        """Whether a save is due at ``step``; collective when a minute interval is set."""
+        due = self.schedule.due(step, time.time() if now is None else now,
+                                last_step=self._last_save_step, last_time=self._last_save_time)
+        if self.schedule.every_min is not None and self._ctl is not None:
+            flag = torch.tensor([int(due)])
+            dist.broadcast(flag, group=self._ctl, group_src=0)  # one clock decides
+            due = bool(flag.item())
+        return due
+
+    def estimated_save_s(self) -> float:
+        """Expected duration of a blocking save: last measured, else size / assumed rate."""
+        if self.last_save_s is not None:
+            return self.last_save_s
+        if self.loaded_manifest is not None and self.loaded_manifest.save_s > 0:
+            return self.loaded_manifest.save_s
+        return self._estimate_bytes / ASSUMED_WRITE_BYTES_S
+
+    def save(self, step: int, app_state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None,
+             blocking: bool = False) -> None:
+        """Saves ``app_state`` as checkpoint ``step`` (waits for any save in flight first).
+
+        Args:
+            step: Training step (steps done); names the directory.
+            app_state: Modules, optimizers and Stateful objects, the same keys on every rank.
+            metadata: JSON-serializable values for the manifest (W&B run id, cursor, ...).
+            blocking: Return only after the checkpoint is committed (always so without async).
+
+        Raises:
+            CheckpointError: On every rank, when any rank failed; the previous checkpoint is intact.
+            ValueError: When ``step`` is already committed.
+        """
+        self.wait()
+        started = time.monotonic()
+        tmp = self.directory / f"{step_dirname(step)}.tmp"
+        err = self._prepare(step, tmp) if self.rank == 0 else None
+        if (err := self._broadcast(err)) is not None:
+            raise ValueError(err)
+        meta = dict(metadata or {})
+        try:
+            sharded, local = split_state(app_state)
+            if self._rng is not None:
+                local[_RNG_KEY] = self._rng
+            buf = io.BytesIO()
+            torch.save({k: v.state_dict() for k, v in local.items()}, buf)
+            meta.setdefault("samplers", {k: {"epoch": v.epoch, "cursor": v.cursor} for k, v in app_state.items()
+                                         if hasattr(v, "cursor") and hasattr(v, "epoch")})
+            err = None
+        except _FAILED as e:
+            err = f"rank {self.rank}: preparing the checkpoint state failed: {e!r}"
+        if (err := self._gather_errors(err)) is not None:
+            self._cleanup(tmp)
+            raise CheckpointError(err)
+        writer = _Writer(tmp, self.rank, {_local_name(self.rank): buf.getvalue()}, self.thread_count)
+        self._last_save_step, self._last_save_time = step, time.time()
+        if blocking or not self.async_save:
+            try:
+                dcp.save(sharded, storage_writer=writer, process_group=self._ctl, no_dist=not self.distributed)
+                flight = _InFlight(step, tmp, writer, Future(), started, meta)
+                self._commit(flight) if self.rank == 0 else None
+            except _FAILED as e:
+                err = self._failure(e, tmp)
+            err = self._broadcast(err if self.rank == 0 else None)
+            self._finish(step, err, time.monotonic() - started)
+            self.last_block_s = time.monotonic() - started
+            return
+        future = dcp.async_save(sharded, storage_writer=writer, process_group=self._bg,
+                                no_dist=not self.distributed)
+        self._inflight = _InFlight(step, tmp, writer, future, started, meta)
+        if self.rank == 0:
+            future.add_done_callback(lambda f, flight=self._inflight: self._commit_async(flight))
+        self.last_block_s = time.monotonic() - started
+
+    def wait(self) -> None:
+        """Waits for the async save in flight, if any, and tells every rank its outcome.
+
+        Raises:
+            CheckpointError: When it failed (on every rank).
+        """
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        try:
+            flight.future.result()
+        except _FAILED:
+            pass  # rank 0's view below is authoritative
+        if self.rank == 0:
+            flight.done.wait()
+        outcome = self._broadcast((flight.error, flight.save_s) if self.rank == 0 else None)
+        self._finish(flight.step, outcome[0], outcome[1])
+
+    def load_latest(self, app_state: Mapping[str, Any]) -> Manifest | None:
+        """Loads the newest verified checkpoint into ``app_state`` (resharding as needed).
+
+        Rank 0 removes stale ``.tmp`` directories, verifies candidates newest first and quarantines
+        the ones that fail; its choice is broadcast. Ranks beyond the saved world size, which have
+        no saved RNG state, are re-seeded from ``(seed, step, rank)``.
+
+        Returns:
+            The loaded checkpoint's manifest, or None when there is none (nothing is changed).
+        """
+        self.wait()
+        choice = self._choose() if self.rank == 0 else None
+        choice = self._broadcast(choice)
+        sharded, local = split_state(app_state)
+        if choice is None:
+            self._estimate_bytes = self._state_bytes_estimate(sharded)
+            return None
+        manifest = Manifest.from_json(choice)
+        step_dir = self.directory / step_dirname(manifest.step)
+        dcp.load(sharded, storage_reader=_Reader(step_dir), process_group=self._ctl,
+                 no_dist=not self.distributed)
+        if self._rng is not None:
+            local[_RNG_KEY] = self._rng
+        saved: dict[str, Any] = {}
+        if self.rank < manifest.world_size and local:
+            saved = torch.load(step_dir / _local_name(self.rank), weights_only=False)
+        for key, obj in local.items():
+            if key in saved:
+                obj.load_state_dict(saved[key])
+            elif callable(getattr(obj, "reseed", None)):
+                obj.reseed(manifest.step, self.rank)
+        self._latest = self._last_save_step = manifest.step
+        self.loaded_manifest = manifest
+        if self.rank == 0:
+            log.info("checkpoint: resumed from %s (saved at world size %d, now %d)",
+                     step_dir, manifest.world_size, self.world_size)
+        return manifest
+
+    def close(self) -> None:
+        """Flushes the save in flight (call before exit on every rank)."""
+        self.wait()
+
+    # --- internals -----------------------------------------------------------------------
+    def _prepare(self, step: int, tmp: Path) -> str | None:
+        final = self.directory / step_dirname(step)
+        if final.exists():
+            return f"checkpoint {final} already exists; a step is saved once (never overwritten)"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        return None
+
+    def _commit_async(self, flight: _InFlight) -> None:
+        try:
+            flight.future.result()
+            self._commit(flight)
+        except _FAILED as e:
+            flight.error = self._failure(e, flight.tmp)
+        finally:
+            flight.done.set()
+
+    def _commit(self, flight: _InFlight) -> None:
+        """Rank 0: manifest, fsync, rename, ``latest``, prune. The files are all written."""
+        flight.save_s = time.monotonic() - flight.started
+        _test_point("before_manifest", self.rank)
+        manifest = Manifest(step=flight.step, world_size=self.world_size, files=flight.writer.files,
+                            metadata=flight.metadata, torch_version=torch.__version__,
+                            created_time=time.time(), save_s=round(flight.save_s, 4))
+        write_atomic(flight.tmp / MANIFEST_NAME, manifest.to_json())
+        _test_point("before_rename", self.rank)
+        final = self.directory / step_dirname(flight.step)
+        retry_transient(os.rename)(flight.tmp, final)
+        fsync_dir(self.directory)
+        _test_point("before_latest", self.rank)
+        write_atomic(self.directory / LATEST_NAME, final.name + "\n")
+        self._prune(flight.step)
+
+    def _finish(self, step: int, err: str | None, save_s: float) -> None:
+        if err is not None:
+            raise CheckpointError(err)
+        self._latest, self.last_save_s = step, save_s
+
+    def _failure(self, exc: BaseException, tmp: Path) -> str:
+        """Rank 0: removes the torn ``.tmp`` and describes the failure."""
+        if _has_errno(exc, errno.ENOSPC):
+            free = shutil.disk_usage(self.directory).free
+            msg = f"checkpoint save to {tmp} failed: disk full ({free} bytes free)"
+        else:
+            msg = f"checkpoint save to {tmp} failed: {_summary(exc)}"
+        self._cleanup(tmp)
+        good = self._latest
+        msg += f"; the last good checkpoint {step_dirname(good)} is intact" if good is not None \
+            else "; there is no earlier checkpoint"
+        log.error("%s", msg)
+        return msg
+
+    def _cleanup(self, tmp: Path) -> None:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _committed_steps(self) -> list[int]:
+        return sorted(s for d in self.directory.iterdir() if (s := parse_step(d.name)) is not None)
+
+    def _prune(self, newest: int) -> None:
+        protect = {newest}
+        latest = self.directory / LATEST_NAME
+        if latest.exists() and (pointed := parse_step(latest.read_text().strip())) is not None:
+            protect.add(pointed)
+        for step in steps_to_prune(self._committed_steps(), keep_last=self.keep_last,
+                                   keep_every=self.keep_every, protect=protect):
+            doomed = self.directory / step_dirname(step)
+            trash = doomed.with_name(f"{doomed.name}.deleting")
+            os.rename(doomed, trash)  # never leave a half-deleted step-NNNNNN behind
+            shutil.rmtree(trash, ignore_errors=True)
+            log.info("checkpoint: pruned %s", doomed.name)
+
+    def _choose(self) -> str | None:
+        """Rank 0: the newest verified checkpoint's manifest (JSON), quarantining bad ones."""
+        if not self.directory.exists():
+            return None
+        for d in self.directory.iterdir():
+            if is_tmp_dir(d.name) or d.name.endswith(".deleting"):
+                log.warning("checkpoint: removing unfinished %s", d.name)
+                shutil.rmtree(d, ignore_errors=True)
+        for step in reversed(self._committed_steps()):
+            step_dir = self.directory / step_dirname(step)
+            manifest, reason = verify(step_dir, checksums=self.verify_checksums)
+            if reason is None and manifest is not None:
+                latest = self.directory / LATEST_NAME
+                if not latest.exists() or latest.read_text().strip() != step_dir.name:
+                    write_atomic(latest, step_dir.name + "\n")
+                return manifest.to_json()
+            bad = step_dir.with_name(f"{step_dir.name}.corrupt-{int(time.time())}")
+            os.rename(step_dir, bad)
+            log.error("checkpoint: %s failed verification (%s); quarantined as %s, using the previous one",
+                      step_dir.name, reason, bad.name)
+        return None
+
+    def _state_bytes_estimate(self, sharded: Mapping[str, Any]) -> int:
+        local = sum(p.numel() * p.element_size() for v in sharded.values() if isinstance(v, _ModuleState)
+                    for p in v.model.parameters())
+        local *= 3 if any(isinstance(v, _OptimizerState) for v in sharded.values()) else 1
+        if self._ctl is None:
+            return local
+        total = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(total, group=self._ctl)
+        return int(total.item())
