@@ -1,0 +1,235 @@
+"""``hpc submit`` and ``hpc render``: one JobSpec, checked against the cluster, then submitted.
+
+The order matters and is the point of this module:
+
+1. plan (pure): the backend turns the spec into the exact command and script;
+   ``hpc render`` / ``--dry-run`` print that plan and stop: no job directory, no Slurm call;
+2. check (reads Slurm, changes nothing): the partition exists and is up, the node count and the
+   time limit fit it; a problem exits with status 2 and a message that names it;
+3. act: create the private job directory, write ``jobspec.json``, submit, record the job id in
+   ``JOB_DIR/slurm_job_id`` and in the user's job index (``$HPC_HOME/jobs.jsonl``, default
+   ``~/.hpc``) so that ``hpc status`` lists recent jobs and ``hpc logs JOBID`` finds the job.
+
+sbatch's own rejections (the controller knows limits we cannot see, e.g. QOS or account) are
+mapped to the same kind of clear message and status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc import jobdir, values
+from hpc.errors import SpecError
+from hpc.jobspec import JobSpec
+
+if TYPE_CHECKING:
+    from hpc.slurm_parse import PartitionInfo
+
+EXIT_USAGE = 2
+JOB_ID_FILE = "slurm_job_id"
+BACKENDS = ("sbatch", "submitit", "torchx")
+
+# sbatch's words for a rejection -> (what was wrong, what to do). Recorded from Slurm 22.05.
+_SBATCH_REJECTIONS = (
+    (r"invalid partition", "the partition does not exist",
+     "pick one from `sinfo -s` with --partition"),
+    (r"node count specification invalid|more processors requested than permitted",
+     "more nodes than the partition allows", "lower --nodes"),
+    (r"requested time limit is invalid", "the time limit is over the partition's limit",
+     "lower --time (see MaxTime in `scontrol show partition`)"),
+    (r"invalid account", "the account is not valid for you", "check --account with `sacctmgr show assoc user=$USER`"),
+    (r"invalid qos", "the QOS is not valid", "check --qos with `sacctmgr show qos`"),
+    (r"requested node configuration is not available", "no node has the requested resources",
+     "lower --mem/--cpus-per-task/--gpus-per-node or change --constraint"),
+)
+
+
+def hpc_home(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    """Where the job index lives: ``$HPC_HOME``, else ``~/.hpc``."""
+    return Path(env.get("HPC_HOME") or Path.home() / ".hpc")
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _backend_module(backend: str) -> Any:
+    if backend == "sbatch":
+        from hpc.backends import sbatch
+        return sbatch
+    if backend == "submitit":
+        from hpc.backends import submitit_backend
+        return submitit_backend
+    if backend == "torchx":
+        from hpc.backends import torchx_component
+        return torchx_component
+    raise SpecError("--backend", backend, "one of " + ", ".join(BACKENDS), "--backend sbatch")
+
+
+def dry_run(spec: JobSpec, backend: str = "sbatch") -> int:
+    """Prints exactly what :func:`submit` would run; contacts nothing, creates nothing."""
+    print(_backend_module(backend).plan(spec).describe(), end="")
+    return 0
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check_partition(spec: JobSpec, partitions: Sequence[PartitionInfo]) -> PartitionInfo | None:
+    """Checks the request against the partition it will run in (pure).
+
+    Args:
+        spec: The job.
+        partitions: ``scontrol show partition`` records.
+
+    Returns:
+        The partition the job goes to (None if the cluster has no default and none was asked).
+
+    Raises:
+        SpecError: unknown or down partition, more nodes than it has or allows, a time limit
+            over its MaxTime.
+    """
+    names = ", ".join(p.name for p in partitions) or "(none)"
+    if spec.partition:
+        found = [p for p in partitions if p.name == spec.partition]
+        if not found:
+            raise SpecError("--partition", spec.partition, f"a partition of this cluster: {names}",
+                            f"--partition {partitions[0].name if partitions else 'gpu'}")
+        part = found[0]
+        flag = f"partition {part.name!r}"
+    else:
+        defaults = [p for p in partitions if p.default]
+        if not defaults:
+            return None
+        part, flag = defaults[0], f"default partition {defaults[0].name!r}"
+    if part.state.upper() not in ("UP", ""):
+        raise SpecError("--partition", part.name, f"a partition that is UP (it is {part.state})",
+                        f"--partition {names.split(', ')[0]}")
+    most = min(part.total_nodes, part.max_nodes or part.total_nodes)
+    if spec.min_nodes > most:
+        raise SpecError("--nodes", spec.nodes_text,
+                        f"at most {most} nodes: the {flag} has {part.total_nodes} nodes"
+                        + (f" and MaxNodes={part.max_nodes}" if part.max_nodes else ""),
+                        f"--nodes {most}" if most > 1 else "--nodes 1")
+    if spec.time_limit_s and part.max_time_s and spec.time_limit_s > part.max_time_s:
+        limit = values.format_time(part.max_time_s)
+        raise SpecError("--time", spec.time_text, f"at most {limit}, the MaxTime of the {flag}",
+                        f"--time {limit}")
+    return part
+
+
+def explain_rejection(stderr: str) -> str | None:
+    """A clear message for an sbatch rejection we recognise, else None (pure)."""
+    for pattern, what, todo in _SBATCH_REJECTIONS:
+        if re.search(pattern, stderr, re.IGNORECASE):
+            detail = stderr.strip().splitlines()[-1].split("error: ", 1)[-1]
+            return f"Slurm refused the job: {what} ({detail}); {todo}"
+    return None
+
+
+# --------------------------------------------------------------------------- job index
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One line of the job index: a submitted job and where its directory is."""
+
+    job_id: str
+    job_dir: str
+    name: str
+    backend: str
+    submitted: float
+
+
+def record_job(record: JobRecord, home: Path | None = None) -> None:
+    """Appends a job to ``$HPC_HOME/jobs.jsonl`` (private to the user)."""
+    home = home or hpc_home()
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(home / "jobs.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(asdict(record), sort_keys=True) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_index(home: Path | None = None) -> list[JobRecord]:
+    """All recorded jobs, oldest first (unreadable lines are skipped)."""
+    path = (home or hpc_home()) / "jobs.jsonl"
+    out: list[JobRecord] = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(JobRecord(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return out
+
+
+def resolve(ref: str, home: Path | None = None) -> JobRecord:
+    """A job id or a job directory -> its record (job id and directory).
+
+    Raises:
+        SpecError: when neither the index nor the directory knows the job.
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / JOB_ID_FILE).exists():
+        job_id = (path / JOB_ID_FILE).read_text().strip()
+        return JobRecord(job_id, str(path.absolute()), path.name, "", 0.0)
+    for rec in reversed(read_index(home)):
+        if rec.job_id == ref:
+            return rec
+    if re.fullmatch(r"\d+(_\d+)?", ref):
+        return JobRecord(ref, "", "", "", 0.0)  # a job id we did not submit: Slurm may know it
+    raise SpecError("JOB", ref, "a Slurm job id or a job directory holding slurm_job_id",
+                    "hpc status 1234")
+
+
+# --------------------------------------------------------------------------- act
+
+
+def submit(spec: JobSpec, backend: str = "sbatch") -> int:
+    """Checks, creates the job directory, submits; prints the job id and directory.
+
+    Returns:
+        0 when submitted, 2 when the request does not fit the cluster or sbatch refused it.
+    """
+    from hpc.slurm import SlurmClient, SlurmError
+
+    module = _backend_module(backend)
+    p = module.plan(spec)  # renders and refuses secrets before anything is created
+    client = SlurmClient()
+    check_partition(spec, client.partitions())
+    job_dir = Path(spec.job_dir)
+    fresh = not job_dir.exists()
+    jobdir.create(job_dir)
+    jobdir.write_atomic(job_dir / jobdir.JOBSPEC, spec.to_json())
+    started = time.time()
+    try:
+        job_id = module.execute(p, client)
+    except SlurmError as e:
+        if fresh:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        message = explain_rejection(e.stderr or str(e))
+        if message is None:
+            raise
+        print(f"hpc submit: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    jobdir.write_atomic(job_dir / JOB_ID_FILE, job_id + "\n")
+    record_job(JobRecord(job_id, str(job_dir), spec.job_name, backend, started))
+    print(f"Submitted job {job_id} ({backend}): {spec.job_name}, {spec.nodes_text} node(s) x "
+          f"{spec.nproc_per_node} process(es)")
+    print(f"Job directory: {job_dir}")
+    print(f"Follow it with: hpc logs -f {job_id}")
+    return 0
+
+
+__all__ = ["dry_run", "submit", "check_partition", "explain_rejection", "JobRecord",
+           "record_job", "read_index", "resolve", "hpc_home"]
