@@ -1,0 +1,139 @@
+"""``hpc logs [-f] JOB``: one rank's output across the job's whole life.
+
+A job's output is spread over files that appear as it lives: each allocation (Slurm requeue)
+and each elastic restart inside it writes ``logs/alloc-<A>/restart-<K>/rank-<R>.log``, and the
+batch script's own output (launcher messages, srun's status) goes to ``logs/slurm-<id>.out``.
+This prints them in life order (allocation, then restart, numerically) with a header per file,
+then the batch output. With ``-f`` it keeps reading: new bytes in known files, and new files as
+requeues and restarts create them, until Slurm reports a terminal state (polled with backoff,
+one squeue/sacct call per poll), then drains what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from hpc.errors import SpecError
+from hpc.submit import JobRecord, resolve
+
+_ALLOC = re.compile(r"alloc-(\d+)$")
+_RESTART = re.compile(r"restart-(\d+)$")
+# Final for sure. PREEMPTED and NODE_FAIL may be followed by a requeue under the same id, so
+# they count as final only after they stayed so for several polls.
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE"}
+MAYBE_FINAL_STATES = {"PREEMPTED", "NODE_FAIL"}
+MAYBE_FINAL_POLLS = 3
+
+
+def rank_logs(job_dir: Path, rank: int = 0) -> list[Path]:
+    """The rank's log files in life order: by allocation, then by restart (numerically)."""
+    out: list[tuple[int, int, Path]] = []
+    logs = Path(job_dir) / "logs"
+    if not logs.is_dir():
+        return []
+    for alloc in logs.iterdir():
+        a = _ALLOC.match(alloc.name)
+        if not (a and alloc.is_dir()):
+            continue
+        for restart in alloc.iterdir():
+            r = _RESTART.match(restart.name)
+            path = restart / f"rank-{rank}.log"
+            if r and path.is_file():
+                out.append((int(a.group(1)), int(r.group(1)), path))
+    return [p for _, _, p in sorted(out)]
+
+
+def log_files(job_dir: Path, job_id: str, rank: int = 0) -> list[Path]:
+    """Everything ``hpc logs`` shows, in order: the rank's logs, then the batch output."""
+    files = rank_logs(job_dir, rank)
+    batch = Path(job_dir) / "logs" / f"slurm-{job_id}.out"
+    if batch.is_file():
+        files.append(batch)
+    return files
+
+
+class Follower:
+    """Prints new bytes of a changing set of files, with a header whenever the file changes.
+
+    Args:
+        list_files: Returns the files to show, in order (called on every :meth:`step`).
+        out: Where to print.
+    """
+
+    def __init__(self, list_files: Callable[[], list[Path]], out: TextIO) -> None:
+        self.list_files, self.out = list_files, out
+        self.offsets: dict[Path, int] = {}
+        self._current: Path | None = None
+
+    def step(self) -> int:
+        """Prints what is new; returns the number of bytes printed."""
+        printed = 0
+        for path in self.list_files():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            if path != self._current:
+                self.out.write(f"==> {path} <==\n")
+                self._current = path
+            self.out.write(data.decode(errors="replace"))
+            self.out.flush()
+            self.offsets[path] = self.offsets.get(path, 0) + len(data)
+            printed += len(data)
+        return printed
+
+
+def follow(job: JobRecord, follower: Follower, poll_state: Callable[[], str],
+           wait: Callable[[], None]) -> str:
+    """Prints until the job is final, then drains; returns the final state.
+
+    Args:
+        job: The job.
+        follower: Prints new output.
+        poll_state: Returns the job's current Slurm state (one polite poll).
+        wait: Sleeps until the next poll (with backoff).
+    """
+    maybe_final = 0
+    while True:
+        follower.step()
+        state = poll_state()
+        maybe_final = maybe_final + 1 if state in MAYBE_FINAL_STATES else 0
+        if state in FINAL_STATES or maybe_final >= MAYBE_FINAL_POLLS:
+            follower.step()
+            return state
+        wait()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hpc logs [-f] [--rank R] JOB``."""
+    job = resolve(args.job)
+    if not job.job_dir:
+        raise SpecError("JOB", args.job, "a job submitted with hpc (its directory is recorded "
+                        "in $HPC_HOME/jobs.jsonl) or a job directory", "hpc logs runs/gpt")
+    job_dir = Path(job.job_dir)
+    follower = Follower(lambda: log_files(job_dir, job.job_id, args.rank), sys.stdout)
+    if not args.follow:
+        if not follower.step():
+            print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
+        return 0
+    from hpc.slurm import SlurmClient
+    from hpc.status import Poller
+
+    poller = Poller(SlurmClient(), [job])
+
+    def poll_state() -> str:
+        return poller.poll()[0].state
+
+    state = follow(job, follower, poll_state, poller.wait)
+    print(f"hpc logs: job {job.job_id} is {state}", file=sys.stderr)
+    return 0

@@ -1,0 +1,231 @@
+"""``hpc status`` and ``hpc cancel``: what happened to a job, across its whole life.
+
+A job that is preempted and requeued keeps its Slurm id but has several allocations. Slurm
+alone says *that* each one ended (``sacct --duplicates``: REQUEUED, PREEMPTED, NODE_FAIL ...);
+the job directory's ``outcomes.jsonl`` says *why* from inside (saved at step N and exited for
+the time limit, application error on rank 3 ...). The table puts both side by side.
+
+Politeness: many jobs cost ONE squeue and ONE sacct call, never one per job, and anything
+that waits (``hpc logs -f``) polls through :class:`Poller`, which backs off to 30 s.
+
+Everything except :func:`main`, :func:`cancel` and :meth:`Poller.poll` is pure: the view is
+built from parsed records (:func:`build_views`) and formatted (:func:`format_table`) without
+running anything, so the unit tests feed recorded Slurm output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpc import jobdir, values
+from hpc.submit import JobRecord, read_index, resolve
+
+if TYPE_CHECKING:
+    from hpc.slurm import SlurmClient
+    from hpc.slurm_parse import AccountingRecord, QueueEntry
+
+RECENT = 10
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One run of the job on some nodes: how Slurm saw it end and why it ended inside."""
+
+    index: int
+    slurm_state: str
+    nodes: str
+    elapsed_s: int
+    exit_code: str = ""
+    outcome: str = ""
+    reason: str = ""
+    step: int | None = None
+
+    def describe(self) -> str:
+        inside = self.outcome + (f" at step {self.step}" if self.step is not None else "")
+        inside += f": {self.reason}" if self.reason else ""
+        return f"#{self.index} {self.slurm_state}" + (f" ({inside})" if inside else "")
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What ``hpc status`` shows for one job."""
+
+    job_id: str
+    name: str
+    state: str
+    nodes: str
+    elapsed_s: int
+    requeues: int
+    job_dir: str = ""
+    allocations: tuple[Allocation, ...] = field(default_factory=tuple)
+
+    @property
+    def terminal(self) -> bool:
+        from hpc.slurm_parse import parse_job_state
+        return self.state != "UNKNOWN" and parse_job_state(self.state).is_terminal
+
+
+def _nodes_text(count: int, names: Sequence[str]) -> str:
+    if not names:
+        return str(count) if count else "-"
+    return f"{len(names)} ({','.join(names)})"
+
+
+def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
+                accounting: Sequence[AccountingRecord],
+                outcomes: Mapping[str, Sequence[jobdir.Outcome]]) -> list[JobView]:
+    """Joins the index, squeue, sacct (with duplicates) and outcomes.jsonl into views (pure).
+
+    Args:
+        jobs: The jobs to show (id, directory, name).
+        queue: squeue entries by job id (the live state; missing once Slurm forgets the job).
+        accounting: sacct records, in sacct's order (allocations and steps).
+        outcomes: outcomes.jsonl records by job id.
+    """
+    views = []
+    for job in jobs:
+        runs = [r for r in accounting if r.job_id == job.job_id and r.step is None]
+        live = queue.get(job.job_id)
+        by_alloc = {o.allocation: o for o in outcomes.get(job.job_id, ())}
+        allocs = []
+        started = [r for r in runs if r.start is not None]
+        for i, r in enumerate(started):
+            o = by_alloc.get(i)
+            code = f"{r.exit_code[0]}:{r.exit_code[1]}" if r.exit_code else ""
+            allocs.append(Allocation(
+                index=i, slurm_state=r.raw_state.split()[0], nodes=",".join(r.nodes),
+                elapsed_s=r.elapsed_s, exit_code=code, outcome=o.kind if o else "",
+                reason=o.reason if o else "", step=o.step if o else None))
+        latest = runs[-1] if runs else None
+        if live is not None:
+            state, nodes = live.raw_state, _nodes_text(live.num_nodes, live.nodes)
+            elapsed, name = live.elapsed_s, live.name
+        elif latest is not None:
+            state, nodes = latest.raw_state.split()[0], _nodes_text(len(latest.nodes), latest.nodes)
+            elapsed, name = latest.elapsed_s, latest.name
+        else:
+            state, nodes, elapsed, name = "UNKNOWN", "-", 0, job.name
+        views.append(JobView(job_id=job.job_id, name=name or job.name, state=state, nodes=nodes,
+                             elapsed_s=elapsed, requeues=max(0, len(runs) - 1),
+                             job_dir=job.job_dir, allocations=tuple(allocs)))
+    return views
+
+
+def format_table(views: Sequence[JobView], width: int = 140) -> str:
+    """The status table as text (rich), ``width`` columns wide (pure)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=None, show_lines=False, expand=False)
+    for col in ("JOB", "NAME", "STATE", "NODES", "ELAPSED", "REQUEUES", "ALLOCATIONS (Slurm end, our outcome)"):
+        table.add_column(col, overflow="fold")
+    for v in views:
+        history = "\n".join(a.describe() for a in v.allocations) or "-"
+        table.add_row(v.job_id, v.name, v.state, v.nodes, values.format_time(v.elapsed_s),
+                      str(v.requeues), history)
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, force_terminal=False).print(table)
+    return out.getvalue()
+
+
+def to_json(views: Sequence[JobView]) -> str:
+    """Machine-readable status (pure)."""
+    return json.dumps([asdict(v) for v in views], indent=2, sort_keys=True) + "\n"
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
+    """outcomes.jsonl of every job whose directory we know (unreadable ones are skipped)."""
+    out: dict[str, list[jobdir.Outcome]] = {}
+    for job in jobs:
+        if job.job_dir:
+            try:
+                out[job.job_id] = jobdir.read_outcomes(Path(job.job_dir))
+            except (OSError, ValueError, TypeError):
+                out[job.job_id] = []
+    return out
+
+
+def collect(client: SlurmClient, jobs: Sequence[JobRecord]) -> list[JobView]:
+    """One squeue and one sacct call for all ``jobs``, joined with their outcomes."""
+    from hpc.slurm import SlurmError
+
+    ids = [j.job_id for j in jobs]
+    queue = client.queue(ids)
+    try:
+        accounting = client.accounting(ids)
+    except SlurmError:  # no accounting storage on this cluster: squeue is all we have
+        accounting = ()
+    return build_views(jobs, queue, accounting, read_outcomes(jobs))
+
+
+class Poller:
+    """Polls jobs politely: 1 s, then doubling to ``max_interval_s`` while nothing changes.
+
+    Args:
+        client: The Slurm client.
+        jobs: The jobs to watch.
+        max_interval_s: Longest wait between polls.
+        sleep: The sleep function (tests pass a fake clock).
+    """
+
+    def __init__(self, client: SlurmClient, jobs: Sequence[JobRecord], *,
+                 max_interval_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.client, self.jobs = client, list(jobs)
+        self.max_interval_s, self.sleep = max_interval_s, sleep
+        self.interval = 1.0
+        self._last: list[tuple[str, int]] | None = None
+
+    def poll(self) -> list[JobView]:
+        """Polls now; resets the backoff when any state or requeue count changed."""
+        views = collect(self.client, self.jobs)
+        now = [(v.state, v.requeues) for v in views]
+        self.interval = 1.0 if now != self._last else min(self.max_interval_s, self.interval * 2)
+        self._last = now
+        return views
+
+    def wait(self) -> None:
+        self.sleep(self.interval)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _jobs_from_args(refs: Sequence[str]) -> list[JobRecord]:
+    if refs:
+        return [resolve(r) for r in refs]
+    return read_index()[-RECENT:]
+
+
+def main(args: argparse.Namespace) -> int:
+    """``hpc status [JOB...]``: a table of the given jobs (default: your recent ones)."""
+    from hpc.slurm import SlurmClient
+
+    jobs = _jobs_from_args(args.job)
+    if not jobs:
+        print("hpc status: no jobs submitted from here yet (the index is in $HPC_HOME, default "
+              "~/.hpc); pass job ids: hpc status 1234")
+        return 0
+    views = collect(SlurmClient(), jobs)
+    print(to_json(views) if getattr(args, "json", False) else format_table(views), end="")
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    """``hpc cancel JOB...``: cancels each job through the Slurm client."""
+    from hpc.slurm import SlurmClient
+
+    client = SlurmClient()
+    for job in (resolve(r) for r in args.job):
+        client.cancel(job.job_id)
+        print(f"Cancelled job {job.job_id}" + (f" ({job.job_dir})" if job.job_dir else ""))
+    return 0
