@@ -1,0 +1,71 @@
+#!/bin/bash
+# Rendered by hpc-elastic (slurm_templates/sbatch_elastic.sh.j2). Re-render instead of editing.
+# One Slurm task per node runs the per-node launcher (runtime.launch), which runs torch's
+# elastic agent with a c10d rendezvous on the allocation's first node.
+#
+# #SBATCH values are escaped for sbatch's own option parser (double quotes, and a backslash
+# before every character that is not plainly safe); values in the shell body are shell-quoted.
+#SBATCH --job-name=gpt
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=32
+#SBATCH --gres=gpu:8
+#SBATCH --mem=256G
+#SBATCH --time=04:00:00
+#SBATCH --partition=gpu
+#SBATCH --account=proj123
+#SBATCH --qos=high
+#SBATCH --constraint="a100\&ib"
+#SBATCH --exclude="node\[3-4\]"
+#SBATCH --output=/scratch/me/jobs/gpt-1/logs/slurm-%j.out
+#SBATCH --open-mode=append
+#SBATCH --export=ALL
+#SBATCH --no-kill
+#SBATCH --signal=USR1@300
+#SBATCH --requeue
+
+set -u
+JOB_DIR=/scratch/me/jobs/gpt-1
+PYTHON=/opt/venv/bin/python
+REQUEUE=auto
+MAX_REQUEUES=5
+ALLOCATION="${SLURM_RESTART_COUNT:-0}"
+
+# The c10d rendezvous runs on the allocation's first node (every node computes the same).
+HPC_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+export HPC_RDZV_HOST
+export HPC_JOB_DIR="$JOB_DIR"
+echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}" \
+     "(${SLURM_JOB_NUM_NODES} nodes); rendezvous ${HPC_RDZV_HOST}:29500; $(date -Is)"
+
+# Slurm signals the batch shell too (SIGTERM on preemption or scancel). bash would die at
+# once and take the job with it before the workers have saved, so the shell only notes the
+# signal and keeps waiting; the launchers forward it to the workers, which agree and save.
+GOT_TERM=0
+trap 'GOT_TERM=1; echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
+trap 'echo "hpc: batch shell got SIGUSR1; waiting for the workers" >&2' USR1
+
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
+    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
+SRUN_PID=$!
+# A trapped signal interrupts `wait`; keep waiting until srun itself is gone, then collect
+# its status (bash remembers it even when the interrupted wait already reaped it).
+while kill -0 "$SRUN_PID" 2>/dev/null; do
+    wait "$SRUN_PID"
+done
+wait "$SRUN_PID"
+STATUS=$?
+echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
+
+# Exit 75: the workers saved and stopped before the time limit (or on preemption). On
+# preemption (SIGTERM here) Slurm requeues the job itself; near the time limit we ask for
+# the requeue, exactly once per allocation and at most MAX_REQUEUES times in all.
+if [ "$STATUS" -eq 75 ] && [ "$GOT_TERM" -eq 0 ] && [ "$REQUEUE" = auto ]; then
+    if [ "$ALLOCATION" -lt "$MAX_REQUEUES" ]; then
+        echo "hpc: requeueing job ${SLURM_JOB_ID} (requeue $((ALLOCATION + 1)) of ${MAX_REQUEUES})"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "hpc: not requeueing: ${MAX_REQUEUES} requeues done (--max-requeues)" >&2
+    fi
+fi
+exit "$STATUS"

@@ -1,0 +1,155 @@
+"""Rendering: golden scripts for each variant, quoting for sbatch and the shell, secrets refused.
+
+Golden files in tests/golden/ change only with ``HPC_UPDATE_GOLDEN=1``; a mismatch shows a
+line-by-line diff. Hostile paths are checked by parsing the rendered script back: bash must
+see the exact job directory, and sbatch's #SBATCH parser (re-implemented from Slurm's source
+in :func:`sbatch_parse_argument`) must see the exact output path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc.errors import SpecError
+from hpc.jobspec import JobSpec
+from hpc.render import check_no_secrets, is_secret_name, render_sbatch, sbatch_quote
+
+pytestmark = pytest.mark.unit
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+BASE = dict(script="/home/me/train.py", job_name="gpt", job_dir="/scratch/me/jobs/gpt-1",
+            python="/opt/venv/bin/python")
+
+VARIANTS = {
+    "minimal": {},
+    "full_options": dict(nodes=(4, 4), gpus_per_node=8, cpus_per_task=32, mem="256G",
+                         time_limit_s=4 * 3600, partition="gpu", account="proj123", qos="high",
+                         constraint="a100&ib", exclude="node[3-4]", signal="USR1",
+                         signal_lead_s=300, max_requeues=5, rdzv_port=29500),
+    "elastic": dict(nodes=(2, 4), nproc_per_node=2),
+    "requeue_never": dict(requeue="never"),
+    "hostile_job_dir": dict(job_dir="/tmp/semi;colon $HOME `x`/quote's \"dq\" #hash",
+                            job_name="my job #1"),
+}
+
+
+def _diff(expected: str, actual: str, name: str) -> str:
+    return "\n".join(difflib.unified_diff(expected.splitlines(), actual.splitlines(),
+                                          f"golden/{name}", "rendered", lineterm=""))
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_golden(name: str) -> None:
+    text = render_sbatch(JobSpec(**{**BASE, **VARIANTS[name]}))
+    path = GOLDEN / f"sbatch_{name}.sh"
+    if os.environ.get("HPC_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with HPC_UPDATE_GOLDEN=1 to create it"
+    expected = path.read_text()
+    assert text == expected, "rendered script differs from the golden file:\n" + _diff(expected, text, path.name)
+
+
+def sbatch_parse_argument(line: str) -> list[str]:
+    """Slurm 22.05's _get_argument loop (src/sbatch/opt.c), applied to a whole #SBATCH line."""
+    args, i = [], 0
+    while True:
+        while i < len(line) and line[i].isspace():
+            i += 1
+        if i >= len(line):
+            return args
+        arg, quoted, q, esc = [], False, "", False
+        while i < len(line) and (quoted or not line[i].isspace()):
+            c = line[i]
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc, i = True, i + 1
+                continue
+            elif quoted:
+                if c == q:
+                    quoted, i = False, i + 1
+                    continue
+            elif c in "\"'":
+                quoted, q, i = True, c, i + 1
+                continue
+            elif c == "#":
+                return args + ["".join(arg)] if arg else args
+            arg.append(c)
+            i += 1
+        args.append("".join(arg))
+
+
+def test_sbatch_quote_round_trips(hostile_dir: Path) -> None:
+    for value in (str(hostile_dir), "a\\b", "x#y", "plain-1.2"):
+        assert sbatch_parse_argument(f"--output={sbatch_quote(value)}") == [f"--output={value}"]
+
+
+def test_hostile_job_dir_reaches_bash_and_sbatch_exactly(hostile_dir: Path) -> None:
+    job_dir = str(hostile_dir / "job")
+    text = render_sbatch(JobSpec(**{**BASE, "job_dir": job_dir, "job_name": hostile_dir.name}))
+    output = [ln for ln in text.splitlines() if ln.startswith("#SBATCH --output=")][0]
+    assert sbatch_parse_argument(output[len("#SBATCH "):]) == [f"--output={job_dir}/logs/slurm-%j.out"]
+    name = [ln for ln in text.splitlines() if ln.startswith("#SBATCH --job-name=")][0]
+    assert sbatch_parse_argument(name[len("#SBATCH "):]) == [f"--job-name={hostile_dir.name}"]
+    # Run the script's variable block in bash: JOB_DIR must come out byte for byte.
+    block = text.split("set -u\n", 1)[1].split("\n\n", 1)[0]
+    out = subprocess.run(["bash", "-c", block + '\nprintf %s "$JOB_DIR"'], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout == job_dir
+    assert not (hostile_dir / "x").exists()  # no backtick or ; ran
+
+
+def test_requeue_flags() -> None:
+    assert "#SBATCH --requeue\n" in render_sbatch(JobSpec(**BASE))
+    never = render_sbatch(JobSpec(**BASE, requeue="never"))
+    assert "#SBATCH --no-requeue\n" in never and "#SBATCH --requeue\n" not in never
+
+
+def test_signal_goes_to_steps_not_batch_shell() -> None:
+    text = render_sbatch(JobSpec(**BASE, signal="USR1", signal_lead_s=90))
+    assert "#SBATCH --signal=USR1@90\n" in text and "B:" not in text
+
+
+def test_elastic_nodes_use_slurm_range() -> None:
+    assert "#SBATCH --nodes=2-4\n" in render_sbatch(JobSpec(**BASE, nodes=(2, 4)))
+
+
+def test_unset_options_are_absent() -> None:
+    text = render_sbatch(JobSpec(**BASE))
+    for opt in ("--partition", "--account", "--qos", "--constraint", "--exclude", "--mem",
+                "--cpus-per-task", "--gres", "--time"):
+        assert f"#SBATCH {opt}" not in text
+
+
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY",
+                                  "DB_PASSWORD", "MY_SECRET", "GITHUB_TOKEN"])
+def test_secret_names(name: str) -> None:
+    assert is_secret_name(name)
+    with pytest.raises(SpecError, match=f"Export {name}"):
+        check_no_secrets(JobSpec(**BASE, env=(( name, "s3cr3t"),)))
+
+
+@pytest.mark.parametrize("name", ["NCCL_DEBUG", "OMP_NUM_THREADS", "KEYBOARD", "TOKENIZERS_PARALLELISM"])
+def test_not_secret_names(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_secret_in_env_refused_before_rendering() -> None:
+    with pytest.raises(SpecError, match="WANDB_API_KEY"):
+        render_sbatch(JobSpec(**BASE, env=(("WANDB_API_KEY", "abc123"),)))
+
+
+def test_percent_in_job_dir_refused() -> None:
+    with pytest.raises(SpecError, match="%"):
+        render_sbatch(JobSpec(**{**BASE, "job_dir": "/tmp/a%jb"}))
+
+
+def test_script_is_valid_bash() -> None:
+    for variant in VARIANTS.values():
+        text = render_sbatch(JobSpec(**{**BASE, **variant}))
+        subprocess.run(["bash", "-n"], input=text, text=True, check=True)
