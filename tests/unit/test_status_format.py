@@ -1,0 +1,151 @@
+"""Status view and table from recorded Slurm output (pure), the poller's backoff, logs order."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from hpc import jobdir
+from hpc.logs import Follower, follow, rank_logs
+from hpc.slurm_parse import parse_sacct, parse_squeue
+from hpc.status import Poller, build_views, format_table, to_json
+from hpc.submit import JobRecord, check_partition, explain_rejection
+from hpc.jobspec import JobSpec
+from hpc.errors import SpecError
+from hpc.slurm_parse import parse_show_partitions
+
+pytestmark = pytest.mark.unit
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
+
+
+def _rec(job_id: str, job_dir: str = "") -> JobRecord:
+    return JobRecord(job_id, job_dir, f"job{job_id}", "sbatch", 0.0)
+
+
+def test_views_join_sacct_duplicates_and_outcomes() -> None:
+    acct = parse_sacct((FIX / "sacct_duplicates.txt").read_text())
+    outcomes = {"4": [jobdir.Outcome(allocation=0, kind="preempted", exit_code=75, step=12,
+                                     reason="SIGTERM")]}
+    views = {v.job_id: v for v in build_views([_rec("3"), _rec("4"), _rec("1")], {}, acct, outcomes)}
+    assert views["3"].requeues == 1 and views["4"].requeues == 1 and views["1"].requeues == 0
+    assert views["4"].allocations[0].describe() == "#0 PREEMPTED (preempted at step 12: SIGTERM)"
+    assert [a.slurm_state for a in views["3"].allocations] == ["REQUEUED", "CANCELLED"]
+    assert views["1"].state == "COMPLETED" and views["1"].nodes == "2 (node1,node2)"
+
+
+def test_live_state_from_squeue_wins() -> None:
+    queue = {e.job_id: e for e in parse_squeue((FIX / "squeue_after_requeue.txt").read_text())}
+    acct = parse_sacct((FIX / "sacct_duplicates.txt").read_text())
+    view = build_views([_rec("3")], queue, acct, {})[0]
+    assert view.state == "RUNNING" and view.nodes == "1 (node2)"
+
+
+def test_node_fail_then_pending_counts_one_requeue() -> None:
+    acct = parse_sacct((FIX / "sacct_node_fail.txt").read_text())
+    view = build_views([_rec("1")], {}, acct, {})[0]
+    assert view.requeues == 1 and view.state == "PENDING"
+    assert [a.slurm_state for a in view.allocations] == ["NODE_FAIL"]
+
+
+def test_unknown_job() -> None:
+    view = build_views([_rec("99")], {}, (), {})[0]
+    assert view.state == "UNKNOWN" and not view.terminal
+
+
+def test_table_and_json() -> None:
+    acct = parse_sacct((FIX / "sacct_duplicates.txt").read_text())
+    views = build_views([_rec("3"), _rec("4")], {}, acct, {})
+    text = format_table(views, width=160)
+    assert "REQUEUES" in text and "#0 REQUEUED" in text and "#1 CANCELLED" in text
+    assert '"job_id": "4"' in to_json(views)
+
+
+class FakeClient:
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+        self.calls = 0
+
+    def queue(self, ids):
+        from hpc.slurm_parse import QueueEntry, parse_job_state
+        state = self.states[min(self.calls, len(self.states) - 1)]
+        self.calls += 1
+        return {i: QueueEntry(i, parse_job_state(state), state, None, (), "debug", None, 0, 1, "x", None)
+                for i in ids}
+
+    def accounting(self, ids):
+        return ()
+
+
+def test_poller_backs_off_and_resets() -> None:
+    client = FakeClient(["PENDING"] * 6 + ["RUNNING"])
+    poller = Poller(client, [_rec("5")], max_interval_s=8)
+    intervals = []
+    for _ in range(7):
+        poller.poll()
+        intervals.append(poller.interval)
+    assert intervals == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 1.0]
+
+
+def test_rank_logs_in_life_order_and_follow(tmp_path: Path) -> None:
+    for a, r in ((0, 0), (0, 1), (1, 0), (0, 10)):
+        p = jobdir.rank_log(tmp_path, a, r, 0)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f"a{a}r{r}\n")
+    order = [(p.parent.parent.name, p.parent.name) for p in rank_logs(tmp_path)]
+    assert order == [("alloc-0", "restart-0"), ("alloc-0", "restart-1"), ("alloc-0", "restart-10"),
+                     ("alloc-1", "restart-0")]
+    out = io.StringIO()
+    f = Follower(lambda: rank_logs(tmp_path), out)
+    states = iter(["RUNNING", "RUNNING", "COMPLETED"])
+
+    def poll() -> str:
+        state = next(states)
+        if state == "COMPLETED":  # a new allocation's file appears at the end
+            p = jobdir.rank_log(tmp_path, 2, 0, 0)
+            p.parent.mkdir(parents=True)
+            p.write_text("last\n")
+        return state
+
+    assert follow(_rec("1"), f, poll, lambda: None) == "COMPLETED"
+    text = out.getvalue()
+    assert text.count("==>") == 5 and text.index("a0r0") < text.index("a1r0") < text.index("last")
+
+
+def test_follow_waits_out_a_preemption() -> None:
+    states = iter(["PREEMPTED", "PENDING", "PREEMPTED", "PREEMPTED", "PREEMPTED"])
+    assert follow(_rec("1"), Follower(lambda: [], io.StringIO()), lambda: next(states),
+                  lambda: None) == "PREEMPTED"
+
+
+PARTS = parse_show_partitions((FIX / "scontrol_show_partition.txt").read_text())
+SPEC = dict(script="/x/t.py", job_name="t", job_dir="/tmp/j")
+
+
+@pytest.mark.parametrize("kw,flag,words", [
+    (dict(partition="nope"), "--partition", "debug, high"),
+    (dict(nodes=(5, 5)), "--nodes", "at most 3 nodes"),
+    (dict(nodes=(4, 6), partition="high"), "--nodes", "partition 'high' has 3 nodes"),
+    (dict(time_limit_s=7200), "--time", "MaxTime of the default partition 'debug'"),
+])
+def test_check_partition_refuses(kw, flag, words) -> None:
+    with pytest.raises(SpecError) as e:
+        check_partition(JobSpec(**SPEC, **kw), PARTS)
+    assert e.value.flag == flag and words in str(e.value)
+
+
+def test_check_partition_accepts() -> None:
+    assert check_partition(JobSpec(**SPEC, nodes=(2, 4)), PARTS).name == "debug"
+    assert check_partition(JobSpec(**SPEC, partition="high", time_limit_s=3600), PARTS).name == "high"
+
+
+@pytest.mark.parametrize("fixture,words", [
+    ("sbatch_error_invalid_partition.txt", "partition does not exist"),
+    ("sbatch_error_too_many_nodes.txt", "more nodes"),
+    ("sbatch_error_time_limit.txt", "time limit"),
+])
+def test_explain_sbatch_rejections(fixture: str, words: str) -> None:
+    msg = explain_rejection((FIX / fixture).read_text())
+    assert msg and words in msg and msg.startswith("Slurm refused the job")
