@@ -125,7 +125,10 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
 
 
 @pytest.fixture(autouse=True)
-def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster) -> Iterator[None]:
-    """After each test: heal, restart, cancel leftover jobs, all nodes idle again."""
+def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run each test in its own directory (job output lands there, not in the checkout); after
+    it: heal, restart, cancel leftover jobs, all nodes idle again."""
+    monkeypatch.chdir(tmp_path)
     yield
     slurm_cluster.restore()
