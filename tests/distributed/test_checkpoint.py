@@ -1,0 +1,186 @@
+"""Checkpoints across real processes (gloo on CPU): resharding, crashes, corruption, full disk.
+
+Each scenario runs ``_ckpt_worker.py`` as 1-3 separate processes on 127.0.0.1 with a free port,
+so SIGKILL and a full disk behave exactly as they would in a job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_ckpt_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(world: int, scenario: str, ckpt: Path, out: Path, arg: str = "", *,
+              timeout_s: float = 120.0, expect_kill: bool = False) -> list[dict[str, Any]]:
+    """Runs one scenario on ``world`` processes; returns each rank's result (empty if killed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env_base = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env_base.pop("HPC_CKPT_TEST_KILL_AT", None)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(ckpt), str(out), arg],
+                              env={**env_base, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+             for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            killed = [p for p in procs if p.returncode == -signal.SIGKILL]
+            if expect_kill and killed:
+                time.sleep(0.5)  # the survivors are stuck at a collective with a dead peer
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{scenario} timed out after {timeout_s}s")
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    logs = [p.stdout.read().decode(errors="replace") if p.stdout else "" for p in procs]
+    for p in procs:
+        if p.stdout:
+            p.stdout.close()
+    if expect_kill:
+        assert any(p.returncode == -signal.SIGKILL for p in procs), "\n".join(logs)
+        return []
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(logs)
+    return [json.loads((out / f"{scenario}-rank{r}.json").read_text()) for r in range(world)]
+
+
+def _dirs(ckpt: Path) -> list[str]:
+    return sorted(d.name for d in ckpt.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_save_at_2_loads_bit_exact_at_1_and_3(tmp_path: Path, kind: str) -> None:
+    ckpt = tmp_path / "ck dir; echo hostile"
+    run_ranks(2, "save", ckpt, tmp_path / "out", kind)
+    for world in (1, 3):
+        out = tmp_path / f"out{world}"
+        out.mkdir()
+        shutil.copy(tmp_path / "out" / "ref.pt", out / "ref.pt")
+        results = run_ranks(world, "load", ckpt, out, kind)
+        assert [r["step"] for r in results] == [2] * world
+        assert [r["cursor"] for r in results] == [4] * world
+        assert all(r["mismatch"] == [] for r in results), results
+
+
+@pytest.mark.parametrize(("point", "mode"), [
+    ("before_shards@1", "sync"),
+    ("after_shards@1", "sync"),
+    ("after_shards@0", "async"),
+    ("before_manifest@0", "sync"),
+    ("before_rename@0", "sync"),
+    ("before_manifest@0", "async"),
+])
+def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path: Path, point: str, mode: str) -> None:
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    run_ranks(2, "crash", ckpt, out, f"ddp:{point}:{mode}", expect_kill=True)
+    assert "step-000002" not in _dirs(ckpt)
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    results = run_ranks(2, "load", ckpt, out, "ddp")
+    assert [r["step"] for r in results] == [1, 1]
+    assert all(r["mismatch"] == [] for r in results)
+    assert _dirs(ckpt) == ["latest", "step-000001"], "the torn .tmp must be removed"
+
+
+def test_killed_after_rename_is_a_complete_checkpoint(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    run_ranks(2, "crash", ckpt, out, "ddp:before_latest@0:sync", expect_kill=True)
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    assert [r["step"] for r in run_ranks(1, "load", ckpt, out, "ddp")] == [2]
+    assert (ckpt / "latest").read_text().strip() == "step-000002"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete"])
+def test_corrupt_newest_is_quarantined(tmp_path: Path, damage: str) -> None:
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    run_ranks(2, "crash", ckpt, out, "ddp:none:sync")  # commits steps 1 and 2
+    assert "step-000002" in _dirs(ckpt)
+    shard = ckpt / "step-000002" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "bitflip":
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    else:
+        (ckpt / "step-000002" / "rank-00001.local.pt").unlink()
+    results = run_ranks(2, "load", ckpt, out, "ddp")
+    assert [r["step"] for r in results] == [1, 1] and results[0]["mismatch"] == []
+    names = _dirs(ckpt)
+    assert "step-000002" not in names and any(n.startswith("step-000002.corrupt-") for n in names)
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a 2 MiB tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_is_a_clear_error_and_previous_is_intact(small_disk: Path, tmp_path: Path, mode: str) -> None:
+    ckpt, out = small_disk / "ck", tmp_path / "out"
+    results = run_ranks(2, "diskfull", ckpt, out, f"ddp:{mode}")
+    for r in results:
+        assert "disk full" in r["error"] and "step-000001 is intact" in r["error"], r
+        assert r["latest"] == 1
+    assert _dirs(ckpt) == ["latest", "step-000001"]
+    shutil.copy(out / "ref0.pt", out / "ref.pt")
+    loaded = run_ranks(2, "load", ckpt, out, "ddp")
+    assert [r["step"] for r in loaded] == [1, 1] and loaded[0]["mismatch"] == []
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_async_save_captures_state_at_save_time(tmp_path: Path, kind: str) -> None:
+    results = run_ranks(2, "async", tmp_path / "ck", tmp_path / "out", kind)
+    assert all(r["mismatch"] == [] for r in results), results
+
+
+def test_retention_keeps_last_and_every_nth(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    results = run_ranks(2, "retention", ckpt, tmp_path / "out", "ddp")
+    assert [r["latest"] for r in results] == [9, 9]
+    assert _dirs(ckpt) == ["latest", "step-000004", "step-000008", "step-000009"]
+    assert (ckpt / "latest").read_text().strip() == "step-000009"
+
+
+def test_per_rank_rng_restored_and_new_ranks_reseeded(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    first = run_ranks(2, "rng", ckpt, tmp_path / "a", "ddp")
+    again = run_ranks(2, "rng", ckpt, tmp_path / "b", "ddp")
+    assert [r["draw"] for r in first] == [r["draw"] for r in again]
+    assert first[0]["draw"] != first[1]["draw"]
+    grown = run_ranks(3, "rng", ckpt, tmp_path / "c", "ddp")
+    grown_again = run_ranks(3, "rng", ckpt, tmp_path / "d", "ddp")
+    assert [r["draw"] for r in grown[:2]] == [r["draw"] for r in first]
+    assert grown[2]["draw"] == grown_again[2]["draw"] and grown[2]["draw"] not in [r["draw"] for r in first]
