@@ -158,7 +158,12 @@ class _Crc32FileSystem(FileSystem):
             return
         with Path(path).open(mode) as raw:
             stream = Crc32Stream(raw)
-            yield stream  # type: ignore[misc]
+            try:
+                yield stream  # type: ignore[misc]
+            except Exception as e:
+                if stream.error is not None and stream.error is not e:
+                    raise stream.error from e  # keep the errno (ENOSPC, EIO) visible
+                raise
         self.entries[Path(path).name] = FileEntry(Path(path).name, stream.size, stream.crc32)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:

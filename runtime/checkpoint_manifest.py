@@ -122,12 +122,19 @@ class Crc32Stream:
         self.raw = raw
         self.size = 0
         self.crc32 = 0
+        self.error: OSError | None = None
+        """The first OS error of a write (torch.save turns it into an errno-less RuntimeError)."""
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        try:
+            written = self.raw.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.crc32 = zlib.crc32(view, self.crc32)
         self.size += view.nbytes
-        return self.raw.write(view)
+        return int(written)
 
     def tell(self) -> int:
         return self.size
