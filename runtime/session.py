@@ -230,7 +230,7 @@ class Session:
         is agreed the generator saves (deadline permitting), records the exit intent and
         ends; :attr:`stopped` then says why.
         """
-        if self._progress is None and self.is_rank0:
+        if self.is_rank0:
             from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
         for step in range(start, stop):
@@ -314,7 +314,7 @@ class Session:
                 self.rank, job_dir=self.job_dir, mode=spec.wandb_mode if spec else "offline",
                 project=(spec.wandb_project or spec.job_name) if spec else "",
                 entity=spec.wandb_entity if spec else "", metadata=run_metadata(self.env),
-                resume_step=resume_step)  # TODO(run_id from manifest)
+                resume_step=resume_step, run_id=run_id)
         return self._sink
 
     def finish(self) -> None:
