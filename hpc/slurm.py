@@ -304,3 +304,16 @@ class SlurmClient:
             argv.append("--batch")
         what = f"could not signal job {job_id}" if signal else f"could not cancel job {job_id}"
         self._run([*argv, job_id], what)
+
+    def srun(self, argv: Sequence[str], *, nodes: int, extra: Sequence[str] = ()) -> int:
+        """Run ``argv`` once per node of the current allocation (``srun --ntasks-per-node=1``).
+
+        Output streams to this process's stdout/stderr; returns srun's exit status. Used by
+        ``hpc doctor --nodes N`` inside ``salloc``/``sbatch``; not retried (it is not idempotent).
+        """
+        cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *extra, *argv]
+        try:
+            return subprocess.run(cmd, env=dict(self.env)).returncode
+        except FileNotFoundError as exc:
+            raise SlurmError("srun is not installed here; run this inside a Slurm allocation",
+                             cmd, None, "") from exc
