@@ -34,6 +34,7 @@ from hpc import jobdir
 from hpc.jobspec import JobSpec
 from runtime.env import SlurmEnv
 from runtime.network import EnvChange, NetworkError, detect
+from runtime.requeue import claim, decide_requeue
 
 log = logging.getLogger("hpc.launch")
 
@@ -108,6 +109,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         changes.append(EnvChange(name, value, env.get(name), "--env"))
     ours = {
         "HPC_JOB_DIR": str(job_dir),
+        "HPC_SIGNAL_LEAD_S": str(spec.signal_lead_s),
         "HPC_ALLOCATION": str(slurm.restart_count),
         "HPC_NODE_RANK": str(node_rank),
         "HPC_MERGE_STDERR": "1",
@@ -248,12 +250,45 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     if forwarder.received and kind == "finished":
         reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
     log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
-    if plan.node_rank == 0:
+    slurm = SlurmEnv.from_env(os.environ)
+    decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
+                              max_requeues=spec.max_requeues, under_slurm=slurm.active)
+    # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
+    records = plan.node_rank == 0 or (kind == "node_failure" and claim(plan.job_dir, -1 - plan.allocation))
+    if records:
         jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
             allocation=plan.allocation, kind=kind, exit_code=code, reason=reason,
-            step=(intent or {}).get("step"), node=socket.gethostname(),
-            slurm_job_id=SlurmEnv.from_env(os.environ).job_id, restarts=0))
+            step=(intent or {}).get("step"), node=socket.gethostname(), slurm_job_id=slurm.job_id,
+            restarts=0, world_size=0))
+    log.info("requeue: %s", decision.reason)
+    if decision.requeue and claim(plan.job_dir, plan.allocation):
+        from hpc.slurm import SlurmClient, SlurmError
+
+        try:
+            SlurmClient().requeue(slurm.job_id)
+            log.warning("requeued job %s (%s)", slurm.job_id, decision.reason)
+        except SlurmError as e:
+            log.error("could not requeue job %s: %s; resubmit with the same --job-dir to resume",
+                      slurm.job_id, e)
     return code
+
+
+def job_end_time(env: Mapping[str, str]) -> float | None:
+    """Wall time at which Slurm will end this job (its time limit), or None if unlimited/unknown."""
+    slurm = SlurmEnv.from_env(env)
+    if not slurm.active:
+        return None
+    from hpc.slurm import SlurmClient, SlurmError
+
+    try:
+        info = SlurmClient(env, retry_total_s=20).show_job(slurm.job_id)
+    except SlurmError as e:
+        log.warning("cannot read job %s's time limit (%s): warnings will be treated as the time "
+                    "limit's", slurm.job_id, e)
+        return None
+    if info.time_limit_s is None:
+        return None
+    return time.time() + info.time_limit_s - info.run_time_s
 
 
 def _setup_logging(plan: LaunchPlan) -> None:
@@ -297,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpc launch: cannot start on {socket.gethostname()}: {e}", file=sys.stderr)
         return EXIT_CODES["app_error"]
     extra = tuple(changes)
+    end = job_end_time(os.environ)
+    if end:
+        os.environ["HPC_JOB_END_TIME"] = f"{end:.0f}"
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     _setup_logging(plan)

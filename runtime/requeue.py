@@ -1,0 +1,67 @@
+"""What happens to the job after an allocation ends: requeue it, or let it end.
+
+Slurm requeues a preempted job by itself when the cluster's ``PreemptMode=REQUEUE``; it does
+*not* requeue a job that ran into its time limit, nor one whose surviving nodes gave up
+after losing the rendezvous host under ``--no-kill``. Those we requeue ourselves, exactly
+once per allocation: several nodes may reach the same conclusion, and the first to create
+the allocation's claim file (``O_EXCL`` on the shared job directory) is the one that acts.
+Application errors never requeue: a bug would otherwise loop until the allocation budget
+is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Who requeues after each outcome kind.
+REQUEUE_BY = {
+    "finished": None,
+    "app_error": None,
+    "cancelled": None,
+    "preempted": "slurm",       # PreemptMode=REQUEUE does it; a second requeue would be a bug
+    "time_limit": "us",
+    "node_failure": "us",
+}
+
+
+@dataclass(frozen=True)
+class RequeueDecision:
+    requeue: bool
+    reason: str
+
+
+def decide_requeue(kind: str, *, policy: str, allocation: int, max_requeues: int,
+                   under_slurm: bool) -> RequeueDecision:
+    """Should this node ask Slurm to requeue the job? (pure)
+
+    Args:
+        kind: The allocation's outcome kind.
+        policy: The job's requeue policy (``auto`` or ``never``).
+        allocation: How many times the job was requeued before this allocation.
+        max_requeues: The job's requeue budget.
+        under_slurm: False for ``hpc run``: nothing to requeue.
+    """
+    who = REQUEUE_BY[kind]
+    if not under_slurm or who is None:
+        return RequeueDecision(False, f"{kind}: nothing to requeue")
+    if who == "slurm":
+        return RequeueDecision(False, f"{kind}: Slurm requeues preempted jobs itself")
+    if policy == "never":
+        return RequeueDecision(False, f"{kind}: requeue policy is 'never'")
+    if allocation >= max_requeues:
+        return RequeueDecision(False, f"{kind}: requeue budget spent ({allocation} of {max_requeues})")
+    return RequeueDecision(True, f"{kind}: requeue {allocation + 1} of at most {max_requeues}")
+
+
+def claim(job_dir: Path, allocation: int) -> bool:
+    """True for exactly one caller per allocation (atomic create on the shared job dir)."""
+    path = Path(job_dir) / f"requeue-claim-alloc-{allocation}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.uname().nodename} {os.getpid()}\n")
+    return True

@@ -1,0 +1,27 @@
+import pytest
+
+from runtime.requeue import claim, decide_requeue
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("kind,expected", [("time_limit", True), ("node_failure", True),
+                                           ("preempted", False), ("app_error", False),
+                                           ("finished", False), ("cancelled", False)])
+def test_who_requeues(kind, expected):
+    d = decide_requeue(kind, policy="auto", allocation=0, max_requeues=3, under_slurm=True)
+    assert d.requeue is expected
+
+
+def test_budget_and_policy_stop_requeues():
+    assert not decide_requeue("time_limit", policy="auto", allocation=3, max_requeues=3, under_slurm=True).requeue
+    assert "budget" in decide_requeue("time_limit", policy="auto", allocation=3, max_requeues=3,
+                                      under_slurm=True).reason
+    assert not decide_requeue("time_limit", policy="never", allocation=0, max_requeues=3, under_slurm=True).requeue
+    assert not decide_requeue("time_limit", policy="auto", allocation=0, max_requeues=3, under_slurm=False).requeue
+
+
+def test_claim_is_exactly_once(tmp_path):
+    assert claim(tmp_path, 2)
+    assert not claim(tmp_path, 2)
+    assert claim(tmp_path, 3)
