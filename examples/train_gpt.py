@@ -97,7 +97,7 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         logits = self.head(self.ln_f(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 # --- data --------------------------------------------------------------------------------

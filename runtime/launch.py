@@ -100,6 +100,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
             "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
         "PYTHONUNBUFFERED": ("1", "worker logs appear as they are written"),
+        "WANDB_SILENT": ("true", "keep rank-0 output readable; the run is in JOB_DIR/wandb"),
         "OMP_NUM_THREADS": (str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)),
                             "one share of the node's CPUs per worker"),
     }
@@ -235,7 +236,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     except ChildFailedError as e:
         result = "failed"
         rank, failure = e.get_first_failure()
-        reason = f"rank {rank} exited with {failure.exitcode}: {failure.message}".strip()
+        reason = f"rank {rank} exited with {failure.exitcode}: {_failure_message(failure.message)}".strip()
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"
     except RendezvousError as e:
@@ -271,6 +272,13 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             log.error("could not requeue job %s: %s; resubmit with the same --job-dir to resume",
                       slurm.job_id, e)
     return code
+
+
+def _failure_message(message: Any) -> str:
+    """The exception line from torch's error file (not its whole JSON with the traceback)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
 
 
 def job_end_time(env: Mapping[str, str]) -> float | None:

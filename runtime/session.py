@@ -200,7 +200,7 @@ class Session:
             keep_last=spec.keep_last if spec else 3,
             keep_every=(spec.keep_every or None) if spec else None,
             every_steps=(spec.checkpoint_every_steps or None) if spec else None,
-            every_min=(spec.checkpoint_every_min or None) if spec else None,
+            every_min=(spec.checkpoint_every_min or None) if spec else None, seed=self.seed,
         )
         manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0

@@ -55,10 +55,18 @@ def run(spec: JobSpec) -> int:
     print(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
           f"process(es); job dir {job_dir}", file=sys.stderr, flush=True)
     started = time.monotonic()
-    procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd())
-             for i in range(nodes)]
+    # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
+    # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
+    procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd(),
+                              start_new_session=True) for i in range(nodes)]
+    interrupts = [0]
 
     def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT:
+            interrupts[0] += 1
+            signum = signal.SIGTERM if interrupts[0] == 1 else signal.SIGINT
+            print("hpc run: interrupted: asking the workers to save and stop (Ctrl-C again to "
+                  "stop now)" if interrupts[0] == 1 else "hpc run: stopping now", file=sys.stderr)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -75,7 +83,10 @@ def run(spec: JobSpec) -> int:
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
     print(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}",
           file=sys.stderr)
+    if last and last.kind in ("preempted", "time_limit"):
+        print(f"hpc run: to resume from step {last.step}, run the same command with "
+              f"--job-dir {job_dir}", file=sys.stderr)
     result = job_dir / jobdir.RESULT
-    if result.exists():
+    if result.exists() and code == 0:
         print(f"hpc run: result {result}", file=sys.stderr)
     return code
