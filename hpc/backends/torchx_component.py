@@ -1,0 +1,162 @@
+"""The ``torchx`` backend: a TorchX component that runs our per-node launcher on every node.
+
+Usable two ways::
+
+    torchx run -s slurm -cfg partition=debug,time=10 \\
+        hpc/backends/torchx_component.py:elastic --script train.py --job_dir /abs/job --nodes 2
+    hpc submit --backend torchx train.py --nodes 2 ...
+
+TorchX's Slurm scheduler (0.7) makes a heterogeneous job with one component per replica, so
+one replica is one node: ``num_replicas`` is the node count, the replica id is the node rank
+(``SLURM_NODEID`` is 0 in every component) and the rendezvous host is the first component's
+node (``SLURM_JOB_NODELIST_HET_GROUP_0``). Its ``-cfg`` carries only partition, time,
+constraint, comment and mail options, and it silently ignores keys it does not know; it always
+adds ``--requeue`` and ``srun --kill-on-bad-exit=1``. So our layer never hands it an option it
+would drop: :func:`check_carried` refuses (exit 2, naming them) ``--account``, ``--qos``,
+``--exclude``, ``--mem``, ``--requeue never`` and elastic ``MIN:MAX`` (a heterogeneous job
+cannot shrink), and the warning signal, which TorchX has no option for, goes through the
+``SBATCH_SIGNAL`` environment variable that sbatch reads.
+
+Heavy imports (torchx) stay inside functions.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc import jobdir, render
+from hpc.errors import SpecError
+from hpc.jobspec import JobSpec
+
+if TYPE_CHECKING:
+    from torchx.specs import AppDef
+
+    from hpc.slurm import SlurmClient
+
+RDZV_HOST_ENV = "SLURM_JOB_NODELIST_HET_GROUP_0"
+
+
+def check_carried(spec: JobSpec) -> None:
+    """Refuses every option TorchX's Slurm scheduler cannot carry (pure).
+
+    Raises:
+        SpecError: naming all such options at once, and what to do instead.
+    """
+    lost = [flag for flag, bad in (
+        ("--account", bool(spec.account)), ("--qos", bool(spec.qos)),
+        ("--exclude", bool(spec.exclude)), ("--mem", bool(spec.mem)),
+        ("--requeue never", spec.requeue == "never"),
+        ("--nodes MIN:MAX", spec.min_nodes != spec.max_nodes)) if bad]
+    if lost:
+        raise SpecError("--backend torchx", ", ".join(lost),
+                        "options TorchX's Slurm scheduler can carry (it has no account, qos, "
+                        "exclude or memory option, always requeues and runs fixed-size "
+                        "heterogeneous jobs)", "hpc submit --backend sbatch ...",
+                        "Use --backend sbatch (or submitit), which carry every option")
+
+
+def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
+            nproc_per_node: int = 1, python: str = sys.executable, job_name: str = "",
+            max_restarts: int = 3, rdzv_port: int = 29400) -> AppDef:
+    """A TorchX component: ``script`` on ``nodes`` nodes x ``nproc_per_node`` processes.
+
+    Writes ``jobspec.json`` into ``job_dir`` (created private, 0700) if it is not there yet,
+    because the per-node launcher reads the job from it.
+
+    Args:
+        script: The training script (a torchrun-style Python script).
+        script_args: Its arguments.
+        job_dir: Absolute job directory on the shared filesystem.
+        nodes: Number of nodes (one TorchX replica per node).
+        nproc_per_node: Worker processes per node.
+        python: Python interpreter on the compute nodes.
+        job_name: Name of the job (default: the script's stem).
+        max_restarts: Elastic restarts of the workers within one allocation.
+        rdzv_port: Port of the c10d rendezvous on the first node.
+    """
+    from torchx import specs
+
+    path = Path(job_dir).expanduser().absolute()
+    if not (path / jobdir.JOBSPEC).exists():
+        spec = JobSpec(script=str(Path(script).absolute()), script_args=tuple(script_args),
+                       job_name=job_name or Path(script).stem, job_dir=str(path), python=python,
+                       nodes=(nodes, nodes), nproc_per_node=nproc_per_node,
+                       max_restarts=max_restarts, rdzv_port=rdzv_port)
+        jobdir.create(path)
+        jobdir.write_atomic(path / jobdir.JOBSPEC, spec.to_json())
+    spec = JobSpec.load(path)
+    # TorchX shell-quotes every role argument, so environment variables are expanded by a
+    # small `bash -c` (the rendezvous host is only known inside the job).
+    args = ["-c", f'exec "$0" -m runtime.launch --job-dir "$1" --rdzv-host "${RDZV_HOST_ENV}" '
+            '--node-rank "$2" --run-id torchx', spec.python, str(path), specs.macros.replica_id]
+    resource = specs.Resource(cpu=spec.cpus_per_task or 1, gpu=spec.gpus_per_node, memMB=0)
+    role = specs.Role(name="node", image=os.getcwd(), entrypoint="bash",
+                      args=args, num_replicas=spec.max_nodes, resource=resource,
+                      max_retries=spec.max_requeues, env={"HPC_BACKEND": "torchx"})
+    return specs.AppDef(name=spec.job_name, roles=[role])
+
+
+def scheduler_cfg(spec: JobSpec) -> dict[str, Any]:
+    """The ``-cfg`` for TorchX's Slurm scheduler (pure): only keys it really carries."""
+    cfg: dict[str, Any] = {}
+    if spec.partition:
+        cfg["partition"] = spec.partition
+    if spec.time_limit_s:
+        cfg["time"] = spec.time_text
+    if spec.constraint:
+        cfg["constraint"] = spec.constraint
+    return cfg
+
+
+@dataclass(frozen=True)
+class TorchxPlan:
+    """What ``hpc submit --backend torchx`` does: the component call, cfg and sbatch env."""
+
+    spec: JobSpec
+    cfg: dict[str, Any]
+    env: dict[str, str]
+
+    def describe(self) -> str:
+        args = [f"--script={self.spec.script}", f"--job_dir={self.spec.job_dir}",
+                f"--nodes={self.spec.max_nodes}", f"--nproc_per_node={self.spec.nproc_per_node}"]
+        cfg = ",".join(f"{k}={v}" for k, v in self.cfg.items())
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (f"# would create {self.spec.job_dir} (0700) with {jobdir.JOBSPEC}, then run:\n"
+                f"{env} torchx run -s slurm" + (f" -cfg {shlex.quote(cfg)}" if cfg else "")
+                + f" {Path(__file__).as_posix()}:elastic {shlex.join(args)}"
+                + (" -- " + shlex.join(self.spec.script_args) if self.spec.script_args else "")
+                + "\n")
+
+
+def plan(spec: JobSpec) -> TorchxPlan:
+    """Plans the submission (pure): refuses what TorchX would drop, maps the rest."""
+    render.check_renderable(spec)
+    check_carried(spec)
+    return TorchxPlan(spec=spec, cfg=scheduler_cfg(spec),
+                      env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}"})
+
+
+def execute(p: TorchxPlan, client: SlurmClient | None = None) -> str:
+    """Submits through TorchX's runner; returns the Slurm job id (TorchX runs sbatch itself)."""
+    from torchx.runner import get_runner
+
+    old = {k: os.environ.get(k) for k in p.env}
+    os.environ.update(p.env)
+    try:
+        app = elastic(p.spec.script, *p.spec.script_args, job_dir=p.spec.job_dir,
+                      nodes=p.spec.max_nodes, nproc_per_node=p.spec.nproc_per_node,
+                      python=p.spec.python, job_name=p.spec.job_name)
+        with get_runner() as runner:
+            handle = runner.run(app, scheduler="slurm", cfg=p.cfg)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return handle.rsplit("/", 1)[-1]
