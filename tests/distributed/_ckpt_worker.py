@@ -47,8 +47,7 @@ def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int) -> N
 def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state, unsharded, on every rank (for bit-exact comparison)."""
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    return {"model": {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in msd.items()},
-            "optim": _unshard(osd)}
+    return _unshard({"model": msd, "optim": osd})
 
 
 def _unshard(obj: Any) -> Any:
@@ -56,7 +55,9 @@ def _unshard(obj: Any) -> Any:
         return {k: _unshard(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_unshard(v) for v in obj]
-    return obj.full_tensor() if hasattr(obj, "full_tensor") else obj
+    if isinstance(obj, torch.Tensor):  # a copy: the state dict holds the live parameters
+        return (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
+    return obj
 
 
 class Blob:
