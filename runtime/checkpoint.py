@@ -49,9 +49,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.storage import WriteResult
@@ -220,6 +222,41 @@ class _Reader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+class _ReusedStaging(BlockingAsyncStager):
+    """Async staging into CPU buffers kept between saves (pinned when CUDA is present).
+
+    DCP's default stager allocates a fresh copy of the state for every save; on 0.5 GB per rank
+    the page faults of that allocation cost more than the copy. The buffers are rebuilt when the
+    state's structure (keys, shapes, dtypes) changes. Costs one copy of the local state in RAM.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(cache_staged_state_dict=False)
+        self._buffers: dict[str, Any] | None = None
+        self._signature: tuple[Any, ...] = ()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        signature = tuple(_tensor_signature(state_dict))
+        if self._buffers is None or signature != self._signature:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._signature = signature
+        return _copy_state_dict(state_dict, self._buffers, type_check=self.type_check)
+
+
+def _tensor_signature(obj: Any, path: str = "") -> Generator[tuple[str, Any, Any], None, None]:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _tensor_signature(v, f"{path}/{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _tensor_signature(v, f"{path}[{i}]")
+    elif isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        yield path, tuple(local.shape), local.dtype
+    else:
+        yield path, type(obj), None
+
+
 def _has_errno(exc: BaseException | None, code: int, depth: int = 0) -> bool:
     if exc is None or depth > 8:
         return False
@@ -264,12 +301,14 @@ class Checkpointer:
         save_rng: Save and restore each rank's RNG states (see ``runtime.rng``).
         seed: Base seed for re-seeding ranks that have no saved RNG state.
         thread_count: DCP writer threads per rank.
+        reuse_staging: Keep the async staging buffers between saves (faster ``save()``, one
+            extra copy of the local state in CPU memory).
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_every: int | None = None,
                  every_steps: int | None = None, every_min: float | None = None, async_save: bool = True,
                  verify_checksums: bool = True, save_rng: bool = True, seed: int = 0,
-                 thread_count: int = 1) -> None:
+                 thread_count: int = 1, reuse_staging: bool = True) -> None:
         steps_to_prune([], keep_last=keep_last, keep_every=keep_every)  # validates
         self.directory = Path(directory).absolute()
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -282,6 +321,7 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._ctl = dist.new_group(backend="gloo") if self.distributed else None
         self._bg = dist.new_group(backend="gloo") if self.distributed and async_save else None
+        self._stager = _ReusedStaging() if reuse_staging else None
         self._inflight: _InFlight | None = None
         self._latest: int | None = None
         self._last_save_step: int | None = None
@@ -382,7 +422,7 @@ class Checkpointer:
             self.last_block_s = time.monotonic() - started
             return
         future = dcp.async_save(sharded, storage_writer=writer, process_group=self._bg,
-                                no_dist=not self.distributed)
+                                async_stager=self._stager, no_dist=not self.distributed)
         self._inflight = _InFlight(step, tmp, writer, future, started, meta)
         if self.rank == 0:
             future.add_done_callback(lambda f, flight=self._inflight: self._commit_async(flight))
