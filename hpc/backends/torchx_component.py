@@ -20,8 +20,7 @@ cannot shrink), and the warning signal, which TorchX has no option for, goes thr
 Heavy imports (torchx) stay inside functions.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchX reads the component's annotations as types.
 import os
 import shlex
 import sys
@@ -62,7 +61,7 @@ def check_carried(spec: JobSpec) -> None:
 
 def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
             nproc_per_node: int = 1, python: str = sys.executable, job_name: str = "",
-            max_restarts: int = 3, rdzv_port: int = 29400) -> AppDef:
+            max_restarts: int = 3, rdzv_port: int = 29400) -> "AppDef":
     """A TorchX component: ``script`` on ``nodes`` nodes x ``nproc_per_node`` processes.
 
     Writes ``jobspec.json`` into ``job_dir`` (created private, 0700) if it is not there yet,
@@ -141,7 +140,7 @@ def plan(spec: JobSpec) -> TorchxPlan:
                       env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}"})
 
 
-def execute(p: TorchxPlan, client: SlurmClient | None = None) -> str:
+def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
     """Submits through TorchX's runner; returns the Slurm job id (TorchX runs sbatch itself)."""
     from torchx.runner import get_runner
 
