@@ -323,6 +323,7 @@ class Checkpointer:
         self._bg = dist.new_group(backend="gloo") if self.distributed and async_save else None
         self._stager = _ReusedStaging() if reuse_staging else None
         self._inflight: _InFlight | None = None
+        self._pruner: threading.Thread | None = None
         self._latest: int | None = None
         self._last_save_step: int | None = None
         self._last_save_time = time.time()
@@ -487,6 +488,7 @@ class Checkpointer:
     def close(self) -> None:
         """Flushes the save in flight (call before exit on every rank)."""
         self.wait()
+        self._join_pruner()
 
     # --- internals -----------------------------------------------------------------------
     def _prepare(self, step: int, tmp: Path) -> str | None:
@@ -553,18 +555,30 @@ class Checkpointer:
         latest = self.directory / LATEST_NAME
         if latest.exists() and (pointed := parse_step(latest.read_text().strip())) is not None:
             protect.add(pointed)
+        doomed = []
         for step in steps_to_prune(self._committed_steps(), keep_last=self.keep_last,
                                    keep_every=self.keep_every, protect=protect):
-            doomed = self.directory / step_dirname(step)
-            trash = doomed.with_name(f"{doomed.name}.deleting")
-            os.rename(doomed, trash)  # never leave a half-deleted step-NNNNNN behind
-            shutil.rmtree(trash, ignore_errors=True)
-            log.info("checkpoint: pruned %s", doomed.name)
+            path = self.directory / step_dirname(step)
+            trash = path.with_name(f"{path.name}.deleting")
+            os.rename(path, trash)  # never leave a half-deleted step-NNNNNN behind
+            doomed.append(trash)
+            log.info("checkpoint: pruned %s", path.name)
+        # deleting gigabytes takes a while on ext4/Lustre: off the save's critical path
+        self._join_pruner()
+        self._pruner = threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
+                                        name="hpc-ckpt-prune", daemon=True)
+        self._pruner.start()
+
+    def _join_pruner(self) -> None:
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def _choose(self) -> str | None:
         """Rank 0: the newest verified checkpoint's manifest (JSON), quarantining bad ones."""
         if not self.directory.exists():
             return None
+        self._join_pruner()
         for d in self.directory.iterdir():
             if is_tmp_dir(d.name) or d.name.endswith(".deleting"):
                 log.warning("checkpoint: removing unfinished %s", d.name)
