@@ -14,8 +14,8 @@ How submitit's own preemption handling is reconciled with ours (docs/backends.md
   ``Checkpointable``: the save happens inside the workers, on every rank, collectively.
 * ``--signal`` is ours (``spec.signal@spec.signal_lead_s``), set through
   ``additional_parameters`` because submitit would otherwise write ``USR2@90``.
-* ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit (launcher exit
-  75 without a SIGTERM) node 0's task asks Slurm for the requeue itself, like the template.
+* ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit node 0's
+  launcher asks Slurm for the requeue itself (``runtime.requeue``), as under the template.
 
 submitit runs ``sbatch`` itself (it is the one exception to "only hpc.slurm runs Slurm
 commands"); submitit is imported only inside functions so the login node stays light.
@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc import jobdir, render
+from hpc import render
 from hpc.jobspec import JobSpec
 
 if TYPE_CHECKING:
     from hpc.slurm import SlurmClient
 
-EXIT_REQUEUE = 75
 
 
 def executor_parameters(spec: JobSpec) -> dict[str, Any]:
@@ -124,18 +123,8 @@ def rendezvous_host(env: dict[str, str] | os._Environ[str]) -> str:
     return hosts[0]
 
 
-def needs_requeue(spec: JobSpec, outcomes: list[jobdir.Outcome], allocation: int) -> bool:
-    """True when this allocation stopped for the time limit and may requeue (pure).
-
-    A preemption is requeued by Slurm itself; only ``time_limit`` is ours to ask for.
-    """
-    mine = [o for o in outcomes if o.allocation == allocation]
-    return (bool(mine) and mine[-1].kind == "time_limit" and spec.requeue != "never"
-            and allocation < spec.max_requeues)
-
-
 def run_node(job_dir: str) -> int:
-    """The callable submitit runs on every node: our per-node launcher, then the requeue rule.
+    """The callable submitit runs on every node: our per-node launcher.
 
     Raises:
         RuntimeError: when the launcher fails, so submitit records the job as failed.
@@ -145,12 +134,6 @@ def run_node(job_dir: str) -> int:
     host = rendezvous_host(os.environ)
     os.environ["HPC_RDZV_HOST"] = host
     code = launch.main(["--job-dir", job_dir, "--rdzv-host", host])
-    if code == EXIT_REQUEUE and os.environ.get("SLURM_NODEID", "0") == "0" and needs_requeue(
-            JobSpec.load(job_dir), jobdir.read_outcomes(Path(job_dir)),
-            int(os.environ.get("SLURM_RESTART_COUNT", "0"))):
-        from hpc.slurm import SlurmClient
-        print(f"hpc: requeueing job {os.environ['SLURM_JOB_ID']} (time limit near)", flush=True)
-        SlurmClient().requeue(os.environ["SLURM_JOB_ID"])
     if code != 0:
         raise RuntimeError(f"runtime.launch exited with {code}; see {job_dir}/logs")
     print(f"hpc: node {os.environ.get('SLURM_NODEID', '?')} done", file=sys.stderr, flush=True)

@@ -18,8 +18,6 @@
 set -u
 JOB_DIR=/scratch/me/jobs/gpt-1
 PYTHON=/opt/venv/bin/python
-REQUEUE=auto
-MAX_REQUEUES=20
 ALLOCATION="${SLURM_RESTART_COUNT:-0}"
 
 # The c10d rendezvous runs on the allocation's first node (every node computes the same).
@@ -32,8 +30,7 @@ echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}
 # Slurm signals the batch shell too (SIGTERM on preemption or scancel). bash would die at
 # once and take the job with it before the workers have saved, so the shell only notes the
 # signal and keeps waiting; the launchers forward it to the workers, which agree and save.
-GOT_TERM=0
-trap 'GOT_TERM=1; echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
+trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
 trap 'echo "hpc: batch shell got SIGUSR2; waiting for the workers" >&2' USR2
 
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
@@ -48,15 +45,7 @@ wait "$SRUN_PID"
 STATUS=$?
 echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
 
-# Exit 75: the workers saved and stopped before the time limit (or on preemption). On
-# preemption (SIGTERM here) Slurm requeues the job itself; near the time limit we ask for
-# the requeue, exactly once per allocation and at most MAX_REQUEUES times in all.
-if [ "$STATUS" -eq 75 ] && [ "$GOT_TERM" -eq 0 ] && [ "$REQUEUE" = auto ]; then
-    if [ "$ALLOCATION" -lt "$MAX_REQUEUES" ]; then
-        echo "hpc: requeueing job ${SLURM_JOB_ID} (requeue $((ALLOCATION + 1)) of ${MAX_REQUEUES})"
-        scontrol requeue "$SLURM_JOB_ID"
-    else
-        echo "hpc: not requeueing: ${MAX_REQUEUES} requeues done (--max-requeues)" >&2
-    fi
-fi
+# Exit 75: the workers saved and stopped (time limit near, or preemption). The requeue is
+# decided and done by node 0's launcher (runtime.requeue: exactly once per allocation); Slurm
+# requeues a preempted job itself. The batch script only reports srun's status.
 exit "$STATUS"
