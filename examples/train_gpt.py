@@ -239,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
                 time.sleep(args.step_sleep)
 
         digest = weights_digest(model)
+        # The last step's loss over the whole global batch (each rank saw only its share).
+        final_loss = torch.tensor([train.loss], dtype=torch.float64)
+        torch.distributed.all_reduce(final_loss)
+        train.loss = final_loss.item() / s.world_size
         if s.stopped is None and s.is_rank0:
             result = {"final_step": s.step, "final_loss": train.loss, "weights_sha256": digest,
                       "sample_order_sha256": train.sample_digest, "world_size": s.world_size,

@@ -96,6 +96,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         extra_changes: Planned changes from elsewhere (network interface detection).
     """
     slurm = SlurmEnv.from_env(env)
+    allocation = int(env["HPC_ALLOCATION"]) if env.get("HPC_ALLOCATION") else slurm.restart_count
     wanted = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
             "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
@@ -111,14 +112,15 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
     ours = {
         "HPC_JOB_DIR": str(job_dir),
         "HPC_SIGNAL_LEAD_S": str(spec.signal_lead_s),
-        "HPC_ALLOCATION": str(slurm.restart_count),
+        "HPC_ALLOCATION": str(allocation),
+        "HPC_WARNING_SIGNAL": f"SIG{spec.signal}",
         "HPC_NODE_RANK": str(node_rank),
         "HPC_MERGE_STDERR": "1",
         "HPC_AGENT_PID": str(os.getpid()),
     }
     worker_env = {c.name: c.new for c in changes if not c.kept_user_value} | ours
     return LaunchPlan(
-        spec=spec, job_dir=job_dir, allocation=slurm.restart_count, node_rank=node_rank,
+        spec=spec, job_dir=job_dir, allocation=allocation, node_rank=node_rank,
         nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{spec.rdzv_port}",
         is_rdzv_host=node_rank == 0, run_id=run_id, env_changes=tuple(changes),
         worker_env=worker_env,
@@ -174,7 +176,10 @@ class SignalForwarder:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        self.received.append((time.time(), name))
+        now = time.time()
+        self.received.append((now, name))
+        # Workers (re)started from now on learn of the warning from their environment.
+        os.environ.setdefault("HPC_PENDING_WARNING", f"{name}@{now:.3f}")
         for pid in _children(os.getpid()):
             try:
                 os.kill(pid, signum)

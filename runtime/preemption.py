@@ -14,9 +14,10 @@ the last committed checkpoint.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,16 @@ class PreemptionWatcher:
         self._previous: dict[int, Any] = {}
 
     # -- recording (signal context: no I/O, no collectives) -------------------------------
-    def install(self) -> None:
+    def install(self, environ: Mapping[str, str] | None = None) -> None:
+        """Installs the recording handlers; a warning that reached this process (or its
+        launcher) before now is taken from ``HPC_PENDING_WARNING`` (``NAME@time``)."""
+        pending = (os.environ if environ is None else environ).get("HPC_PENDING_WARNING", "")
+        name, _, when = pending.partition("@")
+        if name:
+            try:
+                self.received.append((float(when), name))
+            except ValueError:
+                self.received.append((self.clock(), name))
         for name in self.signal_names:
             sig = signal.Signals[name]
             self._previous[sig] = signal.signal(sig, self._record)

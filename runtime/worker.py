@@ -35,11 +35,30 @@ def bind_to_parent(expected_parent: int | None) -> None:
         sys.exit(f"[hpc worker] agent {expected_parent} is gone; exiting")
 
 
+def record_early_warning() -> None:
+    """Until the script installs its own handler, a warning signal is recorded, not fatal.
+
+    The launcher forwards the job's warning signal (SIGUSR2 by default) to every worker; one
+    that arrives while a worker is still importing torch would otherwise kill it. The record
+    goes into ``HPC_PENDING_WARNING``, which the Session's preemption watcher reads.
+    """
+    name = os.environ.get("HPC_WARNING_SIGNAL", "")
+    if name in ("", "SIGTERM", "SIGINT") or not hasattr(signal, name):
+        return
+
+    def record(signum: int, frame: object) -> None:
+        import time
+        os.environ.setdefault("HPC_PENDING_WARNING", f"{signal.Signals(signum).name}@{time.time():.3f}")
+
+    signal.signal(getattr(signal, name), record)
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m runtime.worker SCRIPT [ARGS...]")
     agent = os.environ.get("HPC_AGENT_PID")
     bind_to_parent(int(agent) if agent else None)
+    record_early_warning()
     if os.environ.get("HPC_MERGE_STDERR") == "1":
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())

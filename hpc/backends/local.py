@@ -57,8 +57,10 @@ def run(spec: JobSpec) -> int:
     started = time.monotonic()
     # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
     # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
+    # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
+    env = dict(os.environ, HPC_ALLOCATION=str(len(jobdir.read_outcomes(job_dir))))
     procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd(),
-                              start_new_session=True) for i in range(nodes)]
+                              env=env, start_new_session=True) for i in range(nodes)]
     interrupts = [0]
 
     def forward(signum: int, _frame: object) -> None:

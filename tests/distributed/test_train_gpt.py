@@ -1,0 +1,114 @@
+"""The example trainer through `hpc run`, as a user runs it: deterministic, and an interrupted
+run (stopped by the warning signal and resumed, several times, even at another world size)
+ends exactly where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.wandb_offline import read_run
+
+pytestmark = pytest.mark.distributed
+TRAIN = REPO / "examples" / "train_gpt.py"
+
+
+def start(job: Path, nproc: int = 2, *train_args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", str(nproc),
+           "--job-dir", str(job), "--", "--preset", "tiny", *train_args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str]:
+    out, _ = p.communicate(timeout=300)
+    return p.returncode, out
+
+
+def result(job: Path) -> dict:
+    return json.loads((job / "result.json").read_text())
+
+
+def interrupt_after(p: subprocess.Popen, job: Path, seconds: float) -> tuple[int, str]:
+    """Waits until training runs, lets it go `seconds`, then sends the warning signal."""
+    log = job / "logs"
+    end = time.time() + 120
+    while time.time() < end and not any("start step" in f.read_text(errors="replace")
+                                        for f in log.glob("alloc-*/restart-*/rank-0.log")):
+        time.sleep(0.1)
+    # A resumed run's log from the previous stop also says "start step"; wait for this one.
+    time.sleep(seconds)
+    p.send_signal(signal.SIGUSR2)
+    return finish(p)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    job = tmp_path_factory.mktemp("baseline") / "job"
+    code, out = finish(start(job, 2, "--step-sleep", "0.05"))
+    assert code == 0, out
+    return result(job)
+
+
+def test_same_seed_same_weights(baseline: dict, tmp_path: Path):
+    job = tmp_path / "again"
+    code, out = finish(start(job))
+    assert code == 0, out
+    again = result(job)
+    assert again["weights_sha256"] == baseline["weights_sha256"]
+    assert again["sample_order_sha256"] == baseline["sample_order_sha256"]
+    assert again["final_step"] == 40
+    assert (job / "checkpoints" / "step-000040" / "manifest.json").exists()
+
+
+def test_three_stops_and_resumes_end_bit_exact(baseline: dict, tmp_path: Path):
+    job = tmp_path / "interrupted job"
+    stops = []
+    for i in range(3):
+        code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05"), job, 0.6 + 0.3 * i)
+        assert code == 75, out                       # stopped on the warning, resumable
+        outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+        assert outcome["kind"] in ("time_limit", "preempted"), outcome
+        stops.append(outcome["step"])
+    assert stops == sorted(stops) and stops[0] > 0 and stops[-1] < 40, stops
+    code, out = finish(start(job, 2, "--step-sleep", "0.05"))
+    assert code == 0, out
+    final = result(job)
+    assert final["weights_sha256"] == baseline["weights_sha256"]
+    assert final["sample_order_sha256"] == baseline["sample_order_sha256"]
+    # One W&B run for the whole job, each step logged once.
+    run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
+    assert len(run.run_ids) == 1
+    assert sorted(run.steps) == sorted(set(run.steps)) and max(run.steps) == 40
+
+
+def test_world_size_change_consumes_every_sample_once(baseline: dict, tmp_path: Path):
+    job = tmp_path / "elastic"
+    code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05"), job, 0.8)
+    assert code == 75, out
+    code, out = finish(start(job, 1))                 # resume on one process
+    assert code == 0, out
+    final = result(job)
+    assert final["world_size"] == 1 and final["final_step"] == 40
+    # Same global batches in the same order: the consumed stream is identical.
+    assert final["sample_order_sha256"] == baseline["sample_order_sha256"]
+    assert final["cursor"] == baseline["cursor"] and final["epoch"] == baseline["epoch"]
+    assert abs(final["final_loss"] - baseline["final_loss"]) < 0.05
+
+
+def test_fsdp2_trains_and_resumes(tmp_path: Path):
+    job = tmp_path / "fsdp"
+    code, out = interrupt_after(start(job, 2, "--fsdp", "--step-sleep", "0.05"), job, 0.8)
+    assert code == 75, out
+    code, out = finish(start(job, 2, "--fsdp"))
+    assert code == 0, out
+    ref = tmp_path / "fsdp-ref"
+    code, out = finish(start(ref, 2, "--fsdp"))
+    assert code == 0, out
+    assert result(job)["weights_sha256"] == result(ref)["weights_sha256"]
