@@ -20,9 +20,9 @@ pytestmark = pytest.mark.distributed
 TRAIN = REPO / "examples" / "train_gpt.py"
 
 
-def start(job: Path, nproc: int = 2, *train_args: str) -> subprocess.Popen:
+def start(job: Path, nproc: int = 2, *train_args: str, hpc_args: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", str(nproc),
-           "--job-dir", str(job), "--", "--preset", "tiny", *train_args]
+           "--job-dir", str(job), *hpc_args, "--", "--preset", "tiny", *train_args]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -35,7 +35,8 @@ def result(job: Path) -> dict:
     return json.loads((job / "result.json").read_text())
 
 
-def interrupt_after(p: subprocess.Popen, job: Path, seconds: float) -> tuple[int, str]:
+def interrupt_after(p: subprocess.Popen, job: Path, seconds: float,
+                    signals: tuple[int, ...] = (signal.SIGUSR2,)) -> tuple[int, str]:
     """Waits until training runs, lets it go `seconds`, then sends the warning signal."""
     log = job / "logs"
     end = time.time() + 120
@@ -44,7 +45,9 @@ def interrupt_after(p: subprocess.Popen, job: Path, seconds: float) -> tuple[int
         time.sleep(0.1)
     # A resumed run's log from the previous stop also says "start step"; wait for this one.
     time.sleep(seconds)
-    p.send_signal(signal.SIGUSR2)
+    for sig in signals:
+        p.send_signal(sig)
+        time.sleep(0.05)
     return finish(p)
 
 
@@ -112,3 +115,23 @@ def test_fsdp2_trains_and_resumes(tmp_path: Path):
     code, out = finish(start(ref, 2, "--fsdp"))
     assert code == 0, out
     assert result(job)["weights_sha256"] == result(ref)["weights_sha256"]
+
+
+def test_sigterm_and_repeated_signals_during_saves_resume_exactly(baseline: dict, tmp_path: Path):
+    """A checkpoint every step, so the warnings land in the middle of saves; SIGTERM (a
+    preemption without a user signal) then USR2 (twice): no corrupt checkpoint, exact resume."""
+    job = tmp_path / "busy"
+    every = ("--checkpoint-every-steps", "1", "--keep-last", "2")
+    code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05", hpc_args=every), job, 0.7,
+                                signals=(signal.SIGTERM,))
+    assert code == 75, out
+    assert json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])["kind"] == "preempted"
+    code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05", hpc_args=every), job, 0.7,
+                                signals=(signal.SIGUSR2, signal.SIGUSR2))
+    assert code == 75, out
+    code, out = finish(start(job, 2, "--step-sleep", "0.05", hpc_args=every))
+    assert code == 0, out
+    assert not list((job / "checkpoints").glob("*corrupt*")), "a checkpoint was found corrupt"
+    final = result(job)
+    assert final["weights_sha256"] == baseline["weights_sha256"]
+    assert final["sample_order_sha256"] == baseline["sample_order_sha256"]
