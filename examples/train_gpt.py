@@ -213,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
 
         for step in s.steps(start, max_steps):
-            if args.fail_at_step is not None and step == args.fail_at_step and s.rank == 0 \
-                    and s.restart_count == 0 and os.environ.get("HPC_ALLOCATION", "0") == "0":
+            if args.fail_at_step is not None and step == args.fail_at_step and s.rank == 0:
                 raise RuntimeError(f"injected failure at step {step} (--fail-at-step)")
             global_indices = sampler.next_global_batch()
             mine = rank_slice(global_indices, s.rank, s.world_size)
