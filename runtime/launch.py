@@ -257,6 +257,9 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
     log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
     slurm = SlurmEnv.from_env(os.environ)
+    if kind == "preempted" and slurm.active and _cancelled_by_user(slurm.job_id):
+        kind, code = "cancelled", EXIT_CODES["cancelled"]
+        reason = f"cancelled (scancel) while running; {reason}"
     decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
                               max_requeues=spec.max_requeues, under_slurm=slurm.active)
     # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
@@ -284,6 +287,18 @@ def _failure_message(message: Any) -> str:
     if isinstance(message, dict):
         message = message.get("message", "")
     return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
+
+
+def _cancelled_by_user(job_id: str) -> bool:
+    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
+    from hpc.slurm import SlurmClient, SlurmError
+    from hpc.slurm_parse import JobState
+
+    try:
+        return SlurmClient(retry_total_s=20).show_job(job_id).state == JobState.CANCELLED
+    except SlurmError as e:
+        log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
+        return False
 
 
 def job_end_time(env: Mapping[str, str]) -> float | None:

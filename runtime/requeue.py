@@ -1,9 +1,11 @@
 """What happens to the job after an allocation ends: requeue it, or let it end.
 
-Slurm requeues a preempted job by itself when the cluster's ``PreemptMode=REQUEUE``; it does
-*not* requeue a job that ran into its time limit, nor one whose surviving nodes gave up
-after losing the rendezvous host under ``--no-kill``. Those we requeue ourselves, exactly
-once per allocation: several nodes may reach the same conclusion, and the first to create
+Slurm requeues a preempted job by itself (``PreemptMode=REQUEUE``) only when it has to kill
+it at the end of the grace time; a job that saved and exited cleanly before that is marked
+FAILED and never comes back (measured on Slurm 22.05). Slurm also does not requeue a job
+that ran into its time limit, nor one whose surviving nodes gave up after losing the
+rendezvous host under ``--no-kill``. So we requeue all three ourselves, exactly once per
+allocation (a job the user cancelled is recognised by the launcher and left alone): several nodes may reach the same conclusion, and the first to create
 the allocation's claim file (``O_EXCL`` on the shared job directory) is the one that acts.
 Application errors never requeue: a bug would otherwise loop until the allocation budget
 is gone.
@@ -20,7 +22,7 @@ REQUEUE_BY = {
     "finished": None,
     "app_error": None,
     "cancelled": None,
-    "preempted": "slurm",       # PreemptMode=REQUEUE does it; a second requeue would be a bug
+    "preempted": "us",          # we exit before Slurm's kill, so Slurm will not requeue
     "time_limit": "us",
     "node_failure": "us",
 }

@@ -6,7 +6,7 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("kind,expected", [("time_limit", True), ("node_failure", True),
-                                           ("preempted", False), ("app_error", False),
+                                           ("preempted", True), ("app_error", False),
                                            ("finished", False), ("cancelled", False)])
 def test_who_requeues(kind, expected):
     d = decide_requeue(kind, policy="auto", allocation=0, max_requeues=3, under_slurm=True)

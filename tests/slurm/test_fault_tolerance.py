@@ -1,0 +1,185 @@
+"""Fault tolerance end to end on the real cluster: the reason people use hpc-elastic.
+
+Each test submits the example trainer (tiny preset, slowed with --step-sleep so faults land
+mid-training) with `hpc submit`, injects a real fault (a preempting job in the high
+partition, a time limit, a node whose every process is killed), and checks what the user
+cares about: the job ends finished, at the right step, with the same weights and sample
+order as an uninterrupted run, the W&B history has each step once, and the job directory
+says what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.wandb_offline import read_run
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train_gpt.py"
+STEPS = 40
+
+
+def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
+    return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run, locally: 2 nodes x 2 processes, same seed (world size 4)."""
+    job = tmp_path_factory.mktemp("baseline") / "job"
+    r = subprocess.run([sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", "2",
+                        "--nproc-per-node", "2", "--job-dir", str(job), "--", "--preset", "tiny"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((job / "result.json").read_text())
+
+
+def submit(env: dict[str, str], job: Path, *hpc_args: str, train: tuple[str, ...] = ("--step-sleep", "0.3")) -> str:
+    r = hpc(env, "submit", str(TRAIN), "--nproc-per-node", "2", "--job-dir", str(job),
+            "--checkpoint-every-steps", "2", *hpc_args, "--", "--preset", "tiny", *train)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return (job / "slurm_job_id").read_text().strip()
+
+
+def latest_step(job: Path) -> int:
+    latest = job / "checkpoints" / "latest"
+    try:
+        return int(latest.read_text().strip().split("-")[-1])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def squeue(env: dict[str, str], job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def wait_done(env: dict[str, str], job_id: str, job: Path, timeout: float = 400) -> None:
+    wait_until(lambda: squeue(env, job_id) in ("", "COMPLETED", "FAILED", "CANCELLED"), timeout,
+               f"job {job_id} to end; outcomes: {outcomes(job)}")
+
+
+def outcomes(job: Path) -> list[dict]:
+    path = job / "outcomes.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def restarts(env: dict[str, str], job_id: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                         text=True).stdout
+    return int(out.split("Restarts=")[1].split()[0]) if "Restarts=" in out else -1
+
+
+def assert_same_as_baseline(job: Path, baseline: dict, *, weights: bool = True) -> dict:
+    result = json.loads((job / "result.json").read_text())
+    assert result["final_step"] == STEPS
+    assert result["sample_order_sha256"] == baseline["sample_order_sha256"], "samples lost or repeated"
+    if weights:
+        assert result["weights_sha256"] == baseline["weights_sha256"]
+    run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
+    assert len(run.run_ids) == 1
+    assert len(run.steps) == len(set(run.steps)), f"a step was logged twice: {run.steps}"
+    assert max(run.steps) == STEPS
+    return result
+
+
+def test_real_preemption_saves_requeues_and_resumes_exactly(env, slurm_cluster, tmp_path, baseline):
+    job = tmp_path / "preempted"
+    job_id = submit(env, job, "--nodes", "2", "--partition", "debug")
+    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
+                           "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
+                          capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+    wait_until(lambda: any(o["kind"] == "preempted" for o in outcomes(job)), 60, "the preemption outcome")
+    wait_done(env, job_id, job)
+    pre = [o for o in outcomes(job) if o["kind"] == "preempted"]
+    assert len(pre) == 1 and pre[0]["step"] and pre[0]["step"] >= 6, outcomes(job)
+    assert outcomes(job)[-1]["kind"] == "finished"
+    assert restarts(env, job_id) in (1, -1)               # requeued exactly once (by Slurm)
+    assert_same_as_baseline(job, baseline)
+
+
+def test_sigterm_only_preemption_saves_within_grace(env, slurm_cluster, tmp_path, baseline):
+    """--signal-lead 0: no user signal, so a preemption sends only SIGTERM (GraceTime=10 s)."""
+    job = tmp_path / "sigterm"
+    job_id = submit(env, job, "--nodes", "2", "--signal-lead", "0")
+    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
+                           "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
+                          capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+    wait_done(env, job_id, job)
+    pre = [o for o in outcomes(job) if o["kind"] == "preempted"]
+    assert len(pre) == 1, outcomes(job)
+    assert "SIGTERM" in pre[0]["reason"] and "saved step" in pre[0]["reason"]
+    assert outcomes(job)[-1]["kind"] == "finished"
+    assert_same_as_baseline(job, baseline)
+
+
+def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_path, baseline):
+    job = tmp_path / "timelimit"
+    job_id = submit(env, job, "--nodes", "2", "--time", "1", "--signal-lead", "30",
+                    train=("--step-sleep", "1.5"))
+    wait_done(env, job_id, job, timeout=600)
+    kinds = [o["kind"] for o in outcomes(job)]
+    assert kinds.count("time_limit") >= 1 and kinds[-1] == "finished", outcomes(job)
+    allocations = [o["allocation"] for o in outcomes(job)]
+    assert allocations == list(range(len(allocations))), "each allocation recorded once, in order"
+    assert_same_as_baseline(job, baseline)
+
+
+def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_path, baseline):
+    job = tmp_path / "nodeloss"
+    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "3")
+    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    slurm_cluster.crash("node3")
+    wait_done(env, job_id, job)
+    result = assert_same_as_baseline(job, baseline, weights=False)
+    assert result["world_size"] == 4, "the survivors (2 nodes x 2) finished the job"
+    assert outcomes(job)[-1]["kind"] == "finished"
+    assert restarts(env, job_id) in (0, -1), "the job was not requeued: the survivors went on"
+
+
+def test_rendezvous_node_crash_requeues_and_resumes(env, slurm_cluster, tmp_path, baseline):
+    job = tmp_path / "headloss"
+    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "1")
+    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    slurm_cluster.crash("node1")
+    wait_until(lambda: any(o["kind"] == "node_failure" for o in outcomes(job)), 180, "a node_failure outcome")
+    slurm_cluster.restart_slurmd("node1")
+    wait_done(env, job_id, job, timeout=500)
+    assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
+    assert_same_as_baseline(job, baseline, weights=False)
+
+
+def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
+    job = tmp_path / "bug"
+    job_id = submit(env, job, "--nodes", "2", "--max-restarts", "1", train=("--fail-at-step", "3"))
+    wait_done(env, job_id, job)
+    assert [o["kind"] for o in outcomes(job)] == ["app_error"]
+    assert "injected failure at step 3" in outcomes(job)[0]["reason"]
+    assert restarts(env, job_id) in (0, -1)
+    status = hpc(env, "status", str(job))
+    assert "injected failure at step 3" in status.stdout, status.stdout + status.stderr
