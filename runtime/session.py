@@ -156,7 +156,7 @@ class Session:
 
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
-             mixed_precision: bool | None = None) -> torch.nn.Module:
+             mixed_precision: bool | None = None, reproducible_resume: bool = True) -> torch.nn.Module:
         """Moves ``model`` to the device and wraps it in DDP, or FSDP2 (``fully_shard``).
 
         Args:
@@ -164,6 +164,8 @@ class Session:
             fsdp: Shard with FSDP2 instead of replicating with DDP.
             blocks: For FSDP2, the submodules to shard one by one (e.g. transformer blocks).
             mixed_precision: bf16 compute with fp32 reductions under FSDP2 (default: on CUDA).
+            reproducible_resume: DDP only: keep one gradient-bucket layout for the whole run, so
+                a resumed run is bit-identical to an uninterrupted one at any world size.
         """
         model = model.to(self.device)
         if fsdp:
@@ -178,7 +180,14 @@ class Session:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # DDP re-orders its gradient buckets after the first step it runs. A resumed job's
+        # first step would then reduce with a different layout than the uninterrupted run
+        # used at that step, and with more than two ranks the sums round differently. Keeping
+        # the initial layout for the whole run makes a resumed run bit-identical
+        # (find_unused_parameters disables the rebuild; it costs one autograd-graph walk per
+        # step). Pass reproducible_resume=False to trade that for the rebuilt layout.
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   find_unused_parameters=reproducible_resume)
 
     # --- checkpoints ---------------------------------------------------------------------
     def restore(self, **state: Any) -> int:
