@@ -109,7 +109,8 @@ class JobSpec:
     # --- keeping it alive ----------------------------------------------------------------
     signal: str = _opt("USR2", "Warning signal Slurm sends before the time limit.",
                        values.parse_signal, example="--signal USR2")
-    signal_lead_s: int = _opt(120, "Seconds before the time limit that the warning arrives.",
+    signal_lead_s: int = _opt(120, "Seconds before the time limit that the warning arrives (0: no warning "
+                              "signal; a preemption then sends only SIGTERM).",
                               _int(0), example="--signal-lead 120")
     max_restarts: int = _opt(3, "Elastic restarts of the workers within one allocation.",
                              _int(0), example="--max-restarts 3")

@@ -47,6 +47,9 @@ RDZV_CONF: dict[str, Any] = {
     "keep_alive_max_attempt": 5,
 }
 
+# How long a node that lost the rendezvous store waits for node 0's own outcome record.
+NODE0_OUTCOME_WAIT_S = 15.0
+
 # Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
 EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
               "node_failure": 76, "cancelled": 130}
@@ -257,6 +260,13 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
     log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
     slurm = SlurmEnv.from_env(os.environ)
+    if kind == "node_failure" and plan.node_rank != 0:
+        # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
+        # the store too. Only if node 0 records nothing was it really lost.
+        theirs = _node0_outcome(plan, timeout_s=NODE0_OUTCOME_WAIT_S)
+        if theirs is not None:
+            log.info("node 0 ended first (%s): following its outcome", theirs.kind)
+            return theirs.exit_code
     if kind == "preempted" and slurm.active and _cancelled_by_user(slurm.job_id):
         kind, code = "cancelled", EXIT_CODES["cancelled"]
         reason = f"cancelled (scancel) while running; {reason}"
@@ -289,6 +299,18 @@ def _failure_message(message: Any) -> str:
     return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
 
 
+def _node0_outcome(plan: LaunchPlan, timeout_s: float) -> jobdir.Outcome | None:
+    """Node 0's recorded outcome for this allocation, waiting up to ``timeout_s`` for it."""
+    end = time.monotonic() + timeout_s
+    while True:
+        for o in jobdir.read_outcomes(plan.job_dir):
+            if o.allocation == plan.allocation and o.kind != "node_failure":
+                return o
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.5)
+
+
 def _cancelled_by_user(job_id: str) -> bool:
     """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
     from hpc.slurm import SlurmClient, SlurmError
@@ -301,22 +323,27 @@ def _cancelled_by_user(job_id: str) -> bool:
         return False
 
 
-def job_end_time(env: Mapping[str, str]) -> float | None:
-    """Wall time at which Slurm will end this job (its time limit), or None if unlimited/unknown."""
+def slurm_deadlines(env: Mapping[str, str]) -> tuple[float | None, float | None]:
+    """(wall time of the job's time limit, the partition's preemption GraceTime in s), if known."""
     slurm = SlurmEnv.from_env(env)
     if not slurm.active:
-        return None
+        return None, None
     from hpc.slurm import SlurmClient, SlurmError
 
+    client = SlurmClient(env, retry_total_s=20)
     try:
-        info = SlurmClient(env, retry_total_s=20).show_job(slurm.job_id)
+        info = client.show_job(slurm.job_id)
     except SlurmError as e:
-        log.warning("cannot read job %s's time limit (%s): warnings will be treated as the time "
-                    "limit's", slurm.job_id, e)
-        return None
-    if info.time_limit_s is None:
-        return None
-    return time.time() + info.time_limit_s - info.run_time_s
+        log.warning("cannot read job %s (%s): a warning signal will be taken as the time limit's",
+                    slurm.job_id, e)
+        return None, None
+    end = time.time() + info.time_limit_s - info.run_time_s if info.time_limit_s else None
+    grace = None
+    try:
+        grace = float(client.show_partition(info.partition).grace_time_s or 0) or None
+    except SlurmError as e:
+        log.warning("cannot read partition %s's GraceTime (%s)", info.partition, e)
+    return end, grace
 
 
 def _setup_logging(plan: LaunchPlan) -> None:
@@ -360,9 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpc launch: cannot start on {socket.gethostname()}: {e}", file=sys.stderr)
         return EXIT_CODES["app_error"]
     extra = tuple(changes)
-    end = job_end_time(os.environ)
+    end, grace = slurm_deadlines(os.environ)
     if end:
         os.environ["HPC_JOB_END_TIME"] = f"{end:.0f}"
+    if grace:
+        os.environ["HPC_GRACE_S"] = f"{grace:.0f}"
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     _setup_logging(plan)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from hpc import jobdir
 from hpc.jobspec import JobSpec
 from runtime.env import WorkerEnv
-from runtime.preemption import PreemptionWatcher, StopRequest, decide
+from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
 
@@ -130,8 +130,10 @@ class Session:
         spec = self.spec
         signals = (f"SIG{spec.signal}" if spec else "SIGUSR2", "SIGTERM")
         end = float(os.environ.get("HPC_JOB_END_TIME", "0")) or None
+        grace = float(os.environ.get("HPC_GRACE_S", "0")) or DEFAULT_GRACE_S
         self._watcher = PreemptionWatcher(signals, self.cpu_group if self.world_size > 1 else None,
-                                          job_end_time=end, lead_s=spec.signal_lead_s if spec else 120)
+                                          job_end_time=end, lead_s=spec.signal_lead_s if spec else 120,
+                                          grace_s=grace)
         self._watcher.install()
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
