@@ -181,5 +181,5 @@ def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
     assert [o["kind"] for o in outcomes(job)] == ["app_error"]
     assert "injected failure at step 3" in outcomes(job)[0]["reason"]
     assert restarts(env, job_id) in (0, -1)
-    status = hpc({**env, "COLUMNS": "300"}, "status", str(job))
+    status = hpc(env, "status", "--json", str(job))
     assert "injected failure at step 3" in status.stdout, status.stdout + status.stderr
