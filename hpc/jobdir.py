@@ -13,6 +13,7 @@ Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`
       checkpoints/                 step-000123/ ... and the ``latest`` pointer
       outcomes.jsonl               one record per allocation: why it ended
       exit-intent.json             rank 0's reason for a clean exit (preempted, ...)
+      progress.json                rank 0's latest step (every few seconds): work lost on a crash
       wandb_run_id                 one W&B run for the job's whole life
       result.json                  written by the example trainer
 
@@ -33,6 +34,7 @@ from typing import Any
 JOBSPEC = "jobspec.json"
 OUTCOMES = "outcomes.jsonl"
 EXIT_INTENT = "exit-intent.json"
+PROGRESS = "progress.json"
 RESULT = "result.json"
 SBATCH = "job.sbatch"
 
@@ -88,6 +90,20 @@ class Outcome:
     time: float = 0.0
     restarts: int = 0
     world_size: int = 0
+    start_step: int | None = None   # the step this allocation started (resumed) at
+    last_step: int | None = None    # the last step it completed (from progress.json)
+    lost_steps: int | None = None   # steps done after the last committed checkpoint
+
+    def describe(self) -> str:
+        """One line for ``hpc status``: what happened and what it cost."""
+        parts = [self.kind]
+        if self.start_step is not None and self.last_step is not None:
+            parts.append(f"steps {self.start_step}->{self.last_step}")
+        if self.step is not None:
+            parts.append(f"checkpoint {self.step}")
+        if self.lost_steps:
+            parts.append(f"{self.lost_steps} steps lost")
+        return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
 
     def __post_init__(self) -> None:
         assert self.kind in OUTCOME_KINDS, self.kind
@@ -113,7 +129,9 @@ def read_outcomes(job_dir: Path) -> list[Outcome]:
     out = []
     for line in path.read_text().splitlines():
         if line.strip():
-            out.append(Outcome(**json.loads(line)))
+            data = json.loads(line)
+            known = {k: v for k, v in data.items() if k in Outcome.__dataclass_fields__}
+            out.append(Outcome(**known))
     return out
 
 
@@ -121,4 +139,13 @@ def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
+        return None
+
+
+def latest_checkpoint_step(checkpoint_dir: Path) -> int | None:
+    """The step the ``latest`` pointer names (``step-000123``), or None."""
+    try:
+        name = (Path(checkpoint_dir) / "latest").read_text().strip()
+        return int(name.rsplit("-", 1)[-1])
+    except (OSError, ValueError):
         return None

@@ -46,10 +46,11 @@ class Allocation:
     outcome: str = ""
     reason: str = ""
     step: int | None = None
+    detail: str = ""
 
     def describe(self) -> str:
-        inside = self.outcome + (f" at step {self.step}" if self.step is not None else "")
-        inside += f": {self.reason}" if self.reason else ""
+        inside = self.detail or (self.outcome + (f" at step {self.step}" if self.step is not None else "")
+                                 + (f": {self.reason}" if self.reason else ""))
         return f"#{self.index} {self.slurm_state}" + (f" ({inside})" if inside else "")
 
 
@@ -102,7 +103,8 @@ def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
             allocs.append(Allocation(
                 index=i, slurm_state=r.raw_state.split()[0], nodes=",".join(r.nodes),
                 elapsed_s=r.elapsed_s, exit_code=code, outcome=o.kind if o else "",
-                reason=o.reason if o else "", step=o.step if o else None))
+                reason=o.reason if o else "", step=o.step if o else None,
+                detail=o.describe() if o else ""))
         latest = runs[-1] if runs else None
         if live is not None:
             state, nodes = live.raw_state, _nodes_text(live.num_nodes, live.nodes)

@@ -275,10 +275,17 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
     records = plan.node_rank == 0 or (kind == "node_failure" and claim(plan.job_dir, -1 - plan.allocation))
     if records:
+        progress = jobdir.read_json(plan.job_dir / jobdir.PROGRESS) or {}
+        if progress.get("allocation") != plan.allocation:
+            progress = {}
+        saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
+        last = progress.get("step")
         jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
-            allocation=plan.allocation, kind=kind, exit_code=code, reason=reason,
-            step=(intent or {}).get("step"), node=socket.gethostname(), slurm_job_id=slurm.job_id,
-            restarts=0, world_size=0))
+            allocation=plan.allocation, kind=kind, exit_code=code, reason=reason, step=saved,
+            node=socket.gethostname(), slurm_job_id=slurm.job_id,
+            restarts=int(progress.get("restart", 0)), world_size=int(progress.get("world_size", 0)),
+            start_step=progress.get("start_step"), last_step=last,
+            lost_steps=max(0, last - (saved or 0)) if last is not None else None))
     log.info("requeue: %s", decision.reason)
     if decision.requeue and claim(plan.job_dir, plan.allocation):
         from hpc.slurm import SlurmClient, SlurmError

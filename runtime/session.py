@@ -38,6 +38,7 @@ from runtime.env import WorkerEnv
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
+PROGRESS_EVERY_S = 2.0
 
 
 class Session:
@@ -75,6 +76,8 @@ class Session:
         self._sink: Any = None
         self._progress: Any = None
         self._started = time.time()
+        self._progress_written = 0.0
+        self._start_step = 0
         self._owns_group = False
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -241,6 +244,7 @@ class Session:
         is agreed the generator saves (deadline permitting), records the exit intent and
         ends; :attr:`stopped` then says why.
         """
+        self._start_step = start
         if self.is_rank0:
             from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
@@ -272,6 +276,7 @@ class Session:
             else:
                 self._checkpointer.wait()
         saved = self._checkpointer.latest_step() if self._checkpointer else None
+        self._write_progress(force=True)
         reason = f"{request.signal_name} ({request.kind}); {decision.reason}; saved step {saved}"
         self.event(request.kind, step=self.step, signal=request.signal_name, saved_step=saved)
         if self.is_rank0:
@@ -296,7 +301,18 @@ class Session:
         """Records a named event (preempted, resumed, node lost...) in the run (rank 0)."""
         self._ensure_sink().event(name, step=step, **fields)
 
+    def _write_progress(self, force: bool = False) -> None:
+        """Rank 0 notes its step every few seconds, so a crash's lost work can be told."""
+        now = time.time()
+        if not self.is_rank0 or (not force and now - self._progress_written < PROGRESS_EVERY_S):
+            return
+        self._progress_written = now
+        jobdir.write_atomic(self.job_dir / jobdir.PROGRESS, _json({
+            "allocation": self.env.allocation, "restart": self.restart_count, "step": self.step,
+            "start_step": self._start_step, "world_size": self.world_size, "time": now}))
+
     def _end_of_step(self, *, last: bool) -> None:
+        self._write_progress(force=last)
         if self._progress is not None:
             loss = self._pending_metrics.get("loss", [None])[-1]
             line = self._progress.update(self.step, loss=loss)

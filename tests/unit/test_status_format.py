@@ -31,7 +31,7 @@ def test_views_join_sacct_duplicates_and_outcomes() -> None:
                                      reason="SIGTERM")]}
     views = {v.job_id: v for v in build_views([_rec("3"), _rec("4"), _rec("1")], {}, acct, outcomes)}
     assert views["3"].requeues == 1 and views["4"].requeues == 1 and views["1"].requeues == 0
-    assert views["4"].allocations[0].describe() == "#0 PREEMPTED (preempted at step 12: SIGTERM)"
+    assert views["4"].allocations[0].describe() == "#0 PREEMPTED (preempted, checkpoint 12: SIGTERM)"
     assert [a.slurm_state for a in views["3"].allocations] == ["REQUEUED", "CANCELLED"]
     assert views["1"].state == "COMPLETED" and views["1"].nodes == "2 (node1,node2)"
 
@@ -149,3 +149,9 @@ def test_check_partition_accepts() -> None:
 def test_explain_sbatch_rejections(fixture: str, words: str) -> None:
     msg = explain_rejection((FIX / fixture).read_text())
     assert msg and words in msg and msg.startswith("Slurm refused the job")
+
+
+def test_outcome_line_tells_steps_and_work_lost():
+    o = jobdir.Outcome(allocation=1, kind="node_failure", exit_code=76, step=20, start_step=10,
+                       last_step=23, lost_steps=3, reason="rendezvous failed")
+    assert o.describe() == "node_failure, steps 10->23, checkpoint 20, 3 steps lost: rendezvous failed"
