@@ -38,7 +38,7 @@ from runtime.env import WorkerEnv
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
-PROGRESS_EVERY_S = 2.0
+PROGRESS_EVERY_S = float(os.environ.get("HPC_PROGRESS_EVERY_S", "2"))
 
 
 class Session:

@@ -1,0 +1,172 @@
+"""How fast does a job get back to training after each kind of fault? (real test cluster)
+
+On the repo's 3-node Slurm test cluster (root; it is brought up if needed), the example
+trainer (tiny preset, 2 nodes x 2 processes, a checkpoint every 4 steps) is hit by:
+
+- a warning signal (``scancel --signal=USR2``): signal -> all ranks exited with a committed
+  checkpoint;
+- a worker SIGKILL: crash -> the elastic agent restarted the workers and a step completed;
+- a node crash (everything in its namespace killed, ``--nodes 2:3``): crash -> the survivors
+  completed a step at the smaller world size;
+- a requeue (``scontrol requeue``): requeue -> the next allocation completed a step;
+
+and for each it reports seconds and the steps lost (steps done after the last committed
+checkpoint, redone after the resume). The baseline, measured in the same run, is a cold
+start: submit -> first completed step. Ratios say how much of a recovery is more than
+starting from scratch. Times come from rank 0's ``progress.json`` (written every step here).
+
+    python benchmarks/recovery.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train_gpt.py"
+
+
+def _cluster():
+    spec = importlib.util.spec_from_file_location("slurm_cluster", REPO / "tests/cluster/slurm_cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["slurm_cluster"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def progress(job: Path) -> dict:
+    try:
+        return json.loads((job / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait(pred, timeout: float, what: str) -> float:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return time.time()
+        time.sleep(0.05)
+    raise SystemExit(f"recovery bench: timed out waiting for {what}")
+
+
+def outcomes(job: Path) -> list[dict]:
+    p = job / "outcomes.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+class Bench:
+    def __init__(self, env: dict[str, str], root: Path) -> None:
+        self.env, self.root, self.n = env, root, 0
+
+    def submit(self, *extra: str, steps: int = 400) -> tuple[str, Path, float]:
+        self.n += 1
+        job = self.root / f"job{self.n}"
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nproc-per-node", "2",
+                            "--job-dir", str(job), "--checkpoint-every-steps", "4",
+                            "--env", "HPC_PROGRESS_EVERY_S=0", *extra, "--", "--preset", "tiny",
+                            "--max-steps", str(steps), "--step-sleep", "0.2"],
+                           env=self.env, capture_output=True, text=True, cwd=REPO)
+        if r.returncode:
+            raise SystemExit(r.stdout + r.stderr)
+        return (job / "slurm_job_id").read_text().strip(), job, t0
+
+    def cancel(self, job_id: str) -> None:
+        subprocess.run(["scancel", job_id], env=self.env)
+        time.sleep(2)
+
+
+def worker_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in out:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"runtime.worker" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    sc = _cluster()
+    cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", "/run/hpc-test-cluster")), 3)
+    sc.up(cluster)
+    env = {**os.environ, "SLURM_CONF": str(cluster.state_dir / "etc" / "slurm.conf"),
+           "WANDB_MODE": "offline"}
+    res: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="hpc-recovery-") as tmp:
+        b = Bench({**env, "HPC_HOME": tmp}, Path(tmp))
+
+        # Baseline: cold start, submit -> first completed step.
+        job_id, job, t0 = b.submit("--nodes", "2")
+        res["cold_start_s"] = wait(lambda: progress(job).get("step", 0) >= 1, 180, "first step") - t0
+
+        # 1. Warning signal -> every rank exited with a committed checkpoint.
+        wait(lambda: progress(job).get("step", 0) >= 10, 120, "step 10")
+        t = time.time()
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=b.env, check=True)
+        wait(lambda: bool(outcomes(job)), 120, "the stop outcome")
+        o = outcomes(job)[-1]
+        res["signal_to_exit_s"] = o["time"] - t
+        res["signal_steps_lost"] = o.get("lost_steps") or 0
+        # 4. The requeue that follows -> the next allocation completes a step.
+        t = o["time"]
+        wait(lambda: progress(job).get("allocation") == 1 and progress(job)["step"] > progress(job)["start_step"],
+             180, "the requeued allocation's first step")
+        res["requeue_to_resume_s"] = time.time() - t
+        b.cancel(job_id)
+
+        # 2. Worker SIGKILL -> agent restarts the workers -> a step completes.
+        job_id, job, _ = b.submit("--nodes", "2", "--max-restarts", "3")
+        wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
+        before = progress(job)["step"]
+        t = time.time()
+        os.kill(worker_pids("hpc-node2")[0], signal.SIGKILL)
+        wait(lambda: progress(job).get("restart", 0) >= 1 and progress(job)["step"] > progress(job)["start_step"],
+             180, "training after the worker restart")
+        res["worker_crash_to_resume_s"] = time.time() - t
+        res["worker_crash_steps_lost"] = before - (progress(job)["start_step"])
+        b.cancel(job_id)
+
+        # 3. Node crash (not the rendezvous host) -> the survivors complete a step.
+        job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
+        wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
+             "step 10 on 3 nodes")
+        before = progress(job)["step"]
+        t = time.time()
+        sc.crash(cluster, "node3")
+        wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"],
+             180, "training on the survivors")
+        res["node_crash_to_resume_s"] = time.time() - t
+        res["node_crash_steps_lost"] = before - progress(job)["start_step"]
+        b.cancel(job_id)
+        sc.restore(cluster)
+
+    cold = res["cold_start_s"]
+    print(f"{'event':<28} | {'seconds':>8} | {'x cold start':>12} | steps lost")
+    print(f"{'cold start (baseline)':<28} | {cold:8.2f} | {1:12.2f} | -")
+    for key, lost in (("signal_to_exit_s", "signal_steps_lost"), ("requeue_to_resume_s", None),
+                      ("worker_crash_to_resume_s", "worker_crash_steps_lost"),
+                      ("node_crash_to_resume_s", "node_crash_steps_lost")):
+        print(f"{key:<28} | {res[key]:8.2f} | {res[key] / cold:12.2f} | {res.get(lost, '-') if lost else 0}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
