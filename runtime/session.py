@@ -341,7 +341,9 @@ class Session:
                 self.rank, job_dir=self.job_dir, mode=spec.wandb_mode if spec else "offline",
                 project=(spec.wandb_project or spec.job_name) if spec else "",
                 entity=spec.wandb_entity if spec else "", metadata=run_metadata(self.env),
-                resume_step=resume_step, run_id=run_id)
+                resume_step=resume_step, run_id=run_id,
+                # Offline init touches no network: a long bound only guards a starved node.
+                init_timeout_s=30.0 if spec and spec.wandb_mode == "online" else 120.0)
         return self._sink
 
     def finish(self) -> None:

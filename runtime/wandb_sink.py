@@ -188,6 +188,13 @@ class WandbSink:
             for attempt in tenacity.Retrying(stop=tenacity.stop_after_attempt(s.init_attempts),
                                              wait=tenacity.wait_fixed(1.0), reraise=True):
                 with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        # A timed-out init may still hold the run id in this process's W&B
+                        # service ("run ID ... is in use"): start the retry from a clean one.
+                        try:
+                            wandb.teardown()
+                        except Exception as e:  # noqa: BLE001
+                            log.warning("W&B teardown before retrying init failed: %r", e)
                     self._run = wandb.init(
                         id=self.run_id, resume="allow", mode=s.mode,
                         project=s.project or DEFAULT_PROJECT, entity=s.entity or None,

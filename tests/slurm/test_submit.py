@@ -49,13 +49,17 @@ def wait_job(env: dict[str, str], job_id: str, timeout: float = 240) -> dict[str
 
 
 def sacct_state(env: dict[str, str], job_id: str) -> str:
-    for _ in range(50):
+    """The job's final state in accounting (sacct lags the controller by a second or so)."""
+    state = "?"
+    for _ in range(75):
         out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"], env=env,
                              capture_output=True, text=True).stdout.splitlines()
         if out:
-            return out[-1].split()[0]
+            state = out[-1].split()[0]
+            if state not in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"):
+                return state
         time.sleep(0.2)
-    return "?"
+    return state
 
 
 @pytest.fixture
