@@ -82,8 +82,13 @@ class Bench:
         return (job / "slurm_job_id").read_text().strip(), job, t0
 
     def cancel(self, job_id: str) -> None:
-        subprocess.run(["scancel", job_id], env=self.env)
-        time.sleep(2)
+        """Cancels the job and waits until Slurm has no trace of it running (ports, CPUs)."""
+        def gone() -> bool:
+            subprocess.run(["scancel", job_id], env=self.env)
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=self.env,
+                                 capture_output=True, text=True).stdout.strip()
+            return out in ("", "COMPLETED", "CANCELLED")
+        wait(gone, 60, f"job {job_id} to end")
 
 
 def worker_pids(ns: str) -> list[int]:

@@ -118,7 +118,9 @@ class JobSpec:
                         _choice(REQUEUE_POLICIES), example="--requeue auto")
     max_requeues: int = _opt(20, "Most requeues the job may do before it gives up.", _int(0),
                              example="--max-requeues 20")
-    rdzv_port: int = _opt(29400, "TCP port of the c10d rendezvous on the first node.", _int(1),
+    rdzv_port: int = _opt(0, "TCP port of the c10d rendezvous on the first node (0: "
+                          "29400 + the Slurm job id mod 1000, so jobs sharing a node differ; "
+                          "a free port locally).", _int(0),
                           example="--rdzv-port 29400")
     # --- checkpoints -----------------------------------------------------------------------
     checkpoint_dir: str = _opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).", _str,

@@ -85,6 +85,18 @@ class LaunchPlan:
         return jobdir.alloc_log_dir(self.job_dir, self.allocation)
 
 
+def rdzv_port(spec: JobSpec, slurm: SlurmEnv) -> int:
+    """The rendezvous port: the spec's, else one derived from the job id (pure).
+
+    Slurm may place several jobs on one node; a fixed port would make the second job's store
+    fail to bind. Every node of a job derives the same port from the same job id.
+    """
+    if spec.rdzv_port:
+        return spec.rdzv_port
+    digits = "".join(ch for ch in slurm.job_id if ch.isdigit())
+    return 29400 + int(digits) % 1000 if digits else 29400
+
+
 def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_host: str,
                 node_rank: int, run_id: str, extra_changes: tuple[EnvChange, ...] = ()) -> LaunchPlan:
     """Decides the agent's configuration and the workers' environment (pure).
@@ -124,7 +136,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
     worker_env = {c.name: c.new for c in changes if not c.kept_user_value} | ours
     return LaunchPlan(
         spec=spec, job_dir=job_dir, allocation=allocation, node_rank=node_rank,
-        nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{spec.rdzv_port}",
+        nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{rdzv_port(spec, slurm)}",
         is_rdzv_host=node_rank == 0, run_id=run_id, env_changes=tuple(changes),
         worker_env=worker_env,
         argv=("-m", "runtime.worker", spec.script, *spec.script_args),
@@ -249,6 +261,12 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         result, reason = "signal", f"launcher got {e.sigval.name}"
     except RendezvousError as e:
         result, reason = "rendezvous", f"rendezvous failed: {e}"
+        if plan.is_rdzv_host:
+            # The store lives here: failing to reach it is a problem of this node (port in
+            # use, bad address), not a lost peer; requeueing would loop.
+            result = "failed"
+            reason = (f"the rendezvous on this node ({plan.rdzv_endpoint}) failed: {e}. Is the "
+                      "port in use by another job? Set --rdzv-port")
     intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
     if intent and intent.get("time", 0) < started:
         intent = None

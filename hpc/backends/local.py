@@ -50,7 +50,7 @@ def run(spec: JobSpec) -> int:
     """Runs ``spec`` locally; returns the job's exit status."""
     job_dir = prepare(spec)
     nodes = spec.max_nodes
-    port = free_port() if spec.rdzv_port == 29400 else spec.rdzv_port
+    port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
     print(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
           f"process(es); job dir {job_dir}", file=sys.stderr, flush=True)

@@ -61,7 +61,7 @@ def check_carried(spec: JobSpec) -> None:
 
 def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
             nproc_per_node: int = 1, python: str = sys.executable, job_name: str = "",
-            max_restarts: int = 3, rdzv_port: int = 29400) -> "AppDef":
+            max_restarts: int = 3, rdzv_port: int = 0) -> "AppDef":
     """A TorchX component: ``script`` on ``nodes`` nodes x ``nproc_per_node`` processes.
 
     Writes ``jobspec.json`` into ``job_dir`` (created private, 0700) if it is not there yet,

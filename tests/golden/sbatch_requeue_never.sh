@@ -25,7 +25,7 @@ HPC_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export HPC_RDZV_HOST
 export HPC_JOB_DIR="$JOB_DIR"
 echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}" \
-     "(${SLURM_JOB_NUM_NODES} nodes); rendezvous ${HPC_RDZV_HOST}:29400; $(date -Is)"
+     "(${SLURM_JOB_NUM_NODES} nodes); rendezvous on ${HPC_RDZV_HOST}; $(date -Is)"
 
 # Slurm signals the batch shell too (SIGTERM on preemption or scancel). bash would die at
 # once and take the job with it before the workers have saved, so the shell only notes the

@@ -25,3 +25,15 @@ def test_claim_is_exactly_once(tmp_path):
     assert claim(tmp_path, 2)
     assert not claim(tmp_path, 2)
     assert claim(tmp_path, 3)
+
+
+def test_rdzv_port_is_per_job_unless_set():
+    from hpc.jobspec import JobSpec
+    from runtime.env import SlurmEnv
+    from runtime.launch import rdzv_port
+
+    spec = JobSpec(script="s")
+    assert rdzv_port(spec, SlurmEnv(job_id="1234")) == 29400 + 234
+    assert rdzv_port(spec, SlurmEnv(job_id="77_3")) == 29400 + 773
+    assert rdzv_port(spec, SlurmEnv()) == 29400
+    assert rdzv_port(spec.replace(rdzv_port=31000), SlurmEnv(job_id="5")) == 31000
