@@ -1,5 +1,7 @@
 #!/bin/bash
 # Rendered by hpc-elastic (slurm_templates/sbatch_elastic.sh.j2). Re-render instead of editing.
+# No --ntasks-per-node here: with it, Slurm 22.05 grants the *minimum* of a MIN-MAX node range
+# even when more nodes are idle (measured); srun below starts one task per node itself.
 # One Slurm task per node runs the per-node launcher (runtime.launch), which runs torch's
 # elastic agent with a c10d rendezvous on the allocation's first node.
 #
@@ -7,7 +9,6 @@
 # before every character that is not plainly safe); values in the shell body are shell-quoted.
 #SBATCH --job-name=gpt
 #SBATCH --nodes=1
-#SBATCH --ntasks-per-node=1
 #SBATCH --output=/scratch/me/jobs/gpt-1/logs/slurm-%j.out
 #SBATCH --open-mode=append
 #SBATCH --export=ALL

@@ -35,15 +35,28 @@ def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
     return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+# A global batch that divides at world size 4 and 6 (2 or 3 nodes x 2 processes).
+ELASTIC = ("--global-batch", "24", "--micro-batch", "2")
+
+
+def _baseline(tmp: Path, *train: str) -> dict:
     """The uninterrupted run, locally: 2 nodes x 2 processes, same seed (world size 4)."""
-    job = tmp_path_factory.mktemp("baseline") / "job"
+    job = tmp / "job"
     r = subprocess.run([sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", "2",
-                        "--nproc-per-node", "2", "--job-dir", str(job), "--", "--preset", "tiny"],
+                        "--nproc-per-node", "2", "--job-dir", str(job), "--", "--preset", "tiny", *train],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((job / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _baseline(tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="module")
+def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)
 
 
 def submit(env: dict[str, str], job: Path, *hpc_args: str, train: tuple[str, ...] = ("--step-sleep", "0.3")) -> str:
@@ -51,6 +64,10 @@ def submit(env: dict[str, str], job: Path, *hpc_args: str, train: tuple[str, ...
             "--checkpoint-every-steps", "2", *hpc_args, "--", "--preset", "tiny", *train)
     assert r.returncode == 0, r.stdout + r.stderr
     return (job / "slurm_job_id").read_text().strip()
+
+
+def progress(job: Path) -> dict:
+    return json.loads((job / "progress.json").read_text())
 
 
 def latest_step(job: Path) -> int:
@@ -150,10 +167,13 @@ def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_p
     assert_same_as_baseline(job, baseline)
 
 
-def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_path, baseline):
+def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_path, elastic_baseline):
+    baseline = elastic_baseline
     job = tmp_path / "nodeloss"
-    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "3")
+    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "3",
+                    train=("--step-sleep", "0.3", *ELASTIC))
     wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    assert progress(job)["world_size"] == 6, "the job should start on all 3 idle nodes"
     slurm_cluster.crash("node3")
     wait_done(env, job_id, job)
     result = assert_same_as_baseline(job, baseline, weights=False)
@@ -162,9 +182,11 @@ def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_
     assert restarts(env, job_id) in (0, -1), "the job was not requeued: the survivors went on"
 
 
-def test_rendezvous_node_crash_requeues_and_resumes(env, slurm_cluster, tmp_path, baseline):
+def test_rendezvous_node_crash_requeues_and_resumes(env, slurm_cluster, tmp_path, elastic_baseline):
+    baseline = elastic_baseline
     job = tmp_path / "headloss"
-    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "1")
+    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "1",
+                    train=("--step-sleep", "0.3", *ELASTIC))
     wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
     slurm_cluster.crash("node1")
     wait_until(lambda: any(o["kind"] == "node_failure" for o in outcomes(job)), 180, "a node_failure outcome")
