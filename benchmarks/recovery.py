@@ -75,7 +75,8 @@ class Bench:
         r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nproc-per-node", "2",
                             "--job-dir", str(job), "--checkpoint-every-steps", "4",
                             "--env", "HPC_PROGRESS_EVERY_S=0", *extra, "--", "--preset", "tiny",
-                            "--max-steps", str(steps), "--step-sleep", "0.2"],
+                            "--max-steps", str(steps), "--step-sleep", "0.2",
+                            "--global-batch", "24", "--micro-batch", "2"],
                            env=self.env, capture_output=True, text=True, cwd=REPO)
         if r.returncode:
             raise SystemExit(r.stdout + r.stderr)
