@@ -38,6 +38,9 @@ from runtime.env import WorkerEnv
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
+CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
+POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
+MAX_POLL_EVERY = 50
 PROGRESS_EVERY_S = float(os.environ.get("HPC_PROGRESS_EVERY_S", "2"))
 
 
@@ -77,6 +80,7 @@ class Session:
         self._progress: Any = None
         self._started = time.time()
         self._progress_written = 0.0
+        self._poll_every = 1
         self._start_step = 0
         self._owns_group = False
 
@@ -134,7 +138,10 @@ class Session:
         signals = (f"SIG{spec.signal}" if spec else "SIGUSR2", "SIGTERM")
         end = float(os.environ.get("HPC_JOB_END_TIME", "0")) or None
         grace = float(os.environ.get("HPC_GRACE_S", "0")) or DEFAULT_GRACE_S
-        self._watcher = PreemptionWatcher(signals, self.cpu_group if self.world_size > 1 else None,
+        # The agreement runs on its own gloo group: on the training group its all-reduce
+        # would queue behind (and delay) the model's gradient all-reduces.
+        control = dist.new_group(backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
+        self._watcher = PreemptionWatcher(signals, control,
                                           job_end_time=end, lead_s=spec.signal_lead_s if spec else 120,
                                           grace_s=grace)
         self._watcher.install()
@@ -248,11 +255,21 @@ class Session:
         if self.is_rank0:
             from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
+        step_times: list[float] = []
+        tick = time.perf_counter()
         for step in range(start, stop):
             yield step
             self.step = step + 1
+            now = time.perf_counter()
+            step_times.append(now - tick)
+            tick = now
             self._end_of_step(last=self.step == stop)
-            request = self._watcher.poll() if self._watcher else None
+            done = self.step - start
+            if done == CALIBRATE_AFTER_STEPS:
+                self._poll_every = self._agree_poll_interval(step_times)
+            request = None
+            if self._watcher is not None and done % self._poll_every == 0:
+                request = self._watcher.poll()
             if request is not None:
                 self._stop(request)
                 return
@@ -263,6 +280,25 @@ class Session:
             self._checkpointer.wait()
             if self._checkpointer.latest_step() != self.step:
                 self.save(blocking=True)
+
+    def _agree_poll_interval(self, step_times: list[float]) -> int:
+        """How many steps between preemption agreements, the same on every rank.
+
+        One agreement per step is cheap for long steps but measurable for steps of a few
+        milliseconds on busy CPUs; reacting within ~POLL_TARGET_S is all a warning needs (it
+        comes tens of seconds before the kill). Rank 0's median step time decides.
+        """
+        import statistics
+
+        median = statistics.median(step_times[1:] or step_times)
+        every = max(1, min(MAX_POLL_EVERY, int(POLL_TARGET_S / max(median, 1e-6))))
+        if self.world_size > 1:
+            t = torch.tensor([every], dtype=torch.int64)
+            dist.broadcast(t, src=0, group=self.cpu_group)
+            every = int(t.item())
+        if self.is_rank0 and every > 1:
+            log.info("steps take ~%.1f ms: preemption agreement every %d steps", median * 1e3, every)
+        return every
 
     def _stop(self, request: StopRequest) -> None:
         self.stopped = request
@@ -307,9 +343,13 @@ class Session:
         if not self.is_rank0 or (not force and now - self._progress_written < PROGRESS_EVERY_S):
             return
         self._progress_written = now
-        jobdir.write_atomic(self.job_dir / jobdir.PROGRESS, _json({
-            "allocation": self.env.allocation, "restart": self.restart_count, "step": self.step,
-            "start_step": self._start_step, "world_size": self.world_size, "time": now}))
+        try:
+            self.job_dir.mkdir(parents=True, exist_ok=True)
+            jobdir.write_atomic(self.job_dir / jobdir.PROGRESS, _json({
+                "allocation": self.env.allocation, "restart": self.restart_count, "step": self.step,
+                "start_step": self._start_step, "world_size": self.world_size, "time": now}))
+        except OSError as e:  # bookkeeping must never stop training
+            log.warning("cannot write %s: %s", self.job_dir / jobdir.PROGRESS, e)
 
     def _end_of_step(self, *, last: bool) -> None:
         self._write_progress(force=last)
