@@ -17,6 +17,7 @@ submitting a second job.
 
 from __future__ import annotations
 
+import datetime
 import getpass
 import logging
 import os
@@ -189,11 +190,14 @@ class SlurmClient:
         else:
             stdin = script
         tried = False
+        # Accounting outlives clusters and reuses nothing but job ids: only a job submitted since
+        # this call began (less a margin for clock skew) can be ours.
+        since = datetime.datetime.now() - datetime.timedelta(minutes=5)
 
         def attempt() -> str:
             nonlocal tried
             if tried:  # the last try may have created the job before failing
-                existing = self.find_by_tag(tag)
+                existing = self.find_by_tag(tag, since=since)
                 if existing is not None:
                     log.warning("sbatch: job %s with tag %s exists already; not submitting again",
                                 existing, tag)
@@ -204,8 +208,13 @@ class SlurmClient:
 
         return self._retrying(attempt, "sbatch")
 
-    def find_by_tag(self, tag: str) -> str | None:
-        """Id of the current user's job submitted with ``tag``, or None (squeue, then sacct)."""
+    def find_by_tag(self, tag: str, since: datetime.datetime | None = None) -> str | None:
+        """Id of the current user's job submitted with ``tag``, or None (squeue, then sacct).
+
+        Args:
+            tag: The submission tag given to :meth:`submit`.
+            since: Look in accounting only at jobs active since then (sacct's default: midnight).
+        """
         user = self._user or getpass.getuser()
         comment = f"{TAG_PREFIX}{tag}"
         out = self._run_once(["squeue", "--noheader", "--states=all", f"--user={user}",
@@ -214,7 +223,8 @@ class SlurmClient:
             if entry.comment == comment:
                 return entry.job_id
         try:
-            out = self._run_once(["sacct", "--parsable2", "--noheader", f"--user={user}",
+            window = [f"--starttime={since:%Y-%m-%dT%H:%M:%S}"] if since is not None else []
+            out = self._run_once(["sacct", "--parsable2", "--noheader", f"--user={user}", *window,
                                   f"--format={','.join(SACCT_FIELDS)}"], "sacct failed").stdout
         except TransientSlurmError:
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+import uuid
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import pytest
@@ -26,6 +27,12 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 30.0) -> T:
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def tag() -> str:
+    """A submission tag that no earlier run has used (accounting keeps old jobs' comments)."""
+    return f"t-{uuid.uuid4().hex[:12]}"
 
 
 def jobs_with_comment(env: Mapping[str, str], comment: str) -> list[str]:
@@ -60,15 +67,15 @@ def client(slurm_cluster) -> SlurmClient:
     return SlurmClient(slurm_cluster.env, retry_total_s=30.0, command_timeout_s=20.0)
 
 
-def test_submit_queue_accounting_cancel(client: SlurmClient, tmp_path) -> None:
+def test_submit_queue_accounting_cancel(client: SlurmClient, tmp_path, tag: str) -> None:
     script = tmp_path / "job.sh"
     script.write_text(SLEEP)
-    job = client.submit(script, ["-N", "2", "--job-name", "two nodes"], tag="t-basic")
+    job = client.submit(script, ["-N", "2", "--job-name", "two nodes"], tag=tag)
 
     entry = wait_for("RUNNING", lambda: (e := client.queue([job]).get(job))
                      and e.state is JobState.RUNNING and e)
     assert entry.num_nodes == 2 and len(entry.nodes) == 2
-    assert entry.name == "two nodes" and entry.comment == "hpc-tag:t-basic"
+    assert entry.name == "two nodes" and entry.comment == f"hpc-tag:{tag}"
     info = client.show_job(job)
     assert info.nodes == entry.nodes and info.batch_host == entry.nodes[0]
     assert info.restarts == 0 and info.time_limit_s == 3600
@@ -78,7 +85,7 @@ def test_submit_queue_accounting_cancel(client: SlurmClient, tmp_path) -> None:
     record = wait_for("sacct allocation record", lambda: next(
         (r for r in client.accounting([job]) if r.step is None and r.name == "two nodes"
          and r.state is JobState.CANCELLED), None))
-    assert record.comment == "hpc-tag:t-basic" and record.nodes == entry.nodes
+    assert record.comment == f"hpc-tag:{tag}" and record.nodes == entry.nodes
 
 
 def test_failed_job_reports_exit_code(client: SlurmClient) -> None:
@@ -115,13 +122,14 @@ def test_requeue_restarts_the_job_under_the_same_id(client: SlurmClient) -> None
     assert states[0] is JobState.REQUEUED
 
 
-def test_submit_retries_while_controller_is_down(slurm_cluster, client: SlurmClient) -> None:
+def test_submit_retries_while_controller_is_down(slurm_cluster, client: SlurmClient,
+                                                 tag: str) -> None:
     slurm_cluster.stop_controller()
     result: dict[str, object] = {}
 
     def submit() -> None:
         try:
-            result["job"] = client.submit(SLEEP, ["-N", "1"], tag="t-ctld-down")
+            result["job"] = client.submit(SLEEP, ["-N", "1"], tag=tag)
         except Exception as exc:  # surfaced by the assertion below
             result["error"] = exc
 
@@ -134,15 +142,15 @@ def test_submit_retries_while_controller_is_down(slurm_cluster, client: SlurmCli
     thread.join(timeout=60)
     assert "error" not in result, result.get("error")
     assert time.monotonic() - t0 >= 5
-    assert jobs_with_comment(slurm_cluster.env, "hpc-tag:t-ctld-down") == [result["job"]]
+    assert jobs_with_comment(slurm_cluster.env, f"hpc-tag:{tag}") == [result["job"]]
 
 
-def test_lost_sbatch_answer_does_not_submit_twice(slurm_cluster) -> None:
+def test_lost_sbatch_answer_does_not_submit_twice(slurm_cluster, tag: str) -> None:
     runner = CountingRunner(lose_first_sbatch_answer=True)
     client = SlurmClient(slurm_cluster.env, runner=runner, retry_total_s=30.0)
-    job = client.submit(SLEEP, ["-N", "1"], tag="t-lost-answer")
+    job = client.submit(SLEEP, ["-N", "1"], tag=tag)
     assert runner.count("sbatch") == 1
-    assert jobs_with_comment(slurm_cluster.env, "hpc-tag:t-lost-answer") == [job]
+    assert jobs_with_comment(slurm_cluster.env, f"hpc-tag:{tag}") == [job]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -139,7 +139,7 @@ def test_dry_run_creates_nothing(env, tmp_path: Path) -> None:
             "--job-dir", str(job_dir))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[1].startswith("sbatch --parsable --comment=hpc-tag:")
-    assert "#SBATCH --ntasks-per-node=1" in r.stdout and not job_dir.exists()
+    assert "#SBATCH --nodes=1" in r.stdout and not job_dir.exists()
 
 
 def test_train_gpt_tiny_matches_local_run(env, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the real cluster in tests/slurm/test_slurm_client.py.
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -84,6 +85,20 @@ def test_tag_found_only_in_accounting() -> None:
         "sacct": [(0, sacct, "")],
     })
     assert client(runner).submit("#!/bin/sh\n", tag="abc") == "78"
+
+
+def test_accounting_is_searched_only_since_the_submission_began() -> None:
+    """Accounting outlives a cluster's job ids: an old job with the same tag is not ours."""
+    runner = ScriptedRunner({
+        "sbatch": [(1, "", DOWN), (0, "42\n", "")],
+        "squeue": [(0, "", "")],
+        "sacct": [(0, "", "")],
+    })
+    before = datetime.datetime.now() - datetime.timedelta(minutes=6)
+    client(runner).submit("#!/bin/sh\n", tag="abc")
+    (window,) = [a for a in runner.calls[2] if a.startswith("--starttime=")]
+    since = datetime.datetime.fromisoformat(window.removeprefix("--starttime="))
+    assert before < since < datetime.datetime.now()
 
 
 @pytest.mark.parametrize("fixture, words", [
