@@ -47,6 +47,15 @@ RDZV_CONF: dict[str, Any] = {
     "keep_alive_max_attempt": 5,
 }
 
+# Variables that only make sense in the process that set them, never in a job's workers.
+INHERITED_ONLY = {
+    # wandb writes its service's socket here in any process that used wandb (a notebook, a
+    # wrapper script, the submitting process): rank 0 would log through that process's service,
+    # on another host or gone, instead of its own, and a crash would lose the run's history.
+    "WANDB_SERVICE": "points at the W&B service of the process that started this job; rank 0 "
+                     "starts its own",
+}
+
 # How long a node that lost the rendezvous store waits for node 0's own outcome record.
 NODE0_OUTCOME_WAIT_S = 15.0
 
@@ -78,6 +87,7 @@ class LaunchPlan:
     run_id: str
     env_changes: tuple[EnvChange, ...]
     worker_env: dict[str, str] = field(default_factory=dict)
+    worker_unset: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
 
     @property
@@ -121,6 +131,9 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
                             "one share of the node's CPUs per worker"),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)
+    for name, reason in INHERITED_ONLY.items():
+        if name in env:
+            changes.append(EnvChange(name, None, env[name], reason))
     # The user's --env is an explicit request for this job: it wins over the inherited env.
     for name, value in spec.env:
         changes.append(EnvChange(name, value, env.get(name), "--env"))
@@ -133,12 +146,13 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         "HPC_MERGE_STDERR": "1",
         "HPC_AGENT_PID": str(os.getpid()),
     }
-    worker_env = {c.name: c.new for c in changes if not c.kept_user_value} | ours
+    worker_env = {c.name: c.new for c in changes
+                  if c.new is not None and not c.kept_user_value} | ours
     return LaunchPlan(
         spec=spec, job_dir=job_dir, allocation=allocation, node_rank=node_rank,
         nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{rdzv_port(spec, slurm)}",
         is_rdzv_host=node_rank == 0, run_id=run_id, env_changes=tuple(changes),
-        worker_env=worker_env,
+        worker_env=worker_env, worker_unset=tuple(c.name for c in changes if c.new is None),
         argv=("-m", "runtime.worker", spec.script, *spec.script_args),
     )
 
@@ -240,6 +254,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     for change in plan.env_changes:
         log.info("env %s", change.describe())
     os.environ.update(plan.worker_env)
+    for name in plan.worker_unset:
+        os.environ.pop(name, None)
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
@@ -291,13 +307,16 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
                               max_requeues=spec.max_requeues, under_slurm=slurm.active)
     # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
-    records = plan.node_rank == 0 or (kind == "node_failure" and claim(plan.job_dir, -1 - plan.allocation))
+    records = plan.node_rank == 0 or (
+        kind == "node_failure" and claim(plan.job_dir, plan.allocation, "record"))
     if records:
         progress = jobdir.read_json(plan.job_dir / jobdir.PROGRESS) or {}
         if progress.get("allocation") != plan.allocation:
             progress = {}
         saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
         last = progress.get("step")
+        if last is not None and saved is not None:  # progress.json lags by up to a few seconds
+            last = max(last, saved)
         jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
             allocation=plan.allocation, kind=kind, exit_code=code, reason=reason, step=saved,
             node=socket.gethostname(), slurm_job_id=slurm.job_id,

@@ -89,14 +89,11 @@ class NetworkChoice:
 
 @dataclass(frozen=True)
 class EnvChange:
-    """One environment variable we want to set, and what happened to it.
-
-    Same fields as `runtime.launch.EnvChange`, so the launcher can pass these straight through.
-    """
+    """One environment variable we want to set (or unset), and what happened to it."""
 
     name: str
-    new: str
-    """The value we would set."""
+    new: str | None
+    """The value we would set; None removes the variable."""
     old: str | None
     """The value before (None: unset)."""
     reason: str
@@ -107,7 +104,9 @@ class EnvChange:
         """Return a log line `NAME: old -> new (reason)`."""
         if self.kept_user_value:
             return f"{self.name}={self.old!r} kept (set by the user; we would set {self.new!r}: {self.reason})"
-        return f"{self.name}: {'(unset)' if self.old is None else repr(self.old)} -> {self.new!r} ({self.reason})"
+        old = "(unset)" if self.old is None else repr(self.old)
+        new = "(unset)" if self.new is None else repr(self.new)
+        return f"{self.name}: {old} -> {new} ({self.reason})"
 
 
 def _where(host: str | None, addr: str | None) -> str:
@@ -245,9 +244,13 @@ def network_env(choice: NetworkChoice, current_env: Mapping[str, str]) -> list[E
 
 
 def apply_env(changes: Iterable[EnvChange], env: MutableMapping[str, str]) -> None:
-    """Set every change that is not a kept user value into `env` (e.g. `os.environ`)."""
+    """Apply every change that is not a kept user value to `env` (e.g. `os.environ`)."""
     for c in changes:
-        if not c.kept_user_value:
+        if c.kept_user_value:
+            continue
+        if c.new is None:
+            env.pop(c.name, None)
+        else:
             env[c.name] = c.new
 
 

@@ -57,9 +57,16 @@ def decide_requeue(kind: str, *, policy: str, allocation: int, max_requeues: int
     return RequeueDecision(True, f"{kind}: requeue {allocation + 1} of at most {max_requeues}")
 
 
-def claim(job_dir: Path, allocation: int) -> bool:
-    """True for exactly one caller per allocation (atomic create on the shared job dir)."""
-    path = Path(job_dir) / f"requeue-claim-alloc-{allocation}"
+def claim(job_dir: Path, allocation: int, duty: str = "requeue") -> bool:
+    """True for exactly one caller per allocation and duty (atomic create on the shared job dir).
+
+    Args:
+        job_dir: The job directory (shared by every node).
+        allocation: The allocation index.
+        duty: What is claimed: ``"requeue"`` (one node requeues the job) or ``"record"`` (one
+            survivor records the outcome when node 0 is gone).
+    """
+    path = Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:

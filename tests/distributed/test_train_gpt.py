@@ -5,6 +5,7 @@ ends exactly where an uninterrupted one does."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,10 +21,12 @@ pytestmark = pytest.mark.distributed
 TRAIN = REPO / "examples" / "train_gpt.py"
 
 
-def start(job: Path, nproc: int = 2, *train_args: str, hpc_args: tuple[str, ...] = ()) -> subprocess.Popen:
+def start(job: Path, nproc: int = 2, *train_args: str, hpc_args: tuple[str, ...] = (),
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", str(nproc),
            "--job-dir", str(job), *hpc_args, "--", "--preset", "tiny", *train_args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
 
 
 def finish(p: subprocess.Popen) -> tuple[int, str]:
@@ -68,6 +71,22 @@ def test_same_seed_same_weights(baseline: dict, tmp_path: Path):
     assert again["sample_order_sha256"] == baseline["sample_order_sha256"]
     assert again["final_step"] == 40
     assert (job / "checkpoints" / "step-000040" / "manifest.json").exists()
+
+
+def test_inherited_wandb_service_is_not_used(tmp_path: Path):
+    """A job started from a process that used wandb inherits WANDB_SERVICE (wandb exports it):
+    rank 0 must start its own service, not log into the starter's (gone here)."""
+    from wandb.sdk.lib.service.service_token import UnixServiceToken
+
+    gone = UnixServiceToken(parent_pid=os.getpid(), path=str(tmp_path / "gone.sock")).env_value
+    job = tmp_path / "job"
+    code, out = finish(start(job, env={**os.environ, "WANDB_SERVICE": gone}))
+    assert code == 0, out
+    assert not (job / "metrics.jsonl").exists(), "W&B failed and fell back to JSONL"
+    run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
+    assert max(run.steps) == 40
+    launcher_logs = "".join(p.read_text() for p in (job / "logs" / "alloc-0").glob("node-*.log"))
+    assert f"WANDB_SERVICE: {gone!r} -> (unset)" in launcher_logs  # the change is logged
 
 
 def test_three_stops_and_resumes_end_bit_exact(baseline: dict, tmp_path: Path):

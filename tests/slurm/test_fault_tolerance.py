@@ -115,9 +115,15 @@ def assert_same_as_baseline(job: Path, baseline: dict, *, weights: bool = True) 
     if weights:
         assert result["weights_sha256"] == baseline["weights_sha256"]
     run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
-    assert len(run.run_ids) == 1
+    fallback = job / "metrics.jsonl"
+    rank0 = sorted(job.glob("logs/alloc-*/restart-*/rank-0.log"))
+    why = (f"W&B files {[(str(f.relative_to(job)), f.stat().st_size) for f in run.files]}; "
+           f"outcomes {outcomes(job)}; "
+           f"fallback: {fallback.read_text()[-2000:] if fallback.exists() else 'none'}; "
+           f"last rank-0 log: {rank0[-1].read_text()[-3000:] if rank0 else 'none'}")
+    assert len(run.run_ids) == 1, why
     assert len(run.steps) == len(set(run.steps)), f"a step was logged twice: {run.steps}"
-    assert max(run.steps) == STEPS
+    assert run.steps and max(run.steps) == STEPS, why
     return result
 
 

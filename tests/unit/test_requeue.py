@@ -25,6 +25,7 @@ def test_claim_is_exactly_once(tmp_path):
     assert claim(tmp_path, 2)
     assert not claim(tmp_path, 2)
     assert claim(tmp_path, 3)
+    assert claim(tmp_path, 2, "record") and not claim(tmp_path, 2, "record")
 
 
 def test_rdzv_port_is_per_job_unless_set():
