@@ -4,7 +4,7 @@ A job's output is spread over files that appear as it lives: each allocation (Sl
 and each elastic restart inside it writes ``logs/alloc-<A>/restart-<K>/rank-<R>.log``, and the
 batch script's own output (launcher messages, srun's status) goes to ``logs/slurm-<id>.out``.
 This prints them in life order (allocation, then restart, numerically) with a header per file,
-then the batch output. With ``-f`` it keeps reading: new bytes in known files, and new files as
+then the batch output without its copy of rank 0's lines (shown already). With ``-f`` it keeps reading: new bytes in known files, and new files as
 requeues and restarts create them, until Slurm reports a terminal state (polled with backoff,
 one squeue/sacct call per poll), then drains what is left.
 """
@@ -29,6 +29,8 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", 
                 "DEADLINE"}
 MAYBE_FINAL_STATES = {"PREEMPTED", "NODE_FAIL"}
 MAYBE_FINAL_POLLS = 3
+# The launcher on node 0 copies rank 0's output into the batch output with this line prefix.
+TEE_PREFIX = "[rank"
 
 
 def rank_logs(job_dir: Path, rank: int = 0) -> list[Path]:
@@ -64,16 +66,24 @@ class Follower:
     Args:
         list_files: Returns the files to show, in order (called on every :meth:`step`).
         out: Where to print.
+        drop_tee: Whether a file carries the launcher's copy of rank 0's output (lines starting
+            with ``[rank``, already shown from the rank's own log); those lines are skipped, so
+            such a file is printed by whole lines.
     """
 
-    def __init__(self, list_files: Callable[[], list[Path]], out: TextIO) -> None:
-        self.list_files, self.out = list_files, out
+    def __init__(self, list_files: Callable[[], list[Path]], out: TextIO,
+                 drop_tee: Callable[[Path], bool] = lambda path: False) -> None:
+        self.list_files, self.out, self.drop_tee = list_files, out, drop_tee
         self.offsets: dict[Path, int] = {}
         self._current: Path | None = None
 
-    def step(self) -> int:
-        """Prints what is new; returns the number of bytes printed."""
-        printed = 0
+    def step(self, final: bool = False) -> int:
+        """Prints what is new; returns the number of bytes consumed.
+
+        Args:
+            final: The files are complete: print a last line without its newline too.
+        """
+        consumed = 0
         for path in self.list_files():
             try:
                 with open(path, "rb") as f:
@@ -81,16 +91,22 @@ class Follower:
                     data = f.read()
             except OSError:
                 continue
+            if self.drop_tee(path) and not final:
+                data = data[: data.rfind(b"\n") + 1]  # whole lines only
             if not data:
                 continue
-            if path != self._current:
+            text = data.decode(errors="replace")
+            if self.drop_tee(path):
+                text = "".join(line for line in text.splitlines(keepends=True)
+                               if not line.startswith(TEE_PREFIX))
+            if text and path != self._current:
                 self.out.write(f"==> {path} <==\n")
                 self._current = path
-            self.out.write(data.decode(errors="replace"))
+            self.out.write(text)
             self.out.flush()
             self.offsets[path] = self.offsets.get(path, 0) + len(data)
-            printed += len(data)
-        return printed
+            consumed += len(data)
+        return consumed
 
 
 def follow(job: JobRecord, follower: Follower, poll_state: Callable[[], str],
@@ -109,7 +125,7 @@ def follow(job: JobRecord, follower: Follower, poll_state: Callable[[], str],
         state = poll_state()
         maybe_final = maybe_final + 1 if state in MAYBE_FINAL_STATES else 0
         if state in FINAL_STATES or maybe_final >= MAYBE_FINAL_POLLS:
-            follower.step()
+            follower.step(final=True)
             return state
         wait()
 
@@ -121,9 +137,11 @@ def main(args: argparse.Namespace) -> int:
         raise SpecError("JOB", args.job, "a job submitted with hpc (its directory is recorded "
                         "in $HPC_HOME/jobs.jsonl) or a job directory", "hpc logs runs/gpt")
     job_dir = Path(job.job_dir)
-    follower = Follower(lambda: log_files(job_dir, job.job_id, args.rank), sys.stdout)
+    batch = job_dir / "logs" / f"slurm-{job.job_id}.out"
+    follower = Follower(lambda: log_files(job_dir, job.job_id, args.rank), sys.stdout,
+                        drop_tee=lambda path: path == batch)
     if not args.follow:
-        if not follower.step():
+        if not follower.step(final=True):
             print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
         return 0
     from hpc.slurm import SlurmClient

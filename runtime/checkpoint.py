@@ -10,6 +10,8 @@ next resume deletes; a directory whose files no longer match the manifest is qua
 
 Every filesystem decision is made by rank 0 and broadcast (ranks disagree on NFS/Lustre), and
 every failure is broadcast too, so no rank waits at a collective that another rank skipped.
+How the bytes are written (checksums, retries, staging) is :mod:`runtime.checkpoint_storage`;
+the manifest, its verification and the retention rules are :mod:`runtime.checkpoint_manifest`.
 
 Async saves run DCP's thread-mode ``async_save`` on a dedicated gloo group; at most one is in
 flight. Rank 0 commits from the future's completion callback, so a finished async checkpoint is
@@ -35,12 +37,10 @@ import io
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,45 +48,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.checkpoint.storage import WriteResult
 
 from runtime import rng
 from runtime.checkpoint_manifest import (
-    LATEST_NAME, MANIFEST_NAME, Crc32Stream, FileEntry, Manifest, SaveSchedule, fsync_dir, is_tmp_dir,
+    LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir,
     parse_step, retry_transient, step_dirname, steps_to_prune, verify, write_atomic)
+from runtime.checkpoint_storage import (
+    ChecksummedWriter, RetryingReader, ReusedStaging, kill_point, local_name)
 
 log = logging.getLogger("hpc.checkpoint")
 
-#: Test hook: ``point`` or ``point@rank``; the process SIGKILLs itself there (see tests).
-KILL_AT_ENV = "HPC_CKPT_TEST_KILL_AT"
 #: Write rate assumed before the first measured save (conservative for shared filesystems).
 ASSUMED_WRITE_BYTES_S = 100e6
-_FILES_KEY = "__hpc_files__"
 _RNG_KEY = "_rng"
 _FAILED = (Exception, CheckpointException)
 
 
 class CheckpointError(RuntimeError):
     """A save or load failed on some rank; raised on every rank with the same message."""
-
-
-def _test_point(name: str, rank: int) -> None:
-    spec = os.environ.get(KILL_AT_ENV)
-    if spec and spec in (name, f"{name}@{rank}"):
-        log.warning("test hook: rank %d killing itself at %s", rank, name)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _local_name(rank: int) -> str:
-    return f"rank-{rank:05d}.local.pt"
 
 
 class _ModuleState:
@@ -145,118 +127,6 @@ def split_state(app_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     return sharded, local
 
 
-class _Crc32FileSystem(FileSystem):
-    """DCP's local filesystem, recording size and CRC-32 of every file as it is written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: dict[str, FileEntry] = {}
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with Path(path).open(mode) as raw:
-            stream = Crc32Stream(raw)
-            try:
-                yield stream  # type: ignore[misc]
-            except Exception as e:
-                if stream.error is not None and stream.error is not e:
-                    raise stream.error from e  # keep the errno (ENOSPC, EIO) visible
-                raise
-        self.entries[Path(path).name] = FileEntry(Path(path).name, stream.size, stream.crc32)
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        if (entry := self.entries.pop(Path(path).name, None)) is not None:
-            self.entries[Path(new_path).name] = FileEntry(Path(new_path).name, entry.size, entry.crc32)
-
-
-class _Writer(FileSystemWriter):
-    """DCP writer that adds the rank-local file, retries transient errors, reports checksums."""
-
-    def __init__(self, path: Path, rank: int, local_files: Mapping[str, bytes], thread_count: int) -> None:
-        super().__init__(path, thread_count=thread_count, overwrite=False)
-        self.fs = _Crc32FileSystem()
-        self.rank = rank
-        self.local_files = dict(local_files)
-        self.files: tuple[FileEntry, ...] = ()
-
-    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[WriteResult]]:
-        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-        fut.set_result(self._write_all(plan, planner))
-        return fut
-
-    @retry_transient
-    def _write_all(self, plan: Any, planner: Any) -> list[WriteResult]:
-        self.fs.entries.clear()
-        for name, data in self.local_files.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-                stream.write(data)
-                stream.flush()
-                os.fsync(stream.fileno())
-        _test_point("before_shards", self.rank)
-        results = super().write_data(plan, planner).value()
-        _test_point("after_shards", self.rank)
-        files = list(self.fs.entries.values())
-        return [*results, WriteResult(MetadataIndex(f"{_FILES_KEY}{self.rank}"), 0, files)]
-
-    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        files: list[FileEntry] = []
-        shards = []
-        for rank_results in results:
-            files += [e for r in rank_results if r.index.fqn.startswith(_FILES_KEY) for e in r.storage_data]
-            shards.append([r for r in rank_results if not r.index.fqn.startswith(_FILES_KEY)])
-        super().finish(metadata, shards)
-        files.append(self.fs.entries[".metadata"])
-        self.files = tuple(sorted(files, key=lambda e: e.name))
-
-
-class _Reader(FileSystemReader):
-    """DCP reader whose per-rank reads retry transient filesystem errors."""
-
-    @retry_transient
-    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
-        return super().read_data(plan, planner)
-
-
-class _ReusedStaging(BlockingAsyncStager):
-    """Async staging into CPU buffers kept between saves (pinned when CUDA is present).
-
-    DCP's default stager allocates a fresh copy of the state for every save; on 0.5 GB per rank
-    the page faults of that allocation cost more than the copy. The buffers are rebuilt when the
-    state's structure (keys, shapes, dtypes) changes. Costs one copy of the local state in RAM.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(cache_staged_state_dict=False)
-        self._buffers: dict[str, Any] | None = None
-        self._signature: tuple[Any, ...] = ()
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        signature = tuple(_tensor_signature(state_dict))
-        if self._buffers is None or signature != self._signature:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._signature = signature
-        return _copy_state_dict(state_dict, self._buffers, type_check=self.type_check)
-
-
-def _tensor_signature(obj: Any, path: str = "") -> Generator[tuple[str, Any, Any], None, None]:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _tensor_signature(v, f"{path}/{k}")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            yield from _tensor_signature(v, f"{path}[{i}]")
-    elif isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        yield path, tuple(local.shape), local.dtype
-    else:
-        yield path, type(obj), None
-
-
 def _has_errno(exc: BaseException | None, code: int, depth: int = 0) -> bool:
     if exc is None or depth > 8:
         return False
@@ -278,7 +148,7 @@ def _summary(exc: BaseException) -> str:
 class _InFlight:
     step: int
     tmp: Path
-    writer: _Writer
+    writer: ChecksummedWriter
     future: Future[Any]
     started: float
     metadata: dict[str, Any]
@@ -321,7 +191,7 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._ctl = dist.new_group(backend="gloo") if self.distributed else None
         self._bg = dist.new_group(backend="gloo") if self.distributed and async_save else None
-        self._stager = _ReusedStaging() if reuse_staging else None
+        self._stager = ReusedStaging() if reuse_staging else None
         self._inflight: _InFlight | None = None
         self._pruner: threading.Thread | None = None
         self._latest: int | None = None
@@ -409,7 +279,7 @@ class Checkpointer:
         if (err := self._gather_errors(err)) is not None:
             self._cleanup(tmp)
             raise CheckpointError(err)
-        writer = _Writer(tmp, self.rank, {_local_name(self.rank): buf.getvalue()}, self.thread_count)
+        writer = ChecksummedWriter(tmp, self.rank, {local_name(self.rank): buf.getvalue()}, self.thread_count)
         self._last_save_step, self._last_save_time = step, time.time()
         if blocking or not self.async_save:
             try:
@@ -466,13 +336,13 @@ class Checkpointer:
             return None
         manifest = Manifest.from_json(choice)
         step_dir = self.directory / step_dirname(manifest.step)
-        dcp.load(sharded, storage_reader=_Reader(step_dir), process_group=self._ctl,
+        dcp.load(sharded, storage_reader=RetryingReader(step_dir), process_group=self._ctl,
                  no_dist=not self.distributed)
         if self._rng is not None:
             local[_RNG_KEY] = self._rng
         saved: dict[str, Any] = {}
         if self.rank < manifest.world_size and local:
-            saved = torch.load(step_dir / _local_name(self.rank), weights_only=False)
+            saved = torch.load(step_dir / local_name(self.rank), weights_only=False)
         for key, obj in local.items():
             if key in saved:
                 obj.load_state_dict(saved[key])
@@ -511,16 +381,16 @@ class Checkpointer:
     def _commit(self, flight: _InFlight) -> None:
         """Rank 0: manifest, fsync, rename, ``latest``, prune. The files are all written."""
         flight.save_s = time.monotonic() - flight.started
-        _test_point("before_manifest", self.rank)
+        kill_point("before_manifest", self.rank)
         manifest = Manifest(step=flight.step, world_size=self.world_size, files=flight.writer.files,
                             metadata=flight.metadata, torch_version=torch.__version__,
                             created_time=time.time(), save_s=round(flight.save_s, 4))
         write_atomic(flight.tmp / MANIFEST_NAME, manifest.to_json())
-        _test_point("before_rename", self.rank)
+        kill_point("before_rename", self.rank)
         final = self.directory / step_dirname(flight.step)
         retry_transient(os.rename)(flight.tmp, final)
         fsync_dir(self.directory)
-        _test_point("before_latest", self.rank)
+        kill_point("before_latest", self.rank)
         write_atomic(self.directory / LATEST_NAME, final.name + "\n")
         self._prune(flight.step)
 

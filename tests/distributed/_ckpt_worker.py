@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from runtime.checkpoint import KILL_AT_ENV, CheckpointError, Checkpointer
+from runtime.checkpoint import CheckpointError, Checkpointer
+from runtime.checkpoint_storage import KILL_AT_ENV
 from runtime.sampler import ResumableSampler
 
 

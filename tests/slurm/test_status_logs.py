@@ -43,7 +43,7 @@ def test_logs_follow_until_done_then_status(env, tmp_path: Path) -> None:
     t0 = time.monotonic()
     logs = hpc(env, "logs", "-f", job_id, timeout=300)  # by id, through the job index
     assert logs.returncode == 0, logs.stderr
-    assert "rank 0/4 on node1: sum 10" in logs.stdout
+    assert logs.stdout.count("rank 0/4 on node1: sum 10") == 1, logs.stdout  # not the tee too
     assert f"==> {job_dir}/logs/alloc-0/restart-0/rank-0.log <==" in logs.stdout
     assert f"slurm-{job_id}.out" in logs.stdout and f"job {job_id} is COMPLETED" in logs.stderr
     print(f"\nhpc logs -f returned {time.monotonic() - t0:.1f} s after submission")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpc import jobdir
-from hpc.logs import Follower, follow, rank_logs
+from hpc.logs import Follower, follow, log_files, rank_logs
 from hpc.slurm_parse import parse_sacct, parse_squeue
 from hpc.status import Poller, build_views, format_table, to_json
 from hpc.submit import JobRecord, check_partition, explain_rejection
@@ -112,6 +112,25 @@ def test_rank_logs_in_life_order_and_follow(tmp_path: Path) -> None:
     assert follow(_rec("1"), f, poll, lambda: None) == "COMPLETED"
     text = out.getvalue()
     assert text.count("==>") == 5 and text.index("a0r0") < text.index("a1r0") < text.index("last")
+
+
+def test_batch_output_without_rank0_copy(tmp_path: Path) -> None:
+    """The batch output repeats rank 0's lines (the launcher's tee); they are shown once."""
+    rank0 = jobdir.rank_log(tmp_path, 0, 0, 0)
+    rank0.parent.mkdir(parents=True)
+    rank0.write_text("step 1\n")
+    batch = tmp_path / "logs" / "slurm-7.out"
+    batch.write_text("launcher up\n[rank0]: step 1\nsrun: partial")
+    out = io.StringIO()
+    f = Follower(lambda: log_files(tmp_path, "7"), out, drop_tee=lambda p: p == batch)
+    f.step()
+    assert out.getvalue().count("step 1") == 1 and "launcher up" in out.getvalue()
+    assert "partial" not in out.getvalue()           # an unfinished line waits for its end
+    with open(batch, "a") as fh:
+        fh.write(" line\n[rank0]: step 2\n")
+    f.step(final=True)
+    text = out.getvalue()
+    assert "srun: partial line" in text and "step 2" not in text and text.count("==>") == 2
 
 
 def test_follow_waits_out_a_preemption() -> None:
