@@ -243,6 +243,32 @@ def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> 
     return {"failed": "app_error", "signal": "cancelled", "rendezvous": "node_failure"}[result]
 
 
+# What a rank reports when *another* rank died and took its end of a connection with it (gloo,
+# NCCL). Such an error can be recorded before the real one; it is never the cause to report.
+COLLATERAL_ERRORS = (
+    "typically caused by a remote worker crashing",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+)
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure explains the others, and that failure (pure).
+
+    The earliest failure whose message is not a peer's collateral connection error; when every
+    failure is collateral, the earliest. ``failures`` maps rank to torch's ``ProcessFailure``
+    (``timestamp``, ``message``).
+    """
+    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        text = str(failure.message)
+        return any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
+
+    return min(failures.items(), key=key)
+
+
 def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     """Runs the elastic agent for ``plan``; returns the launcher's exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -271,7 +297,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         reason = f"rank {rank} exited with {failure.exitcode}: {_failure_message(failure.message)}".strip()
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"

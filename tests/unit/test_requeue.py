@@ -38,3 +38,20 @@ def test_rdzv_port_is_per_job_unless_set():
     assert rdzv_port(spec, SlurmEnv(job_id="77_3")) == 29400 + 773
     assert rdzv_port(spec, SlurmEnv()) == 29400
     assert rdzv_port(spec.replace(rdzv_port=31000), SlurmEnv(job_id="5")) == 31000
+
+
+def test_root_failure_is_the_cause_not_a_peers_broken_connection():
+    from types import SimpleNamespace as F
+
+    from runtime.launch import root_failure
+
+    gloo = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[10.0.0.2]:4242. This is typically caused by a remote worker crashing.")
+    failures = {0: F(timestamp=100.0, message={"message": gloo}),          # recorded first
+                1: F(timestamp=100.2, message={"message": "ValueError: boom"}),
+                2: F(timestamp=100.1, message={"message": gloo})}
+    assert root_failure(failures)[0] == 1
+    only_collateral = {3: F(timestamp=5.0, message=gloo), 1: F(timestamp=4.0, message=gloo)}
+    assert root_failure(only_collateral)[0] == 1                          # then the earliest
+    killed = {0: F(timestamp=2.0, message=gloo), 1: F(timestamp=3.0, message="Signal 9 (SIGKILL)")}
+    assert root_failure(killed)[0] == 1
