@@ -270,9 +270,11 @@ class Session:
             request = None
             if self._watcher is not None and done % self._poll_every == 0:
                 request = self._watcher.poll()
-            if request is not None:
+            if request is not None and self.step < stop:
                 self._stop(request)
                 return
+            if request is not None and self.is_rank0:   # the work is done: finish, no requeue
+                log.info("%s arrived at the last step: finishing instead of stopping", request.signal_name)
             if self._checkpointer is not None and self.step < stop \
                     and self._checkpointer.should_save(self.step):
                 self.save(blocking=False)
