@@ -162,12 +162,18 @@ def test_sigterm_only_preemption_saves_within_grace(env, slurm_cluster, tmp_path
 
 
 def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_path, baseline):
+    # slurmctld checks for due warnings every 30 s and sends one at the first check within
+    # lead + 30 s of the end, so with --time 2 and a 30 s lead it comes 60-90 s into each
+    # allocation, and an allocation starts training ~17 s in (2 nodes x 2 workers on this 2-CPU
+    # host). 40 steps of 2 s never fit in one such window and always fit in two.
     job = tmp_path / "timelimit"
-    job_id = submit(env, job, "--nodes", "2", "--time", "1", "--signal-lead", "30",
-                    train=("--step-sleep", "1.5"))
+    job_id = submit(env, job, "--nodes", "2", "--time", "2", "--signal-lead", "30",
+                    train=("--step-sleep", "2"))
     wait_done(env, job_id, job, timeout=600)
     kinds = [o["kind"] for o in outcomes(job)]
     assert kinds.count("time_limit") >= 1 and kinds[-1] == "finished", outcomes(job)
+    steps = [o["step"] for o in outcomes(job)]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"each allocation saved progress: {steps}"
     allocations = [o["allocation"] for o in outcomes(job)]
     assert allocations == list(range(len(allocations))), "each allocation recorded once, in order"
     assert_same_as_baseline(job, baseline)
