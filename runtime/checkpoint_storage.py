@@ -103,7 +103,8 @@ class ChecksummedWriter(FileSystemWriter):
                 stream.flush()
                 os.fsync(stream.fileno())
         kill_point("before_shards", self.rank)
-        results = super().write_data(plan, planner).value()
+        with _without_zip_crc32():
+            results = super().write_data(plan, planner).value()
         kill_point("after_shards", self.rank)
         files = list(self.fs.entries.values())
         return [*results, WriteResult(MetadataIndex(f"{FILES_KEY}{self.rank}"), 0, files)]
@@ -117,6 +118,25 @@ class ChecksummedWriter(FileSystemWriter):
         super().finish(metadata, shards)
         files.append(self.fs.entries[".metadata"])
         self.files = tuple(sorted(files, key=lambda e: e.name))
+
+
+@contextmanager
+def _without_zip_crc32() -> Generator[None, None, None]:
+    """Turns off the CRC-32 that ``torch.save`` puts in each zip record, for DCP's shard writes.
+
+    It is redundant here (every file's CRC-32 is computed while it is written and verified on
+    load) and it costs as much as copying the bytes into the page cache (measured: 0.21 s
+    against 0.11 s for ``torch.save`` of 256 MB). ``torch.load`` reads such records. The
+    setting is process-wide: a ``torch.save`` on another thread during a save also skips it.
+    """
+    from torch.utils.serialization import config
+
+    previous = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = previous
 
 
 class RetryingReader(FileSystemReader):
