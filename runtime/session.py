@@ -379,19 +379,32 @@ class Session:
             from runtime.wandb_sink import run_metadata
 
             spec = self.spec
+            mode = wandb_mode(spec, os.environ)
             self._sink = make_sink(
-                self.rank, job_dir=self.job_dir, mode=spec.wandb_mode if spec else "offline",
+                self.rank, job_dir=self.job_dir, mode=mode,
                 project=(spec.wandb_project or spec.job_name) if spec else "",
                 entity=spec.wandb_entity if spec else "", metadata=run_metadata(self.env),
                 resume_step=resume_step, run_id=run_id,
                 # Offline init touches no network: a long bound only guards a starved node.
-                init_timeout_s=30.0 if spec and spec.wandb_mode == "online" else 120.0)
+                init_timeout_s=30.0 if mode == "online" else 120.0)
         return self._sink
 
     def finish(self) -> None:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""
         if self.stopped is None:
             self.event("finished", step=self.step)
+
+
+def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
+    """The W&B mode of this run: the job spec's, else ``WANDB_MODE``, else offline.
+
+    Without a job spec (a plain ``torchrun``/``python`` start) the user's ``WANDB_MODE`` is
+    honoured, including wandb's legacy spellings (``dryrun`` = offline, ``run`` = online).
+    """
+    if spec is not None:
+        return spec.wandb_mode
+    mode = environ.get("WANDB_MODE", "").strip().lower()
+    return {"": "offline", "dryrun": "offline", "run": "online"}.get(mode, mode)
 
 
 def _app_state(state: Mapping[str, Any]) -> dict[str, Any]:

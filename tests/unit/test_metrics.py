@@ -177,3 +177,26 @@ def test_importing_the_metrics_modules_imports_neither_wandb_nor_torch() -> None
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("spec_mode", "env", "expected"), [
+    (None, {}, "offline"),
+    (None, {"WANDB_MODE": "disabled"}, "disabled"),
+    (None, {"WANDB_MODE": "dryrun"}, "offline"),        # wandb's legacy spellings
+    (None, {"WANDB_MODE": "run"}, "online"),
+    ("online", {"WANDB_MODE": "disabled"}, "online"),   # the job spec is the user's explicit choice
+])
+def test_session_wandb_mode_honours_the_spec_then_wandb_mode(spec_mode: str | None, env: dict,
+                                                               expected: str) -> None:
+    from hpc.jobspec import JobSpec
+    from runtime.session import wandb_mode
+
+    spec = JobSpec(script="s", wandb_mode=spec_mode) if spec_mode else None
+    assert wandb_mode(spec, env) == expected
+
+
+def test_session_wandb_mode_passes_an_unknown_value_on_to_be_rejected_by_name() -> None:
+    from runtime.session import wandb_mode
+
+    with pytest.raises(ValueError, match="'cloud' is not one of offline, online, disabled"):
+        WandbSettings(mode=wandb_mode(None, {"WANDB_MODE": "cloud"}))
