@@ -3,12 +3,14 @@
 Two ranks (gloo, CPU). Each step does the same fixed work: a small DDP forward/backward/
 optimizer step plus a fixed sleep that stands in for the rest of a real step, sized so a
 bare step takes about 10 ms or 100 ms. The Session loop adds what a user gets from it: the
-sampler, ``s.log(loss=...)`` with metric reduction every ``--log-every`` steps, the
-overlapped preemption agreement every step, and progress. Both loops run in the same
-processes, interleaved in rounds, and the table shows median seconds per step and the ratio.
+sampler, ``s.log(loss=...)`` with metric reduction and a W&B offline log every ``--log-every``
+steps, the overlapped preemption agreement (every step for the first 20, then about every
+100 ms), progress. To tell where an overhead comes from, the bare loop is also run with one
+piece added at a time: the sampler, the metric reduction (every ``--log-every`` steps), the
+preemption agreement (every step, the worst case). All loops run in the same processes,
+interleaved in rounds; the table shows median seconds per step and the ratio to bare.
 
-    python benchmarks/step_overhead.py [--steps 200] [--json PATH]
-"""
+    python benchmarks/step_overhead.py [--steps 200] [--wandb-mode offline|disabled] [--json PATH]"""
 
 from __future__ import annotations
 
@@ -69,11 +71,38 @@ def session_loop(s, model, opt, sampler, steps: int, sleep_s: float) -> list[flo
     return times[1:]          # the first interval includes generator start-up
 
 
+def component_loop(part: str, *, model, opt, sampler, group, watcher, log_every: int,
+                   rank: int, world: int, steps: int, sleep_s: float) -> list[float]:
+    """The bare loop plus one piece of what the Session does at a step boundary, alone."""
+    from runtime.metrics import reduce_metrics
+    from runtime.sampler import rank_slice
+
+    x = torch.randn(32, 64)
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        if part == "sampler":
+            rank_slice(sampler.next_global_batch(), rank, world)
+        loss = _work(model, opt, x, sleep_s)
+        if part == "metrics" and step % log_every == 0:
+            reduce_metrics({"loss": loss.item()}, {}, group=group)
+        if part == "agreement":
+            watcher.poll()
+        times.append(time.perf_counter() - t0)
+    if part == "agreement":
+        watcher.drain()
+    return times
+
+
+PARTS = ("sampler", "metrics", "agreement")
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), WANDB_MODE="disabled")
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), WANDB_MODE=args.wandb_mode)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from runtime.preemption import PreemptionWatcher
     from runtime.sampler import ResumableSampler
     from runtime.session import Session
 
@@ -82,23 +111,31 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         model = DDP(_model())
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         sampler = ResumableSampler(10**7, global_batch=64, seed=0)
+        # The agreement alone: the same overlapped all-reduce on its own gloo group, every step.
+        watcher = PreemptionWatcher(("SIGUSR2",), dist.new_group(backend="gloo"))
         # Calibrate the sleep so a bare step is ~target long.
-        results: dict[str, list[float]] = {}
+        results: dict[str, float] = {}
         for target in (0.010, 0.100):
             probe = statistics.median(bare(model, opt, 20, 0.0))
             sleep_s = max(0.0, target - probe)
             steps = args.steps if target < 0.05 else max(20, args.steps // 5)
-            b, ss = [], []
+            times: dict[str, list[float]] = {"bare": [], "session": [], **{p: [] for p in PARTS}}
             for _ in range(args.rounds):            # interleave to cancel drift
                 dist.barrier()
-                b += bare(model, opt, steps, sleep_s)
+                times["bare"] += bare(model, opt, steps, sleep_s)
                 dist.barrier()
-                ss += session_loop(s, model, opt, sampler, steps, sleep_s)
+                times["session"] += session_loop(s, model, opt, sampler, steps, sleep_s)
+                for part in PARTS:
+                    dist.barrier()
+                    times[part] += component_loop(part, model=model, opt=opt, sampler=sampler,
+                                                  group=s.cpu_group, watcher=watcher,
+                                                  log_every=args.log_every, rank=rank, world=world,
+                                                  steps=steps, sleep_s=sleep_s)
             key = f"{int(target * 1000)}ms"
-            results[f"bare_{key}_s"] = [statistics.median(b)]
-            results[f"session_{key}_s"] = [statistics.median(ss)]
+            for name, values in times.items():
+                results[f"{name}_{key}_s"] = statistics.median(values)
         if rank == 0:
-            Path(out).write_text(json.dumps({k: v[0] for k, v in results.items()}))
+            Path(out).write_text(json.dumps(results))
 
 
 def main() -> None:
@@ -106,6 +143,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="steps per round at 10 ms")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--wandb-mode", default="offline", choices=("offline", "disabled"),
+                   help="the Session's W&B mode (offline: rank 0 writes a real offline run)")
     p.add_argument("--json", default="", help="write the medians here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
@@ -115,11 +154,15 @@ def main() -> None:
         out = str(Path(tmp) / "result.json")
         mp.spawn(worker, args=(2, port, args, out), nprocs=2, join=True)
         res = json.loads(Path(out).read_text())
-    print(f"{'step':>6} | {'bare s/step':>12} | {'session s/step':>14} | {'ratio':>6} | overhead | target")
+    print(f"{'step':>6} | {'loop':<23} | {'s/step':>9} | {'x bare':>6} | overhead | target")
     for key, target in (("10ms", 3.0), ("100ms", 1.0)):
-        b, s = res[f"bare_{key}_s"], res[f"session_{key}_s"]
-        over = (s / b - 1) * 100
-        print(f"{key:>6} | {b:12.5f} | {s:14.5f} | {s / b:6.3f} | {over:+7.2f}% | <= {target:.0f}%")
+        b = res[f"bare_{key}_s"]
+        rows = [("bare DDP loop", "bare"), ("Session (all of it)", "session"),
+                *((f"  bare + {p} only", p) for p in PARTS)]
+        for label, name in rows:
+            v = res[f"{name}_{key}_s"]
+            goal = f"<= {target:.0f}%" if name == "session" else ""
+            print(f"{key:>6} | {label:<23} | {v:9.5f} | {v / b:6.3f} | {(v / b - 1) * 100:+7.2f}% | {goal}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
 
