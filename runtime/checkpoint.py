@@ -392,6 +392,9 @@ class Checkpointer:
         fsync_dir(self.directory)
         kill_point("before_latest", self.rank)
         write_atomic(self.directory / LATEST_NAME, final.name + "\n")
+        size = sum(f.size for f in manifest.files)
+        log.info("checkpoint: saved %s (%.1f MB, %d files) in %.2fs", final.name, size / 1e6,
+                 len(manifest.files), flight.save_s)
         self._prune(flight.step)
 
     def _finish(self, step: int, err: str | None, save_s: float) -> None:

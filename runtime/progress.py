@@ -62,6 +62,7 @@ class ProgressMeter:
         self._mark_step = start_step
         self._mark_time = clock()
         self._last_line = self._mark_time
+        self._start = (start_step, self._mark_time)
 
     def update(self, step: int, loss: float | None = None) -> str | None:
         """Record that `step` finished; return a progress line when one is due, else None.
@@ -92,16 +93,32 @@ class ProgressMeter:
         return None
 
     @property
+    def speed(self) -> float | None:
+        """Steps per second: the smoothed rate, else the average since the start (a run shorter
+        than one measuring span), else None before any step."""
+        if self.rate is not None:
+            return self.rate
+        first_step, first_time = self._start
+        elapsed = self.clock() - first_time
+        if self.step > first_step and elapsed > 0:
+            return (self.step - first_step) / elapsed
+        return None
+
+    @property
     def eta_s(self) -> float | None:
         """Seconds left at the current speed, or None while the speed is unknown."""
-        if not self.rate:
+        if self.step >= self.total_steps:
+            return 0.0
+        speed = self.speed
+        if not speed:
             return None
-        return max(0, self.total_steps - self.step) / self.rate
+        return (self.total_steps - self.step) / speed
 
     def line(self) -> str:
         """One line: `step 120/1000 (12.0%) | 4.31 steps/s | loss 2.1345 | eta 3m24s`."""
         pct = 100.0 * self.step / self.total_steps
-        rate = "? steps/s" if self.rate is None else f"{self.rate:.2f} steps/s"
+        speed = self.speed
+        rate = "? steps/s" if speed is None else f"{speed:.2f} steps/s"
         loss = "?" if self.loss is None else f"{self.loss:.4f}"
         eta = "?" if self.eta_s is None else format_duration(self.eta_s)
         return f"step {self.step}/{self.total_steps} ({pct:.1f}%) | {rate} | loss {loss} | eta {eta}"

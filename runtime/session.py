@@ -131,6 +131,7 @@ class Session:
             self._owns_group = True
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
             else dist.group.WORLD
+        _show_hpc_logs(self.is_rank0)
         random.seed(self.seed)
         np.random.seed(self.seed % 2**32)
         torch.manual_seed(self.seed)
@@ -198,6 +199,10 @@ class Session:
         # the initial layout for the whole run makes a resumed run bit-identical
         # (find_unused_parameters disables the rebuild; it costs one autograd-graph walk per
         # step). Pass reproducible_resume=False to trade that for the rebuilt layout.
+        if reproducible_resume and self.is_rank0:
+            log.info("DDP: find_unused_parameters=True keeps one gradient-bucket layout, so a resumed run "
+                     "is bit-identical; torch's warning that no unused parameters were found is expected "
+                     "(wrap(..., reproducible_resume=False) skips the extra graph walk)")
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    find_unused_parameters=reproducible_resume)
 
@@ -405,6 +410,20 @@ def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
         return spec.wandb_mode
     mode = environ.get("WANDB_MODE", "").strip().lower()
     return {"": "offline", "dryrun": "offline", "run": "online"}.get(mode, mode)
+
+
+def _show_hpc_logs(rank0: bool) -> None:
+    """Makes the runtime's own messages (resumed from, saved, stopping...) visible on stderr:
+    INFO on rank 0, warnings elsewhere. Left alone when the script configured logging itself."""
+    import sys
+
+    logger = logging.getLogger("hpc")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(name)s] %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank0 else logging.WARNING)
 
 
 def _app_state(state: Mapping[str, Any]) -> dict[str, Any]:

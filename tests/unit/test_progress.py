@@ -59,7 +59,18 @@ def test_last_step_always_prints_and_unknowns_show_question_marks() -> None:
     clock = FakeClock()
     meter = ProgressMeter(3, clock, every_s=60)
     assert meter.update(1) is None
-    assert meter.update(3) == "step 3/3 (100.0%) | ? steps/s | loss ? | eta ?"
+    assert meter.line() == "step 1/3 (33.3%) | ? steps/s | loss ? | eta ?"   # no time has passed
+    assert meter.update(3) == "step 3/3 (100.0%) | ? steps/s | loss ? | eta 0s"
+
+
+def test_a_run_shorter_than_one_measuring_span_ends_with_its_average_speed() -> None:
+    clock = FakeClock()
+    meter = ProgressMeter(40, clock, every_s=15)
+    for step in range(1, 41):
+        clock.t += 0.02          # 40 steps in 0.8 s: never a full 1-s span for the EMA
+        line = meter.update(step, loss=3.0)
+    assert meter.rate is None
+    assert line == "step 40/40 (100.0%) | 50.00 steps/s | loss 3.0000 | eta 0s"
 
 
 def test_resumed_meter_counts_from_its_start_step() -> None:
