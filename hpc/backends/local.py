@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hpc import jobdir
 from hpc.jobspec import JobSpec
+from hpc.render import check_no_secrets
 
 
 def free_port() -> int:
@@ -29,7 +30,12 @@ def free_port() -> int:
 
 
 def prepare(spec: JobSpec) -> Path:
-    """Creates the job directory and writes ``jobspec.json`` (refuses to reuse a finished one)."""
+    """Creates the job directory and writes ``jobspec.json`` (refuses to reuse a finished one).
+
+    Raises:
+        SpecError: for a secret in ``spec.env`` or the script's arguments (nothing is created).
+    """
+    check_no_secrets(spec)
     job_dir = jobdir.create(Path(spec.job_dir))
     path = job_dir / jobdir.JOBSPEC
     if path.exists():

@@ -49,6 +49,17 @@ def test_missing_script(script, capsys):
     assert not (script.parent / "jobs").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "render", "submit"])
+def test_secret_in_script_args_exits_2_creating_nothing(script, capsys, monkeypatch, command):
+    key = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    job_dir = script.parent / "job"
+    assert main([command, str(script), "--job-dir", str(job_dir), "--", "--wandb-key", key]) == 2
+    err = capsys.readouterr().err
+    assert "$WANDB_API_KEY" in err and "Export" in err and key not in err
+    assert not job_dir.exists() and not (script.parent / "jobs").exists()
+
+
 def test_unknown_config_key_exits_2(script, capsys):
     (script.parent / "hpc.toml").write_text('[profiles.c]\npartiton = "gpu"\n')
     assert main(["render", str(script), "--profile", "c"]) == 2

@@ -153,3 +153,34 @@ def test_script_is_valid_bash() -> None:
     for variant in VARIANTS.values():
         text = render_sbatch(JobSpec(**{**BASE, **variant}))
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.mark.parametrize(("args", "environ", "found"), [
+    (["--lr", "3e-4", "--wandb-key", KEY], {"WANDB_API_KEY": KEY}, "argument 4 holds the value of $WANDB_API_KEY"),
+    (["--auth=Bearer-" + KEY], {"HF_TOKEN": KEY}, "argument 1 holds the value of $HF_TOKEN"),
+    (["--api-key", "sk-live-4f9a8b7c6d5e4f3a2b1c"], {}, "--api-key is given a credential-like value"),
+    (["--hf-token=hf_AbCdEfGh1234567890"], {}, "--hf-token is given a credential-like value"),
+])
+def test_secrets_in_script_args_are_found(args: list[str], environ: dict, found: str) -> None:
+    from hpc.render import secret_in_args
+
+    assert found in (secret_in_args(args, environ) or "")
+
+
+@pytest.mark.parametrize("args", [
+    ["--key", "3"], ["--max-tokens", "4096"], ["--tokenizer", "gpt2-0123456789abcdefgh"],
+    ["--password-file", "/run/secrets/db"], ["--pass", "2"], ["--lr", "3e-4"],
+])
+def test_ordinary_script_args_are_not_secrets(args: list[str]) -> None:
+    from hpc.render import secret_in_args
+
+    assert secret_in_args(args, {"WANDB_API_KEY": KEY, "SHORT_TOKEN": "abc"}) is None
+
+
+def test_secret_in_script_args_refused_without_printing_it() -> None:
+    with pytest.raises(SpecError) as e:
+        check_no_secrets(JobSpec(**{**BASE, "script_args": ("--key", KEY)}), environ={"WANDB_API_KEY": KEY})
+    assert "$WANDB_API_KEY" in str(e.value) and "Export" in str(e.value) and KEY not in str(e.value)
