@@ -17,8 +17,12 @@ How submitit's own preemption handling is reconciled with ours (docs/backends.md
 * ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit node 0's
   launcher asks Slurm for the requeue itself (``runtime.requeue``), as under the template.
 
-submitit runs ``sbatch`` itself (it is the one exception to "only hpc.slurm runs Slurm
-commands"); submitit is imported only inside functions so the login node stays light.
+submitit writes the batch script; the ``sbatch`` call goes through :class:`hpc.slurm.SlurmClient`
+like every other backend's (retries while the controller is unreachable, a unique tag looked up
+before a retry so a lost answer never submits twice): the executor's submission command is
+``python -m hpc.backends.submitit_backend SCRIPT``, which submits with the client and prints
+sbatch's usual line for submitit to parse. submitit is imported only inside functions so the
+login node stays light.
 """
 
 from __future__ import annotations
@@ -103,13 +107,23 @@ def plan(spec: JobSpec) -> SubmititPlan:
 
 
 def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
-    """Submits through submitit; returns the Slurm job id. ``client`` is unused (submitit
-    runs sbatch itself) and accepted so every backend has the same signature."""
+    """Submits through submitit; returns the Slurm job id. The ``sbatch`` runs in a child
+    process through a fresh :class:`SlurmClient` (``client`` is accepted so every backend has
+    the same signature; the child reads the same environment)."""
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=str(p.folder / "%j"), python=p.spec.python)
+    class Executor(submitit.SlurmExecutor):
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            return [sys.executable, "-m", "hpc.backends.submitit_backend", str(submission_file_path)]
+
+    executor = Executor(folder=str(p.folder / "%j"), python=p.spec.python)
     executor.update_parameters(**{k: v for k, v in p.parameters.items() if v is not None})
-    job = executor.submit(run_node, p.spec.job_dir)
+    try:
+        job = executor.submit(run_node, p.spec.job_dir)
+    except submitit.core.utils.FailedJobError as e:
+        from hpc.slurm import SlurmError
+
+        raise SlurmError("sbatch (for submitit) failed", ["sbatch", str(p.folder)], 1, str(e)) from e
     return str(job.job_id)
 
 
@@ -138,3 +152,23 @@ def run_node(job_dir: str) -> int:
         raise RuntimeError(f"runtime.launch exited with {code}; see {job_dir}/logs")
     print(f"hpc: node {os.environ.get('SLURM_NODEID', '?')} done", file=sys.stderr, flush=True)
     return code
+
+
+def _submit_file(argv: list[str]) -> int:
+    """``python -m hpc.backends.submitit_backend SCRIPT``: sbatch SCRIPT through the client."""
+    from hpc.slurm import SlurmClient, SlurmError
+
+    if len(argv) != 1:
+        print("usage: python -m hpc.backends.submitit_backend SUBMISSION_SCRIPT", file=sys.stderr)
+        return 2
+    try:
+        job_id = SlurmClient().submit(Path(argv[0]))
+    except SlurmError as e:
+        print(e.stderr or str(e), file=sys.stderr)  # sbatch's own words, for explain_rejection
+        return 1
+    print(f"Submitted batch job {job_id}")  # the line submitit parses
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_submit_file(sys.argv[1:]))
