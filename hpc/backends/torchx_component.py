@@ -17,6 +17,10 @@ would drop: :func:`check_carried` refuses (exit 2, naming them) ``--account``, `
 cannot shrink), and the warning signal, which TorchX has no option for, goes through the
 ``SBATCH_SIGNAL`` environment variable that sbatch reads.
 
+``hpc submit --backend torchx`` runs TorchX's runner with TorchX's Slurm scheduler, except that
+the ``sbatch`` goes through :class:`hpc.slurm.SlurmClient` (retries, a unique tag, no double
+submission), like the other backends. ``torchx run`` from a shell uses TorchX's own sbatch.
+
 Heavy imports (torchx) stay inside functions.
 """
 
@@ -24,6 +28,7 @@ Heavy imports (torchx) stay inside functions.
 import os
 import shlex
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,17 +145,48 @@ def plan(spec: JobSpec) -> TorchxPlan:
                       env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}"})
 
 
-def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
-    """Submits through TorchX's runner; returns the Slurm job id (TorchX runs sbatch itself)."""
-    from torchx.runner import get_runner
+def _slurm_scheduler_factory(client: "SlurmClient") -> Any:
+    """A TorchX scheduler factory: TorchX's Slurm scheduler, whose ``sbatch`` goes through
+    :class:`SlurmClient` (retries while the controller is unreachable, a unique tag looked up
+    before a retry, so a lost answer never submits twice). TorchX still writes the script."""
+    from torchx.schedulers import slurm_scheduler
 
+    class HpcSlurmScheduler(slurm_scheduler.SlurmScheduler):
+        def schedule(self, dryrun_info: Any) -> str:
+            # TorchX 0.7's schedule(), with the subprocess.run(sbatch) replaced by the client.
+            req = dryrun_info.request
+            with tempfile.TemporaryDirectory() as tmpdir:
+                path = os.path.join(req.job_dir or tmpdir, "torchx-sbatch.sh")
+                if req.job_dir is not None:
+                    req.cmd += [f"--chdir={req.job_dir}"]
+                req.cmd += [path]
+                with open(path, "w") as f:
+                    f.write(req.materialize())
+                args = [a for a in req.cmd[1:-1] if a != "--parsable"]  # the client adds these
+                job_id = client.submit(Path(path), args)
+            if req.job_dir is not None:
+                slurm_scheduler._save_job_dir(job_id, req.job_dir)  # what `torchx log` reads
+            return job_id
+
+    return lambda session_name, **_: HpcSlurmScheduler(session_name)
+
+
+def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
+    """Submits through TorchX's runner; returns the Slurm job id (``sbatch`` runs through
+    ``client``, see :func:`_slurm_scheduler_factory`)."""
+    from torchx.runner import Runner
+
+    from hpc.slurm import SlurmClient
+
+    # sbatch reads the warning signal from SBATCH_SIGNAL (TorchX has no option for it).
+    client = SlurmClient(env={**(client.env if client else os.environ), **p.env})
     old = {k: os.environ.get(k) for k in p.env}
     os.environ.update(p.env)
     try:
         app = elastic(p.spec.script, *p.spec.script_args, job_dir=p.spec.job_dir,
                       nodes=p.spec.max_nodes, nproc_per_node=p.spec.nproc_per_node,
                       python=p.spec.python, job_name=p.spec.job_name)
-        with get_runner() as runner:
+        with Runner("torchx", {"slurm": _slurm_scheduler_factory(client)}) as runner:
             handle = runner.run(app, scheduler="slurm", cfg=p.cfg)
     finally:
         for k, v in old.items():

@@ -53,12 +53,11 @@ def test_backend_2x2_allreduce(env, tmp_path: Path, backend: str, dirname: str) 
     assert sorted(set(result["hosts"])) == ["node1", "node2"]
     outcomes = [json.loads(l) for l in (job_dir / "outcomes.jsonl").read_text().splitlines()]
     assert [o["kind"] for o in outcomes] == ["finished"]
-    if backend == "submitit":
-        # submitit wrote the script, but the sbatch went through our SlurmClient (retries,
-        # a unique tag looked up before any retry): only that client sets this comment.
-        comment = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "Comment"], env=env,
-                                 capture_output=True, text=True, check=True).stdout.strip()
-        assert comment.startswith("hpc-tag:"), comment
+    # submitit / TorchX wrote the script, but the sbatch went through our SlurmClient (retries,
+    # a unique tag looked up before any retry): only that client sets this comment.
+    comment = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "Comment"], env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert comment and all(c.startswith("hpc-tag:") for c in comment.splitlines()), comment
 
 
 def test_torchx_refuses_options_it_would_drop(env, tmp_path: Path) -> None:
