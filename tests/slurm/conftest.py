@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -99,7 +100,7 @@ class SlurmTestCluster:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmTestCluster]:
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmTestCluster]:
     """The session's Slurm cluster (brought up, or reused when already up and healthy)."""
     try:
         sc.check_prerequisites()
@@ -110,6 +111,7 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
     if nodes_recorded:
         cluster = sc.Cluster(cluster.state_dir, int(nodes_recorded))
     healthy = sc.is_healthy(cluster)
+    t0 = time.monotonic()
     try:
         if healthy:
             sc.restore(cluster)
@@ -117,6 +119,12 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
             sc.up(cluster)
     except sc.ClusterError as exc:
         pytest.fail(f"could not bring the Slurm test cluster up: {exc}", pytrace=False)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:  # into the CI log, past pytest's capture
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\nslurm test cluster: {cluster.nodes} nodes "
+                                f"{'reused' if healthy else 'brought up'} in {time.monotonic() - t0:.1f} s")
     handle = SlurmTestCluster(cluster=cluster, env=cluster.env, nodes=cluster.node_names,
                               started_here=not healthy)
     yield handle
