@@ -114,8 +114,10 @@ def test_world_size_change_consumes_every_sample_once(baseline: dict, tmp_path: 
     job = tmp_path / "elastic"
     code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05"), job, 0.8)
     assert code == 75, out
+    assert "checkpoint: saved step-" in out           # the stop's save, visible to the user
     code, out = finish(start(job, 1))                 # resume on one process
     assert code == 0, out
+    assert "(saved at world size 2, now 1)" in out and "checkpoint: resumed from" in out
     final = result(job)
     assert final["world_size"] == 1 and final["final_step"] == 40
     # Same global batches in the same order: the consumed stream is identical.
