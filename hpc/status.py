@@ -20,7 +20,7 @@ import io
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,19 @@ def _nodes_text(count: int, names: Sequence[str]) -> str:
     return f"{len(names)} ({','.join(names)})"
 
 
+def _with_live_allocation(allocs: list[Allocation], live: QueueEntry) -> list[Allocation]:
+    """squeue says RUNNING: sacct (filled by slurmdbd a moment later) may still call the
+    running allocation PENDING, or not list it yet after a requeue. squeue is the live truth."""
+    nodes = ",".join(live.nodes)
+    if allocs and allocs[-1].slurm_state == "PENDING":
+        return [*allocs[:-1], replace(allocs[-1], slurm_state="RUNNING",
+                                                  nodes=allocs[-1].nodes or nodes)]
+    if not allocs or allocs[-1].slurm_state != "RUNNING":
+        return [*allocs, Allocation(index=len(allocs), slurm_state="RUNNING", nodes=nodes,
+                                    elapsed_s=live.elapsed_s)]
+    return allocs
+
+
 def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
                 accounting: Sequence[AccountingRecord],
                 outcomes: Mapping[str, Sequence[jobdir.Outcome]]) -> list[JobView]:
@@ -105,6 +118,8 @@ def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
                 elapsed_s=r.elapsed_s, exit_code=code, outcome=o.kind if o else "",
                 reason=o.reason if o else "", step=o.step if o else None,
                 detail=o.describe() if o else ""))
+        if live is not None and live.raw_state == "RUNNING":
+            allocs = _with_live_allocation(allocs, live)
         latest = runs[-1] if runs else None
         if live is not None:
             state, nodes = live.raw_state, _nodes_text(live.num_nodes, live.nodes)

@@ -43,6 +43,16 @@ def test_live_state_from_squeue_wins() -> None:
     assert view.state == "RUNNING" and view.nodes == "1 (node2)"
 
 
+def test_running_allocation_shown_running_while_sacct_still_says_pending() -> None:
+    # Recorded 0.5-1.5 s after a job started: slurmdbd had not caught up with squeue yet.
+    queue = {e.job_id: e for e in parse_squeue((FIX / "squeue_running_sacct_lagging.txt").read_text())}
+    acct = parse_sacct((FIX / "sacct_lagging_pending.txt").read_text())
+    view = build_views([_rec("28")], queue, acct, {})[0]
+    assert view.state == "RUNNING"
+    assert [a.describe() for a in view.allocations] == ["#0 RUNNING"]
+    assert view.allocations[0].nodes == "node1"
+
+
 def test_node_fail_then_pending_counts_one_requeue() -> None:
     acct = parse_sacct((FIX / "sacct_node_fail.txt").read_text())
     view = build_views([_rec("1")], {}, acct, {})[0]
