@@ -59,7 +59,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
     }
     params: dict[str, Any] = {
         "job_name": spec.job_name, "ntasks_per_node": 1, "stderr_to_stdout": True,
-        "srun_args": ["--no-kill", "--kill-on-bad-exit=0"],
+        # srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05)
+        "srun_args": ["--no-kill", "--kill-on-bad-exit=0",
+                      *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])],
         "time": math.ceil(spec.time_limit_s / 60) if spec.time_limit_s else None,
     }
     if lo == hi:

@@ -142,7 +142,10 @@ def plan(spec: JobSpec) -> TorchxPlan:
     render.check_renderable(spec)
     check_carried(spec)
     return TorchxPlan(spec=spec, cfg=scheduler_cfg(spec),
-                      env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}"})
+                      env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}",
+                           # TorchX puts --cpus-per-task on sbatch only, and srun does not
+                           # inherit it (Slurm >= 22.05): the job's srun reads this instead.
+                           **({"SRUN_CPUS_PER_TASK": str(spec.cpus_per_task)} if spec.cpus_per_task else {})})
 
 
 def _slurm_scheduler_factory(client: "SlurmClient") -> Any:

@@ -43,7 +43,11 @@ echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}
 trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
 trap 'echo "hpc: batch shell got SIGUSR1; waiting for the workers" >&2' USR1
 
+# srun does not inherit sbatch's --cpus-per-task (srun(1), Slurm >= 22.05): without it, where
+# CPUs are bound (task/affinity, task/cgroup) the launcher and every worker it starts could
+# share one CPU.
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
+    --cpus-per-task=32 \
     "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
 SRUN_PID=$!
 # A trapped signal interrupts `wait`; keep waiting until srun itself is gone, then collect
