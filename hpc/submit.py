@@ -77,7 +77,28 @@ def _backend_module(backend: str) -> Any:
 def dry_run(spec: JobSpec, backend: str = "sbatch") -> int:
     """Prints exactly what :func:`submit` would run; contacts nothing, creates nothing."""
     print(_backend_module(backend).plan(spec).describe(), end="")
+    _print_notes(notes(spec))
     return 0
+
+
+def notes(spec: JobSpec, partition: PartitionInfo | None = None) -> list[str]:
+    """Advice on a valid request that is probably not what the user meant (pure)."""
+    out = []
+    if not spec.cpus_per_task and spec.nproc_per_node > 1:
+        out.append(f"--cpus-per-task is not set: each node's task (the launcher and its "
+                   f"{spec.nproc_per_node} workers) gets Slurm's default CPUs, often 1; e.g. "
+                   f"--cpus-per-task {8 * spec.nproc_per_node}")
+    if partition is not None:
+        most = min(partition.total_nodes, partition.max_nodes or partition.total_nodes)
+        if spec.max_nodes > most:
+            out.append(f"--nodes {spec.nodes_text}: partition {partition.name!r} has at most {most} "
+                       f"nodes, so the job will never grow beyond {most}")
+    return out
+
+
+def _print_notes(lines: Sequence[str]) -> None:
+    for line in lines:
+        print(f"hpc: note: {line}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- check
@@ -206,7 +227,7 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
     module = _backend_module(backend)
     p = module.plan(spec)  # renders and refuses secrets before anything is created
     client = SlurmClient()
-    check_partition(spec, client.partitions())
+    _print_notes(notes(spec, check_partition(spec, client.partitions())))
     job_dir = Path(spec.job_dir)
     fresh = not job_dir.exists()
     jobdir.create(job_dir)

@@ -184,3 +184,15 @@ def test_outcome_line_tells_steps_and_work_lost():
     o = jobdir.Outcome(allocation=1, kind="node_failure", exit_code=76, step=20, start_step=10,
                        last_step=23, lost_steps=3, reason="rendezvous failed")
     assert o.describe() == "node_failure, steps 10->23, checkpoint 20, 3 steps lost: rendezvous failed"
+
+
+def test_notes_on_valid_but_probably_unmeant_requests() -> None:
+    from hpc.submit import notes
+
+    spec = JobSpec(script="t.py", job_dir="/j", nodes=(2, 5), nproc_per_node=4)
+    part = parse_show_partitions((FIX / "scontrol_show_partition_debug.txt").read_text())[0]
+    said = notes(spec, part)
+    assert any("--cpus-per-task is not set" in n and "4 workers" in n for n in said)
+    assert any(f"never grow beyond {part.total_nodes}" in n for n in said)
+    assert notes(JobSpec(script="t.py", job_dir="/j", nodes=(2, 2), nproc_per_node=4, cpus_per_task=32),
+                 part) == []
