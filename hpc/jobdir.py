@@ -57,14 +57,20 @@ def create(job_dir: Path) -> Path:
     return job_dir
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename)."""
+def write_atomic(path: Path, text: str, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename).
+
+    ``durable=False`` skips the fsync: readers still see the old or the new text, never a torn
+    one, but a crash of the node may lose the update. For bookkeeping written from the
+    training loop, where an fsync on a shared filesystem can stall a step.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -136,9 +142,11 @@ def read_outcomes(job_dir: Path) -> list[Outcome]:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
+    """A bookkeeping file's content, or None when it is missing or unreadable (a node that
+    crashed before a non-durable write reached the disk can leave an empty file)."""
     try:
         return json.loads(Path(path).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):
         return None
 
 

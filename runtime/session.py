@@ -354,7 +354,8 @@ class Session:
             self.job_dir.mkdir(parents=True, exist_ok=True)
             jobdir.write_atomic(self.job_dir / jobdir.PROGRESS, _json({
                 "allocation": self.env.allocation, "restart": self.restart_count, "step": self.step,
-                "start_step": self._start_step, "world_size": self.world_size, "time": now}))
+                "start_step": self._start_step, "world_size": self.world_size, "time": now}),
+                durable=force)  # no fsync on the training loop's path, except at the end/stop
         except OSError as e:  # bookkeeping must never stop training
             log.warning("cannot write %s: %s", self.job_dir / jobdir.PROGRESS, e)
 
