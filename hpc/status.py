@@ -84,8 +84,7 @@ def _with_live_allocation(allocs: list[Allocation], live: QueueEntry) -> list[Al
     running allocation PENDING, or not list it yet after a requeue. squeue is the live truth."""
     nodes = ",".join(live.nodes)
     if allocs and allocs[-1].slurm_state == "PENDING":
-        return [*allocs[:-1], replace(allocs[-1], slurm_state="RUNNING",
-                                                  nodes=allocs[-1].nodes or nodes)]
+        return [*allocs[:-1], replace(allocs[-1], slurm_state="RUNNING", nodes=allocs[-1].nodes or nodes)]
     if not allocs or allocs[-1].slurm_state != "RUNNING":
         return [*allocs, Allocation(index=len(allocs), slurm_state="RUNNING", nodes=nodes,
                                     elapsed_s=live.elapsed_s)]

@@ -89,11 +89,16 @@ def notes(spec: JobSpec, partition: PartitionInfo | None = None) -> list[str]:
                    f"{spec.nproc_per_node} workers) gets Slurm's default CPUs, often 1; e.g. "
                    f"--cpus-per-task {8 * spec.nproc_per_node}")
     if partition is not None:
-        most = min(partition.total_nodes, partition.max_nodes or partition.total_nodes)
+        most = node_limit(partition)
         if spec.max_nodes > most:
             out.append(f"--nodes {spec.nodes_text}: partition {partition.name!r} has at most {most} "
                        f"nodes, so the job will never grow beyond {most}")
     return out
+
+
+def node_limit(partition: PartitionInfo) -> int:
+    """The most nodes one job can have in ``partition`` (its nodes, or MaxNodes if lower)."""
+    return min(partition.total_nodes, partition.max_nodes or partition.total_nodes)
 
 
 def _print_notes(lines: Sequence[str]) -> None:
@@ -134,7 +139,7 @@ def check_partition(spec: JobSpec, partitions: Sequence[PartitionInfo]) -> Parti
     if part.state.upper() not in ("UP", ""):
         raise SpecError("--partition", part.name, f"a partition that is UP (it is {part.state})",
                         f"--partition {names.split(', ')[0]}")
-    most = min(part.total_nodes, part.max_nodes or part.total_nodes)
+    most = node_limit(part)
     if spec.min_nodes > most:
         raise SpecError("--nodes", spec.nodes_text,
                         f"at most {most} nodes: the {flag} has {part.total_nodes} nodes"

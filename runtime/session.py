@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -416,8 +417,6 @@ def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
 def _show_hpc_logs(rank0: bool) -> None:
     """Makes the runtime's own messages (resumed from, saved, stopping...) visible on stderr:
     INFO on rank 0, warnings elsewhere. Left alone when the script configured logging itself."""
-    import sys
-
     logger = logging.getLogger("hpc")
     if logger.handlers or logging.getLogger().handlers:
         return

@@ -181,20 +181,12 @@ def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
 
     from hpc.slurm import SlurmClient
 
-    # sbatch reads the warning signal from SBATCH_SIGNAL (TorchX has no option for it).
+    # sbatch reads the warning signal from SBATCH_SIGNAL (TorchX has no option for it), and the
+    # job's srun SRUN_CPUS_PER_TASK: both go in the environment of the client's sbatch only.
     client = SlurmClient(env={**(client.env if client else os.environ), **p.env})
-    old = {k: os.environ.get(k) for k in p.env}
-    os.environ.update(p.env)
-    try:
-        app = elastic(p.spec.script, *p.spec.script_args, job_dir=p.spec.job_dir,
-                      nodes=p.spec.max_nodes, nproc_per_node=p.spec.nproc_per_node,
-                      python=p.spec.python, job_name=p.spec.job_name)
-        with Runner("torchx", {"slurm": _slurm_scheduler_factory(client)}) as runner:
-            handle = runner.run(app, scheduler="slurm", cfg=p.cfg)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    app = elastic(p.spec.script, *p.spec.script_args, job_dir=p.spec.job_dir,
+                  nodes=p.spec.max_nodes, nproc_per_node=p.spec.nproc_per_node,
+                  python=p.spec.python, job_name=p.spec.job_name)
+    with Runner("torchx", {"slurm": _slurm_scheduler_factory(client)}) as runner:
+        handle = runner.run(app, scheduler="slurm", cfg=p.cfg)
     return handle.rsplit("/", 1)[-1]
