@@ -1,6 +1,6 @@
 """The ``hpc`` command.
 
-Flags for job options are generated from :class:`~hpc.jobspec.JobSpec`'s field declarations,
+Flags for job options are generated from :class:`~hpc.contract.jobspec.JobSpec`'s field declarations,
 so every option has one name, one parser and one help text everywhere. Bad input exits with
 status 2 and one message naming the flag, the value, the valid form and an example, before
 anything is created or submitted. This module imports nothing heavy: ``hpc --help`` must be
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc import __version__
-from hpc.errors import HpcError, SpecError
-from hpc.jobspec import JobSpec, flag_name, option_fields, parse_options
+from hpc.contract.errors import HpcError, SpecError
+from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
 
 EXIT_USAGE = 2
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_spec(args: argparse.Namespace) -> JobSpec:
     """Builds the validated JobSpec from CLI flags, the config profile and the defaults."""
-    from hpc import jobdir
+    from hpc.contract import jobdir
     from hpc.config import find_config
 
     config = find_config(args.config)

@@ -14,7 +14,7 @@ Users keep per-cluster defaults (partition, account, qos, ...) in ``hpc.toml`` o
     time = "4:00:00"
 
 **Precedence** (the one place it is defined): command-line flag > the selected profile >
-``[defaults]`` > the built-in default of :class:`~hpc.jobspec.JobSpec`. The profile is the
+``[defaults]`` > the built-in default of :class:`~hpc.contract.jobspec.JobSpec`. The profile is the
 one named by ``--profile``, else ``default_profile``, else none.
 
 The file is found at ``--config PATH``, else ``$HPC_CONFIG``, else ``./hpc.toml``, else
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc.errors import SpecError
-from hpc.jobspec import CONFIG_KEYS
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import CONFIG_KEYS
 
 _TOP_KEYS = ("default_profile", "defaults", "profiles")
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from hpc.errors import SpecError
+from hpc.contract.errors import SpecError
 from hpc.submit import JobRecord, resolve
 
 _ALLOC = re.compile(r"alloc-(\d+)$")
@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
         if not follower.step(final=True):
             print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
         return 0
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
     from hpc.status import Poller
 
     poller = Poller(SlurmClient(), [job])

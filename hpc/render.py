@@ -1,4 +1,4 @@
-"""Rendering a :class:`~hpc.jobspec.JobSpec` into the exact batch script and sbatch command.
+"""Rendering a :class:`~hpc.contract.jobspec.JobSpec` into the exact batch script and sbatch command.
 
 Pure functions, no Slurm contact: ``hpc render`` and ``hpc submit --dry-run`` print what
 these return, and ``hpc submit`` submits exactly that. Templates live in ``slurm_templates/``
@@ -30,8 +30,8 @@ from importlib import resources
 
 import jinja2
 
-from hpc.errors import SpecError
-from hpc.jobspec import JobSpec
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import JobSpec
 
 TEMPLATE = "sbatch_elastic.sh.j2"
 OUTPUT_PATTERN = "slurm-%j.out"

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc import jobdir, values
+from hpc.contract import jobdir, values
 from hpc.submit import JobRecord, read_index, resolve
 
 if TYPE_CHECKING:
-    from hpc.slurm import SlurmClient
-    from hpc.slurm_parse import AccountingRecord, QueueEntry
+    from hpc.contract.slurm import SlurmClient
+    from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
 
 RECENT = 10
 
@@ -69,7 +69,7 @@ class JobView:
 
     @property
     def terminal(self) -> bool:
-        from hpc.slurm_parse import parse_job_state
+        from hpc.contract.slurm_parse import parse_job_state
         return self.state != "UNKNOWN" and parse_job_state(self.state).is_terminal
 
 
@@ -173,7 +173,7 @@ def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
 
 def collect(client: SlurmClient, jobs: Sequence[JobRecord]) -> list[JobView]:
     """One squeue and one sacct call for all ``jobs``, joined with their outcomes."""
-    from hpc.slurm import SlurmError
+    from hpc.contract.slurm import SlurmError
 
     ids = [j.job_id for j in jobs]
     queue = client.queue(ids)
@@ -224,7 +224,7 @@ def _jobs_from_args(refs: Sequence[str]) -> list[JobRecord]:
 
 def main(args: argparse.Namespace) -> int:
     """``hpc status [JOB...]``: a table of the given jobs (default: your recent ones)."""
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
     jobs = _jobs_from_args(args.job)
     if not jobs:
@@ -238,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     """``hpc cancel JOB...``: cancels each job through the Slurm client."""
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
     client = SlurmClient()
     for job in (resolve(r) for r in args.job):

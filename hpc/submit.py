@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc import jobdir, values
-from hpc.errors import SpecError
-from hpc.jobspec import JobSpec
+from hpc.contract import jobdir, values
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
-    from hpc.slurm_parse import PartitionInfo
+    from hpc.contract.slurm_parse import PartitionInfo
 
 EXIT_USAGE = 2
 JOB_ID_FILE = "slurm_job_id"
@@ -227,7 +227,7 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
     Returns:
         0 when submitted, 2 when the request does not fit the cluster or sbatch refused it.
     """
-    from hpc.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm import SlurmClient, SlurmError
 
     module = _backend_module(backend)
     p = module.plan(spec)  # renders and refuses secrets before anything is created

@@ -184,7 +184,7 @@ def format_reports(reports: list[Report]) -> str:
 
 
 def _first_node(env: dict[str, str]) -> str:
-    from hpc.slurm_parse import expand_hostlist
+    from hpc.contract.slurm_parse import expand_hostlist
 
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
     if not nodes:
@@ -221,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace | None = None) -> int:
     """Entry for ``hpc doctor`` (args from the CLI) and ``python -m runtime.doctor``."""
     if args is not None and getattr(args, "nodes", ""):
-        # Inside an allocation: one doctor per node through srun (hpc.slurm owns Slurm commands).
-        from hpc.slurm import SlurmClient
+        # Inside an allocation: one doctor per node through srun (hpc.contract.slurm owns Slurm commands).
+        from hpc.contract.slurm import SlurmClient
 
         argv = [sys.executable, "-m", "runtime.doctor", "--multi-node"] + (["--json"] if args.json else [])
         return SlurmClient().srun(argv, nodes=int(args.nodes))

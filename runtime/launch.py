@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc import jobdir
-from hpc.jobspec import JobSpec
+from hpc.contract import jobdir
+from hpc.contract.jobspec import JobSpec
 from runtime.env import SlurmEnv
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.requeue import claim, decide_requeue
@@ -351,7 +351,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             lost_steps=max(0, last - (saved or 0)) if last is not None else None))
     log.info("requeue: %s", decision.reason)
     if decision.requeue and claim(plan.job_dir, plan.allocation):
-        from hpc.slurm import SlurmClient, SlurmError
+        from hpc.contract.slurm import SlurmClient, SlurmError
 
         try:
             SlurmClient().requeue(slurm.job_id)
@@ -383,8 +383,8 @@ def _node0_outcome(plan: LaunchPlan, timeout_s: float) -> jobdir.Outcome | None:
 
 def _cancelled_by_user(job_id: str) -> bool:
     """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
-    from hpc.slurm import SlurmClient, SlurmError
-    from hpc.slurm_parse import JobState
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm_parse import JobState
 
     try:
         return SlurmClient(retry_total_s=20).show_job(job_id).state == JobState.CANCELLED
@@ -398,7 +398,7 @@ def slurm_deadlines(env: Mapping[str, str]) -> tuple[float | None, float | None]
     slurm = SlurmEnv.from_env(env)
     if not slurm.active:
         return None, None
-    from hpc.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm import SlurmClient, SlurmError
 
     client = SlurmClient(env, retry_total_s=20)
     try:

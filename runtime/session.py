@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc import jobdir
-from hpc.jobspec import JobSpec
+from hpc.contract import jobdir
+from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 

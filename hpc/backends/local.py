@@ -18,8 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-from hpc import jobdir
-from hpc.jobspec import JobSpec
+from hpc.contract import jobdir
+from hpc.contract.jobspec import JobSpec
 from hpc.render import check_no_secrets
 
 

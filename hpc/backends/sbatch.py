@@ -1,10 +1,10 @@
 """The ``sbatch`` backend: the rendered template, submitted with one sbatch call.
 
-Plan, then act. :func:`plan` turns a :class:`~hpc.jobspec.JobSpec` into an :class:`SbatchPlan`
+Plan, then act. :func:`plan` turns a :class:`~hpc.contract.jobspec.JobSpec` into an :class:`SbatchPlan`
 (the exact script text, the exact sbatch argv and the submission tag) without touching the
 filesystem or Slurm; ``hpc render`` / ``--dry-run`` print it. :func:`execute` is the only
 function that submits: it writes ``job.sbatch`` into the (already created) job directory and
-hands it to :class:`hpc.slurm.SlurmClient`, which retries transient controller errors and never
+hands it to :class:`hpc.contract.slurm.SlurmClient`, which retries transient controller errors and never
 submits twice (the tag goes into ``--comment``).
 """
 
@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc import jobdir, render
-from hpc.jobspec import JobSpec
+from hpc import render
+from hpc.contract import jobdir
+from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
 # sbatch's default is --export=ALL, but a site's SBATCH_EXPORT would silently change it; the
 # submitter's environment (secrets included) must reach the job, so the argv says it.
 SBATCH_OPTIONS = ("--export=ALL",)
-TAG_PREFIX = "hpc-tag:"  # the same prefix hpc.slurm puts into --comment
+TAG_PREFIX = "hpc-tag:"  # the same prefix hpc.contract.slurm puts into --comment
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def execute(p: SbatchPlan, client: SlurmClient) -> str:
 
     Args:
         p: The plan (its job directory must exist already).
-        client: The Slurm client (:class:`hpc.slurm.SlurmClient`).
+        client: The Slurm client (:class:`hpc.contract.slurm.SlurmClient`).
     """
     jobdir.write_atomic(p.script_path, p.script, mode=0o700)
     return client.submit(p.script_path, list(p.options), tag=p.tag)

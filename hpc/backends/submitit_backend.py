@@ -17,7 +17,7 @@ How submitit's own preemption handling is reconciled with ours (docs/backends.md
 * ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit node 0's
   launcher asks Slurm for the requeue itself (``runtime.requeue``), as under the template.
 
-submitit writes the batch script; the ``sbatch`` call goes through :class:`hpc.slurm.SlurmClient`
+submitit writes the batch script; the ``sbatch`` call goes through :class:`hpc.contract.slurm.SlurmClient`
 like every other backend's (retries while the controller is unreachable, a unique tag looked up
 before a retry so a lost answer never submits twice): the executor's submission command is
 ``python -m hpc.backends.submitit_backend SCRIPT``, which submits with the client and prints
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc import render
-from hpc.jobspec import JobSpec
+from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
 
 
@@ -123,7 +123,7 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
     try:
         job = executor.submit(run_node, p.spec.job_dir)
     except submitit.core.utils.FailedJobError as e:
-        from hpc.slurm import SlurmError
+        from hpc.contract.slurm import SlurmError
 
         raise SlurmError("sbatch (for submitit) failed", ["sbatch", str(p.folder)], 1, str(e)) from e
     return str(job.job_id)
@@ -131,7 +131,7 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
 
 def rendezvous_host(env: dict[str, str] | os._Environ[str]) -> str:
     """The first node of the allocation (what ``scontrol show hostnames | head -n1`` prints)."""
-    from hpc.slurm_parse import expand_hostlist
+    from hpc.contract.slurm_parse import expand_hostlist
 
     hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
     if not hosts:
@@ -158,7 +158,7 @@ def run_node(job_dir: str) -> int:
 
 def _submit_file(argv: list[str]) -> int:
     """``python -m hpc.backends.submitit_backend SCRIPT``: sbatch SCRIPT through the client."""
-    from hpc.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm import SlurmClient, SlurmError
 
     if len(argv) != 1:
         print("usage: python -m hpc.backends.submitit_backend SUBMISSION_SCRIPT", file=sys.stderr)

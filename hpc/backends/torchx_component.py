@@ -18,7 +18,7 @@ cannot shrink), and the warning signal, which TorchX has no option for, goes thr
 ``SBATCH_SIGNAL`` environment variable that sbatch reads.
 
 ``hpc submit --backend torchx`` runs TorchX's runner with TorchX's Slurm scheduler, except that
-the ``sbatch`` goes through :class:`hpc.slurm.SlurmClient` (retries, a unique tag, no double
+the ``sbatch`` goes through :class:`hpc.contract.slurm.SlurmClient` (retries, a unique tag, no double
 submission), like the other backends. ``torchx run`` from a shell uses TorchX's own sbatch.
 
 Heavy imports (torchx) stay inside functions.
@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc import jobdir, render
-from hpc.errors import SpecError
-from hpc.jobspec import JobSpec
+from hpc import render
+from hpc.contract import jobdir
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef
 
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
 RDZV_HOST_ENV = "SLURM_JOB_NODELIST_HET_GROUP_0"
 
@@ -179,7 +180,7 @@ def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
     ``client``, see :func:`_slurm_scheduler_factory`)."""
     from torchx.runner import Runner
 
-    from hpc.slurm import SlurmClient
+    from hpc.contract.slurm import SlurmClient
 
     # sbatch reads the warning signal from SBATCH_SIGNAL (TorchX has no option for it), and the
     # job's srun SRUN_CPUS_PER_TASK: both go in the environment of the client's sbatch only.

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from runtime.checkpoint import CheckpointError, Checkpointer
-from runtime.checkpoint_storage import KILL_AT_ENV
+from runtime.checkpoint.storage import KILL_AT_ENV
 from runtime.sampler import ResumableSampler
 
 

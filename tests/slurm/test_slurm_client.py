@@ -10,8 +10,8 @@ from typing import Callable, Mapping, Sequence, TypeVar
 
 import pytest
 
-from hpc.slurm import SlurmClient, SlurmError, TransientSlurmError, UnknownJobError
-from hpc.slurm_parse import JobState
+from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, UnknownJobError
+from hpc.contract.slurm_parse import JobState
 
 pytestmark = pytest.mark.slurm
 

@@ -123,7 +123,7 @@ def test_bad_requests_fail_before_submission(env, tmp_path: Path, args, words) -
 def test_sbatch_rejection_is_explained(env, tmp_path: Path, monkeypatch) -> None:
     """Skip our own check: sbatch itself refuses, and the user gets the same kind of message."""
     from hpc import submit
-    from hpc.jobspec import JobSpec
+    from hpc.contract.jobspec import JobSpec
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)

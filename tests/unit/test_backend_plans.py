@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpc.backends import submitit_backend, torchx_component
-from hpc.jobspec import JobSpec
+from hpc.contract.jobspec import JobSpec
 
 pytestmark = pytest.mark.unit
 

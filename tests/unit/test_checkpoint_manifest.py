@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import checkpoint_manifest as cm
-from runtime.checkpoint_manifest import FileEntry, Manifest, SaveSchedule, steps_to_prune, verify
+from runtime.checkpoint import manifest as cm
+from runtime.checkpoint.manifest import FileEntry, Manifest, SaveSchedule, steps_to_prune, verify
 
 pytestmark = pytest.mark.unit
 

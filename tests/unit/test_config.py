@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from hpc.config import find_config, parse_config
-from hpc.errors import SpecError
+from hpc.contract.errors import SpecError
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def test_hpc_toml_wins_over_pyproject(tmp_path: Path):
 
 
 def test_docs_list_every_option():
-    from hpc.jobspec import flag_name, option_fields
+    from hpc.contract.jobspec import flag_name, option_fields
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     for f in option_fields():
         assert f"`{flag_name(f.name)}`" in doc, f"docs/config.md misses {flag_name(f.name)}"

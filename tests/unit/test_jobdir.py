@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc import jobdir
+from hpc.contract import jobdir
 
 pytestmark = pytest.mark.unit
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from hpc.errors import SpecError
-from hpc.jobspec import CONFIG_KEYS, JobSpec, flag_name, option_fields
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import CONFIG_KEYS, JobSpec, flag_name, option_fields
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_import_hpc_cli_without_torch():
-    r = _run("import hpc, hpc.cli, hpc.jobspec, hpc.config, hpc.jobdir")
+    r = _run("import hpc, hpc.cli, hpc.contract.jobspec, hpc.config, hpc.contract.jobdir")
     assert r.returncode == 0, r.stderr
 
 

@@ -188,7 +188,7 @@ def test_importing_the_metrics_modules_imports_neither_wandb_nor_torch() -> None
 ])
 def test_session_wandb_mode_honours_the_spec_then_wandb_mode(spec_mode: str | None, env: dict,
                                                                expected: str) -> None:
-    from hpc.jobspec import JobSpec
+    from hpc.contract.jobspec import JobSpec
     from runtime.session import wandb_mode
 
     spec = JobSpec(script="s", wandb_mode=spec_mode) if spec_mode else None

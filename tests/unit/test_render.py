@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.errors import SpecError
-from hpc.jobspec import JobSpec
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import JobSpec
 from hpc.render import check_no_secrets, is_secret_name, render_sbatch, sbatch_quote
 
 pytestmark = pytest.mark.unit

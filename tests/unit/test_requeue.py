@@ -29,7 +29,7 @@ def test_claim_is_exactly_once(tmp_path):
 
 
 def test_rdzv_port_is_per_job_unless_set():
-    from hpc.jobspec import JobSpec
+    from hpc.contract.jobspec import JobSpec
     from runtime.env import SlurmEnv
     from runtime.launch import rdzv_port
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.slurm_parse import (
+from hpc.contract.slurm_parse import (
     JobState, expand_hostlist, latest_runs, parse_duration, parse_exit_code, parse_job_state,
     parse_key_values, parse_sacct, parse_sbatch, parse_show_job, parse_show_partitions,
     parse_sinfo, parse_squeue, parse_timestamp,

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from hpc.slurm import SlurmClient, SlurmError, TransientSlurmError, is_transient
+from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, is_transient
 
 pytestmark = pytest.mark.unit
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from hpc import jobdir
+from hpc.contract import jobdir
 from hpc.logs import Follower, follow, log_files, rank_logs
-from hpc.slurm_parse import parse_sacct, parse_squeue
+from hpc.contract.slurm_parse import parse_sacct, parse_squeue
 from hpc.status import Poller, build_views, format_table, to_json
 from hpc.submit import JobRecord, check_partition, explain_rejection
-from hpc.jobspec import JobSpec
-from hpc.errors import SpecError
-from hpc.slurm_parse import parse_show_partitions
+from hpc.contract.jobspec import JobSpec
+from hpc.contract.errors import SpecError
+from hpc.contract.slurm_parse import parse_show_partitions
 
 pytestmark = pytest.mark.unit
 
@@ -79,7 +79,7 @@ class FakeClient:
         self.calls = 0
 
     def queue(self, ids):
-        from hpc.slurm_parse import QueueEntry, parse_job_state
+        from hpc.contract.slurm_parse import QueueEntry, parse_job_state
         state = self.states[min(self.calls, len(self.states) - 1)]
         self.calls += 1
         return {i: QueueEntry(i, parse_job_state(state), state, None, (), "debug", None, 0, 1, "x", None)

@@ -1,7 +1,7 @@
 import pytest
 
-from hpc.errors import SpecError
-from hpc.values import format_time, parse_mem, parse_nodes, parse_signal, parse_time
+from hpc.contract.errors import SpecError
+from hpc.contract.values import format_time, parse_mem, parse_nodes, parse_signal, parse_time
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 Why one place: a controller that is restarting, overloaded or briefly unreachable answers with
 "Socket timed out" or "Unable to contact slurm controller"; a submission that timed out may still
 have created a job. Handling that once, here, keeps the rest of the code base free of subprocess
-calls and of half-done retry loops. Parsing lives in :mod:`hpc.slurm_parse` (pure, tested on
+calls and of half-done retry loops. Parsing lives in :mod:`hpc.contract.slurm_parse` (pure, tested on
 recorded output); this module only builds argv lists, runs them and decides about retries.
 
 Retries: transient errors (see :data:`TRANSIENT_MARKERS`) and command timeouts are retried with
@@ -28,8 +28,8 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 import tenacity
 
-from hpc.errors import HpcError
-from hpc.slurm_parse import (
+from hpc.contract.errors import HpcError
+from hpc.contract.slurm_parse import (
     SACCT_FIELDS, SQUEUE_FORMAT, AccountingRecord, JobInfo, PartitionInfo, QueueEntry,
     parse_sacct, parse_sbatch, parse_show_job, parse_show_partitions, parse_squeue,
 )

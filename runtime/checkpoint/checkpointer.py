@@ -10,8 +10,8 @@ next resume deletes; a directory whose files no longer match the manifest is qua
 
 Every filesystem decision is made by rank 0 and broadcast (ranks disagree on NFS/Lustre), and
 every failure is broadcast too, so no rank waits at a collective that another rank skipped.
-How the bytes are written (checksums, retries, staging) is :mod:`runtime.checkpoint_storage`;
-the manifest, its verification and the retention rules are :mod:`runtime.checkpoint_manifest`.
+How the bytes are written (checksums, retries, staging) is :mod:`runtime.checkpoint.storage`;
+the manifest, its verification and the retention rules are :mod:`runtime.checkpoint.manifest`.
 
 Async saves run DCP's thread-mode ``async_save`` on a dedicated gloo group; at most one is in
 flight. Rank 0 commits from the future's completion callback, so a finished async checkpoint is
@@ -53,10 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from runtime import rng
-from runtime.checkpoint_manifest import (
+from runtime.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir,
     parse_step, retry_transient, step_dirname, steps_to_prune, verify, write_atomic)
-from runtime.checkpoint_storage import (
+from runtime.checkpoint.storage import (
     ChecksummedWriter, RetryingReader, ReusedStaging, kill_point, local_name)
 
 log = logging.getLogger("hpc.checkpoint")

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
-from runtime.checkpoint_manifest import Crc32Stream, FileEntry, retry_transient
+from runtime.checkpoint.manifest import Crc32Stream, FileEntry, retry_transient
 
 log = logging.getLogger("hpc.checkpoint")
 

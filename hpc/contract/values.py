@@ -1,6 +1,6 @@
 """Parsers for the values users type: node ranges, Slurm time limits, memory, signals.
 
-Pure functions. Each raises :class:`~hpc.errors.SpecError` naming the flag, the value given,
+Pure functions. Each raises :class:`~hpc.contract.errors.SpecError` naming the flag, the value given,
 the valid form and an example. They are shared by the CLI, config files and ``JobSpec``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import signal
 
-from hpc.errors import SpecError
+from hpc.contract.errors import SpecError
 
 _NODES_VALID = "N or MIN:MAX with 1 <= MIN <= MAX"
 

@@ -3,7 +3,7 @@
 Why a separate module: parsing is where Slurm integrations break (a job name with a space, a
 requeued job with two accounting records, ``Partition_Limit`` where a time was expected), and pure
 functions can be tested on recorded real output (``tests/fixtures/slurm``) without a cluster.
-:mod:`hpc.slurm` runs the commands with the formats declared here and hands the text to these
+:mod:`hpc.contract.slurm` runs the commands with the formats declared here and hands the text to these
 functions; nothing here starts a process.
 
 The formats put free-text fields (job name, comment) last and split on ``|`` from the left, so a

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc import values
-from hpc.errors import SpecError
+from hpc.contract import values
+from hpc.contract.errors import SpecError
 
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
