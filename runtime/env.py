@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hpc.contract.environment import JobEnvironment
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -66,10 +68,18 @@ class WorkerEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     run_id: str = ""
-    job_dir: str = ""               # HPC_JOB_DIR, set by our launcher
-    allocation: int = 0             # HPC_ALLOCATION: Slurm requeue count (0 locally)
     hostname: str = ""
     slurm: SlurmEnv = SlurmEnv()
+    job: JobEnvironment = field(default_factory=JobEnvironment)  # what our launcher set
+
+    @property
+    def job_dir(self) -> str:
+        return self.job.job_dir
+
+    @property
+    def allocation(self) -> int:
+        """The Slurm requeue count of this allocation (0 locally)."""
+        return self.job.allocation if self.job.allocation is not None else self.slurm.restart_count
 
     @property
     def is_rank0(self) -> bool:
@@ -93,8 +103,7 @@ class WorkerEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT", 29500),
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
-            job_dir=env.get("HPC_JOB_DIR", ""),
-            allocation=_int(env, "HPC_ALLOCATION", _int(env, "SLURM_RESTART_COUNT", 0)),
             hostname=env.get("HOSTNAME") or socket.gethostname(),
             slurm=SlurmEnv.from_env(env),
+            job=JobEnvironment.from_env(env),
         )

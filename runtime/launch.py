@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from runtime.env import SlurmEnv
 from runtime.network import EnvChange, NetworkError, detect
@@ -121,7 +123,8 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         extra_changes: Planned changes from elsewhere (network interface detection).
     """
     slurm = SlurmEnv.from_env(env)
-    allocation = int(env["HPC_ALLOCATION"]) if env.get("HPC_ALLOCATION") else slurm.restart_count
+    inherited = JobEnvironment.from_env(env).allocation
+    allocation = inherited if inherited is not None else slurm.restart_count
     wanted = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
             "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
@@ -137,15 +140,9 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
     # The user's --env is an explicit request for this job: it wins over the inherited env.
     for name, value in spec.env:
         changes.append(EnvChange(name, value, env.get(name), "--env"))
-    ours = {
-        "HPC_JOB_DIR": str(job_dir),
-        "HPC_SIGNAL_LEAD_S": str(spec.signal_lead_s),
-        "HPC_ALLOCATION": str(allocation),
-        "HPC_WARNING_SIGNAL": f"SIG{spec.signal}",
-        "HPC_NODE_RANK": str(node_rank),
-        "HPC_MERGE_STDERR": "1",
-        "HPC_AGENT_PID": str(os.getpid()),
-    }
+    ours = JobEnvironment(job_dir=str(job_dir), allocation=allocation,
+                          warning_signal=f"SIG{spec.signal}", agent_pid=os.getpid(),
+                          merge_stderr=True).to_env()
     worker_env = {c.name: c.new for c in changes
                   if c.new is not None and not c.kept_user_value} | ours
     return LaunchPlan(
@@ -208,7 +205,7 @@ class SignalForwarder:
         now = time.time()
         self.received.append((now, name))
         # Workers (re)started from now on learn of the warning from their environment.
-        os.environ.setdefault("HPC_PENDING_WARNING", f"{name}@{now:.3f}")
+        os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
         for pid in _children(os.getpid()):
             try:
                 os.kill(pid, signum)
@@ -433,7 +430,7 @@ def _setup_logging(plan: LaunchPlan) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True, help="job directory holding jobspec.json")
-    p.add_argument("--rdzv-host", default=os.environ.get("HPC_RDZV_HOST", "127.0.0.1"),
+    p.add_argument("--rdzv-host", default=os.environ.get(job_env.RDZV_HOST, "127.0.0.1"),
                    help="host of the c10d rendezvous (the first node)")
     p.add_argument("--node-rank", type=int, default=None,
                    help="this node's index (default: SLURM_NODEID, else 0)")
@@ -459,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = tuple(changes)
     end, grace = slurm_deadlines(os.environ)
     if end:
-        os.environ["HPC_JOB_END_TIME"] = f"{end:.0f}"
+        os.environ[job_env.JOB_END_TIME] = f"{end:.0f}"
     if grace:
-        os.environ["HPC_GRACE_S"] = f"{grace:.0f}"
+        os.environ[job_env.GRACE_S] = f"{grace:.0f}"
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     _setup_logging(plan)

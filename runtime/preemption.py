@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Signal the job may get, and what it means when it arrives.
-WARNING_KINDS = {"SIGTERM": "preempted"}
+from hpc.contract.environment import JobEnvironment
+
 DEFAULT_GRACE_S = 30.0          # SIGTERM -> SIGKILL on a preemption (Slurm's GraceTime/KillWait)
 TIME_LIMIT_SLACK_S = 45.0       # Slurm checks time limits only about every 30 s
 
@@ -107,7 +107,7 @@ class PreemptionWatcher:
     def install(self, environ: Mapping[str, str] | None = None) -> None:
         """Installs the recording handlers; a warning that reached this process (or its
         launcher) before now is taken from ``HPC_PENDING_WARNING`` (``NAME@time``)."""
-        pending = (os.environ if environ is None else environ).get("HPC_PENDING_WARNING", "")
+        pending = JobEnvironment.from_env(os.environ if environ is None else environ).pending_warning
         name, _, when = pending.partition("@")
         if name:
             try:

@@ -42,7 +42,7 @@ log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
 POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
 MAX_POLL_EVERY = 50
-PROGRESS_EVERY_S = float(os.environ.get("HPC_PROGRESS_EVERY_S", "2"))
+PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
 
 
 class Session:
@@ -138,8 +138,8 @@ class Session:
         torch.manual_seed(self.seed)
         spec = self.spec
         signals = (f"SIG{spec.signal}" if spec else "SIGUSR2", "SIGTERM")
-        end = float(os.environ.get("HPC_JOB_END_TIME", "0")) or None
-        grace = float(os.environ.get("HPC_GRACE_S", "0")) or DEFAULT_GRACE_S
+        end = self.env.job.job_end_time or None
+        grace = self.env.job.grace_s or DEFAULT_GRACE_S
         # The agreement runs on its own gloo group: on the training group its all-reduce
         # would queue behind (and delay) the model's gradient all-reduces.
         control = dist.new_group(backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
@@ -348,7 +348,8 @@ class Session:
     def _write_progress(self, force: bool = False) -> None:
         """Rank 0 notes its step every few seconds, so a crash's lost work can be told."""
         now = time.time()
-        if not self.is_rank0 or (not force and now - self._progress_written < PROGRESS_EVERY_S):
+        every = self.env.job.progress_every_s or PROGRESS_EVERY_S
+        if not self.is_rank0 or (not force and now - self._progress_written < every):
             return
         self._progress_written = now
         try:

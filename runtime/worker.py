@@ -17,6 +17,8 @@ import runpy
 import signal
 import sys
 
+from hpc.contract.environment import PENDING_WARNING, JobEnvironment
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -42,13 +44,13 @@ def record_early_warning() -> None:
     that arrives while a worker is still importing torch would otherwise kill it. The record
     goes into ``HPC_PENDING_WARNING``, which the Session's preemption watcher reads.
     """
-    name = os.environ.get("HPC_WARNING_SIGNAL", "")
+    name = JobEnvironment.from_env(os.environ).warning_signal
     if name in ("", "SIGTERM", "SIGINT") or not hasattr(signal, name):
         return
 
     def record(signum: int, frame: object) -> None:
         import time
-        os.environ.setdefault("HPC_PENDING_WARNING", f"{signal.Signals(signum).name}@{time.time():.3f}")
+        os.environ.setdefault(PENDING_WARNING, f"{signal.Signals(signum).name}@{time.time():.3f}")
 
     signal.signal(getattr(signal, name), record)
 
@@ -56,10 +58,10 @@ def record_early_warning() -> None:
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m runtime.worker SCRIPT [ARGS...]")
-    agent = os.environ.get("HPC_AGENT_PID")
-    bind_to_parent(int(agent) if agent else None)
+    job = JobEnvironment.from_env(os.environ)
+    bind_to_parent(job.agent_pid)
     record_early_warning()
-    if os.environ.get("HPC_MERGE_STDERR") == "1":
+    if job.merge_stderr:
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     script = argv[0]

@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from hpc.contract.jobspec import JobSpec
 from hpc.render import check_no_secrets
@@ -64,7 +65,7 @@ def run(spec: JobSpec) -> int:
     # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
     # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
     # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
-    env = dict(os.environ, HPC_ALLOCATION=str(len(jobdir.read_outcomes(job_dir))))
+    env = dict(os.environ, **{job_env.ALLOCATION: str(len(jobdir.read_outcomes(job_dir)))})
     procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd(),
                               env=env, start_new_session=True) for i in range(nodes)]
     interrupts = [0]

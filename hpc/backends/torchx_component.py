@@ -102,7 +102,7 @@ def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
     resource = specs.Resource(cpu=spec.cpus_per_task or 1, gpu=spec.gpus_per_node, memMB=0)
     role = specs.Role(name="node", image=os.getcwd(), entrypoint="bash",
                       args=args, num_replicas=spec.max_nodes, resource=resource,
-                      max_retries=spec.max_requeues, env={"HPC_BACKEND": "torchx"})
+                      max_retries=spec.max_requeues)
     return specs.AppDef(name=spec.job_name, roles=[role])
 
 

@@ -1,0 +1,89 @@
+"""The launcher-to-worker environment: the ``HPC_*`` variables, one writer and one reader.
+
+``jobspec.json`` says what the user asked for; these variables say what the per-node launcher
+learned at run time and hands to the workers it starts (and to their restarts): which
+allocation this is, when the hard kill comes, a warning that arrived before a worker could
+handle it. :class:`JobEnvironment` is the only place that names them; the launcher writes
+:meth:`JobEnvironment.to_env`, workers read :meth:`JobEnvironment.from_env` (tests pass
+dicts). torch-free: the login node's templates export two of them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Variable names (the wire format), each with what it carries.
+JOB_DIR = "HPC_JOB_DIR"                  # the job directory (absolute)
+ALLOCATION = "HPC_ALLOCATION"            # the Slurm requeue count (0 locally)
+RDZV_HOST = "HPC_RDZV_HOST"              # host of the c10d rendezvous (batch script -> launcher)
+WARNING_SIGNAL = "HPC_WARNING_SIGNAL"    # the job's warning signal, e.g. SIGUSR2
+PENDING_WARNING = "HPC_PENDING_WARNING"  # NAME@time: a warning that arrived before the handler
+AGENT_PID = "HPC_AGENT_PID"              # the launcher's pid: workers die with it
+MERGE_STDERR = "HPC_MERGE_STDERR"        # "1": workers write stderr into their stdout log
+JOB_END_TIME = "HPC_JOB_END_TIME"        # wall time of the job's time limit (from Slurm)
+GRACE_S = "HPC_GRACE_S"                  # the partition's preemption GraceTime
+PROGRESS_EVERY_S = "HPC_PROGRESS_EVERY_S"  # how often rank 0 writes progress.json (tests)
+
+
+def _float(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = _float(env, name)
+    return int(value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    """What the per-node launcher tells its workers; every field optional (a plain torchrun)."""
+
+    job_dir: str = ""
+    allocation: int | None = None
+    rdzv_host: str = ""
+    warning_signal: str = ""
+    pending_warning: str = ""
+    agent_pid: int | None = None
+    merge_stderr: bool = False
+    job_end_time: float | None = None
+    grace_s: float | None = None
+    progress_every_s: float | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> JobEnvironment:
+        """Reads the record from an environment mapping (``os.environ`` or a test's dict).
+
+        Raises:
+            ValueError: a numeric variable that is not a number, naming it.
+        """
+        return cls(
+            job_dir=env.get(JOB_DIR, ""), allocation=_int(env, ALLOCATION),
+            rdzv_host=env.get(RDZV_HOST, ""), warning_signal=env.get(WARNING_SIGNAL, ""),
+            pending_warning=env.get(PENDING_WARNING, ""), agent_pid=_int(env, AGENT_PID),
+            merge_stderr=env.get(MERGE_STDERR, "") == "1", job_end_time=_float(env, JOB_END_TIME),
+            grace_s=_float(env, GRACE_S), progress_every_s=_float(env, PROGRESS_EVERY_S))
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to set (fields left empty are not set)."""
+        names = {"job_dir": JOB_DIR, "allocation": ALLOCATION, "rdzv_host": RDZV_HOST,
+                 "warning_signal": WARNING_SIGNAL, "pending_warning": PENDING_WARNING,
+                 "agent_pid": AGENT_PID, "merge_stderr": MERGE_STDERR,
+                 "job_end_time": JOB_END_TIME, "grace_s": GRACE_S,
+                 "progress_every_s": PROGRESS_EVERY_S}
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value in (None, "", False):
+                continue
+            if value is True:
+                value = "1"
+            elif isinstance(value, float):
+                value = f"{value:.3f}".rstrip("0").rstrip(".")
+            out[names[f.name]] = str(value)
+        return out
