@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc import __version__
+from hpc import __version__, backends
+from hpc.contract import values
 from hpc.contract.errors import HpcError, SpecError
 from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
 
@@ -66,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("submit", "submit to Slurm"), ("render", "print the sbatch script that submit would run")):
         sp = sub.add_parser(name, help=help_text)
         _add_job_options(sp, slurm=True)
-        sp.add_argument("--backend", default="sbatch", choices=("sbatch", "submitit", "torchx"),
-                        help="how to submit [default: sbatch]")
+        sp.add_argument("--backend", default=backends.DEFAULT, choices=backends.names(),
+                        help=f"how to submit [default: {backends.DEFAULT}]")
         if name == "submit":
             sp.add_argument("--dry-run", action="store_true", help="print what would run; submit nothing")
 
@@ -156,9 +157,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hpc import status
         return status.cancel(args)
     if args.command == "doctor":
-        from runtime import doctor
-        return doctor.main(args)
+        return _doctor(args)
     raise AssertionError(args.command)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """``hpc doctor``: runs ``python -m runtime.doctor`` here, or on every node of an
+    allocation through srun (the checks need torch, which the login-node CLI never imports)."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "runtime.doctor"] + (["--json"] if args.json else []) \
+        + (["--rdzv-host", args.rdzv_host] if args.rdzv_host else [])
+    if args.nodes:
+        from hpc.contract.slurm import SlurmClient
+
+        nodes = values.parse_int(args.nodes, "--nodes", minimum=1)
+        return SlurmClient().srun(argv + ["--multi-node"], nodes=nodes)
+    return subprocess.call(argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.contract.errors import SpecError
-from hpc.submit import JobRecord, resolve
+from hpc.index import JobRecord, resolve
 
 _ALLOC = re.compile(r"alloc-(\d+)$")
 _RESTART = re.compile(r"restart-(\d+)$")

@@ -30,6 +30,7 @@ from importlib import resources
 
 import jinja2
 
+from hpc.backends import slurm_options
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
@@ -166,20 +167,10 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE) -> str:
         The script text, exactly as ``hpc submit`` writes it to ``JOB_DIR/job.sbatch``.
     """
     check_renderable(spec)
-    lo, hi = spec.nodes
     return _environment().get_template(template).render(
         spec=spec,
-        nodes_range=str(lo) if lo == hi else f"{lo}-{hi}",
+        nodes_range=slurm_options.nodes_range(spec),
         output=output_path(spec),
-        requeue=spec.requeue != "never",
+        warning_signal=slurm_options.warning_signal(spec),
+        requeue_flag=slurm_options.requeue_flag(spec),
     )
-
-
-def sbatch_argv(script_path: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The sbatch command that submits ``script_path`` (``--export=ALL`` wins over SBATCH_EXPORT).
-
-    Args:
-        script_path: The rendered script (``JOB_DIR/job.sbatch``).
-        extra: More sbatch options placed before the script (e.g. the submission tag).
-    """
-    return ["sbatch", "--parsable", "--export=ALL", *extra, script_path]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.contract import jobdir, values
-from hpc.submit import JobRecord, read_index, resolve
+from hpc.index import JobRecord, read_index, resolve
 
 if TYPE_CHECKING:
     from hpc.contract.slurm import SlurmClient

@@ -7,8 +7,8 @@ The order matters and is the point of this module:
 2. check (reads Slurm, changes nothing): the partition exists and is up, the node count and the
    time limit fit it; a problem exits with status 2 and a message that names it;
 3. act: create the private job directory, write ``jobspec.json``, submit, record the job id in
-   ``JOB_DIR/slurm_job_id`` and in the user's job index (``$HPC_HOME/jobs.jsonl``, default
-   ``~/.hpc``) so that ``hpc status`` lists recent jobs and ``hpc logs JOBID`` finds the job.
+   ``JOB_DIR/slurm_job_id`` and in the user's job index (:mod:`hpc.index`) so that
+   ``hpc status`` lists recent jobs and ``hpc logs JOBID`` finds the job.
 
 sbatch's own rejections (the controller knows limits we cannot see, e.g. QOS or account) are
 mapped to the same kind of clear message and status 2.
@@ -16,27 +16,24 @@ mapped to the same kind of clear message and status 2.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from hpc import backends
 from hpc.contract import jobdir, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
+from hpc.index import JobRecord, record_job
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import PartitionInfo
 
 EXIT_USAGE = 2
-JOB_ID_FILE = "slurm_job_id"
-BACKENDS = ("sbatch", "submitit", "torchx")
 
 # sbatch's words for a rejection -> (what was wrong, what to do). Recorded from Slurm 22.05.
 _SBATCH_REJECTIONS = (
@@ -53,30 +50,12 @@ _SBATCH_REJECTIONS = (
 )
 
 
-def hpc_home(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """Where the job index lives: ``$HPC_HOME``, else ``~/.hpc``."""
-    return Path(env.get("HPC_HOME") or Path.home() / ".hpc")
-
-
 # --------------------------------------------------------------------------- plan
 
 
-def _backend_module(backend: str) -> Any:
-    if backend == "sbatch":
-        from hpc.backends import sbatch
-        return sbatch
-    if backend == "submitit":
-        from hpc.backends import submitit_backend
-        return submitit_backend
-    if backend == "torchx":
-        from hpc.backends import torchx_component
-        return torchx_component
-    raise SpecError("--backend", backend, "one of " + ", ".join(BACKENDS), "--backend sbatch")
-
-
-def dry_run(spec: JobSpec, backend: str = "sbatch") -> int:
+def dry_run(spec: JobSpec, backend: str = backends.DEFAULT) -> int:
     """Prints exactly what :func:`submit` would run; contacts nothing, creates nothing."""
-    print(_backend_module(backend).plan(spec).describe(), end="")
+    print(backends.get(backend).plan(spec).describe(), end="")
     _print_notes(notes(spec))
     return 0
 
@@ -161,67 +140,10 @@ def explain_rejection(stderr: str) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- job index
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """One line of the job index: a submitted job and where its directory is."""
-
-    job_id: str
-    job_dir: str
-    name: str
-    backend: str
-    submitted: float
-
-
-def record_job(record: JobRecord, home: Path | None = None) -> None:
-    """Appends a job to ``$HPC_HOME/jobs.jsonl`` (private to the user)."""
-    home = home or hpc_home()
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(home / "jobs.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (json.dumps(asdict(record), sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def read_index(home: Path | None = None) -> list[JobRecord]:
-    """All recorded jobs, oldest first (unreadable lines are skipped)."""
-    path = (home or hpc_home()) / "jobs.jsonl"
-    out: list[JobRecord] = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(JobRecord(**json.loads(line)))
-            except (ValueError, TypeError):
-                continue
-    return out
-
-
-def resolve(ref: str, home: Path | None = None) -> JobRecord:
-    """A job id or a job directory -> its record (job id and directory).
-
-    Raises:
-        SpecError: when neither the index nor the directory knows the job.
-    """
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / JOB_ID_FILE).exists():
-        job_id = (path / JOB_ID_FILE).read_text().strip()
-        return JobRecord(job_id, str(path.absolute()), path.name, "", 0.0)
-    for rec in reversed(read_index(home)):
-        if rec.job_id == ref:
-            return rec
-    if re.fullmatch(r"\d+(_\d+)?", ref):
-        return JobRecord(ref, "", "", "", 0.0)  # a job id we did not submit: Slurm may know it
-    raise SpecError("JOB", ref, "a Slurm job id or a job directory holding slurm_job_id",
-                    "hpc status 1234")
-
-
 # --------------------------------------------------------------------------- act
 
 
-def submit(spec: JobSpec, backend: str = "sbatch") -> int:
+def submit(spec: JobSpec, backend: str = backends.DEFAULT) -> int:
     """Checks, creates the job directory, submits; prints the job id and directory.
 
     Returns:
@@ -229,8 +151,8 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
     """
     from hpc.contract.slurm import SlurmClient, SlurmError
 
-    module = _backend_module(backend)
-    p = module.plan(spec)  # renders and refuses secrets before anything is created
+    chosen = backends.get(backend)
+    p = chosen.plan(spec)  # renders and refuses secrets before anything is created
     client = SlurmClient()
     _print_notes(notes(spec, check_partition(spec, client.partitions())))
     job_dir = Path(spec.job_dir)
@@ -239,7 +161,7 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
     jobdir.write_atomic(job_dir / jobdir.JOBSPEC, spec.to_json())
     started = time.time()
     try:
-        job_id = module.execute(p, client)
+        job_id = chosen.execute(p, client)
     except SlurmError as e:
         if fresh:
             shutil.rmtree(job_dir, ignore_errors=True)
@@ -248,7 +170,7 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
             raise
         print(f"hpc submit: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    jobdir.write_atomic(job_dir / JOB_ID_FILE, job_id + "\n")
+    jobdir.write_atomic(job_dir / jobdir.SLURM_JOB_ID, job_id + "\n")
     record_job(JobRecord(job_id, str(job_dir), spec.job_name, backend, started))
     print(f"Submitted job {job_id} ({backend}): {spec.job_name}, {spec.nodes_text} node(s) x "
           f"{spec.nproc_per_node} process(es)")
@@ -257,5 +179,4 @@ def submit(spec: JobSpec, backend: str = "sbatch") -> int:
     return 0
 
 
-__all__ = ["dry_run", "submit", "check_partition", "explain_rejection", "JobRecord",
-           "record_job", "read_index", "resolve", "hpc_home"]
+__all__ = ["dry_run", "submit", "check_partition", "explain_rejection", "notes", "node_limit"]

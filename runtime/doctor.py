@@ -218,25 +218,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main(args: argparse.Namespace | None = None) -> int:
-    """Entry for ``hpc doctor`` (args from the CLI) and ``python -m runtime.doctor``."""
-    if args is not None and getattr(args, "nodes", ""):
-        # Inside an allocation: one doctor per node through srun (hpc.contract.slurm owns Slurm commands).
-        from hpc.contract.slurm import SlurmClient
-
-        argv = [sys.executable, "-m", "runtime.doctor", "--multi-node"] + (["--json"] if args.json else [])
-        return SlurmClient().srun(argv, nodes=int(args.nodes))
-    if args is None:
-        p = argparse.ArgumentParser(prog="python -m runtime.doctor", description=__doc__.split("\n\n")[0])
-        p.add_argument("--json", action="store_true")
-        p.add_argument("--rdzv-host", default="")
-        p.add_argument("--multi-node", action="store_true", help="run one per node under srun")
-        p.add_argument("--port", type=int, default=29431)
-        p.add_argument("--shared-dir", default=".", help="directory every node should share")
-        args = p.parse_args()
-    if not hasattr(args, "multi_node"):
-        args.multi_node = False
-    return run(args)
+def main(argv: list[str] | None = None) -> int:
+    """Entry for ``python -m runtime.doctor`` (``hpc doctor`` runs it, through srun for
+    ``--nodes``)."""
+    p = argparse.ArgumentParser(prog="python -m runtime.doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--rdzv-host", default="")
+    p.add_argument("--multi-node", action="store_true", help="run one per node under srun")
+    p.add_argument("--port", type=int, default=29431)
+    p.add_argument("--shared-dir", default=".", help="directory every node should share")
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

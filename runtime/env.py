@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hpc.contract.environment import JobEnvironment
+from hpc.contract.slurm_parse import expand_hostlist
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -31,6 +32,7 @@ class SlurmEnv:
     node_id: int = 0                # SLURM_NODEID: this node's index in the allocation
     nnodes: int = 1
     nodelist: str = ""              # SLURM_JOB_NODELIST (compressed hostlist)
+    het_group0_nodelist: str = ""   # SLURM_JOB_NODELIST_HET_GROUP_0 (heterogeneous jobs)
     proc_id: int = 0
     submit_host: str = ""
     partition: str = ""
@@ -38,6 +40,16 @@ class SlurmEnv:
     @property
     def active(self) -> bool:
         return bool(self.job_id)
+
+    @property
+    def first_node(self) -> str:
+        """The allocation's first node, host of the c10d rendezvous ("" outside Slurm).
+
+        What ``scontrol show hostnames $SLURM_JOB_NODELIST | head -n1`` prints; in a
+        heterogeneous job (TorchX: one component per node) the first component's node.
+        """
+        hosts = expand_hostlist(self.het_group0_nodelist or self.nodelist)
+        return hosts[0] if hosts else ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SlurmEnv:
@@ -48,6 +60,7 @@ class SlurmEnv:
             node_id=_int(env, "SLURM_NODEID", 0),
             nnodes=_int(env, "SLURM_JOB_NUM_NODES", _int(env, "SLURM_NNODES", 1)),
             nodelist=env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")),
+            het_group0_nodelist=env.get("SLURM_JOB_NODELIST_HET_GROUP_0", ""),
             proc_id=_int(env, "SLURM_PROCID", 0),
             submit_host=env.get("SLURM_SUBMIT_HOST", ""),
             partition=env.get("SLURM_JOB_PARTITION", ""),

@@ -430,8 +430,9 @@ def _setup_logging(plan: LaunchPlan) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True, help="job directory holding jobspec.json")
-    p.add_argument("--rdzv-host", default=os.environ.get(job_env.RDZV_HOST, "127.0.0.1"),
-                   help="host of the c10d rendezvous (the first node)")
+    p.add_argument("--rdzv-host", default=None,
+                   help="host of the c10d rendezvous (default: HPC_RDZV_HOST, else the "
+                        "allocation's first node, else 127.0.0.1)")
     p.add_argument("--node-rank", type=int, default=None,
                    help="this node's index (default: SLURM_NODEID, else 0)")
     p.add_argument("--rdzv-port", type=int, default=None, help="rendezvous port (default: the spec's)")
@@ -441,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     job_dir = Path(args.job_dir).absolute()
+    args.rdzv_host = (args.rdzv_host or os.environ.get(job_env.RDZV_HOST)
+                      or SlurmEnv.from_env(os.environ).first_node or "127.0.0.1")
     spec = JobSpec.load(job_dir)
     if args.rdzv_port:
         spec = spec.replace(rdzv_port=args.rdzv_port)

@@ -2,7 +2,7 @@
 
 Why this shape: every rank runs the same training loop, but only rank 0 should talk to W&B.
 Scattering `if rank == 0` through user code is how loops end up rank-divergent (and deadlock on
-the next collective), so every rank gets a sink from `make_sink`: the W&B sink on rank 0, a
+the next collective), so every rank gets a sink from `runtime.wandb_sink.make_sink`: the W&B sink on rank 0, a
 `NullSink` elsewhere, and the loop calls it unconditionally.
 
 Reduction is collective: `reduce_metrics` must be called by every rank of the group together. It
@@ -214,46 +214,3 @@ def _to_float(value: float | torch.Tensor) -> float:
             raise ValueError(f"metric tensors must hold one element, got shape {tuple(value.shape)}")
         return float(value.detach().cpu().item())  # type: ignore[union-attr]
     return float(value)
-
-
-def make_sink(
-    rank: int,
-    *,
-    job_dir: Path | str,
-    mode: str = "offline",
-    project: str = "",
-    entity: str = "",
-    name: str = "",
-    metadata: Mapping[str, Any] | None = None,
-    resume_step: int | None = None,
-    init_timeout_s: float = 15.0,
-    run_id: str | None = None,
-) -> MetricsSink:
-    """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
-
-    Args:
-        rank: this process's global rank.
-        job_dir: the job directory (holds `wandb_run_id`, `wandb_state.json`, `wandb/`,
-            `metrics.jsonl`).
-        mode: "offline" (default), "online" or "disabled" (then rank 0 writes only the JSONL file).
-        project: W&B project (empty: `hpc-elastic`).
-        entity: W&B entity (empty: the default for the API key).
-        name: display name of the run (empty: W&B's choice).
-        metadata: Slurm and job facts for the run config (job id, node list, restart count, world
-            size, ...).
-        resume_step: the checkpoint step this process resumed from, or None on a fresh start.
-        init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
-        run_id: a W&B run id to adopt if the job directory has none yet (e.g. from a checkpoint
-            manifest); the id in `JOB_DIR/wandb_run_id` always wins.
-
-    Returns:
-        A sink; the caller calls it on every rank without checking the rank.
-    """
-    if rank != 0:
-        return NullSink()
-    from runtime.wandb_sink import WandbSettings, WandbSink
-
-    settings = WandbSettings(mode=mode, project=project, entity=entity, name=name,
-                             init_timeout_s=init_timeout_s)
-    return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
-                     run_id=run_id)

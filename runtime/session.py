@@ -383,7 +383,7 @@ class Session:
     def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None) -> Any:
         """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily)."""
         if self._sink is None:
-            from runtime.metrics import make_sink
+            from runtime.wandb_sink import make_sink
             from runtime.wandb_sink import run_metadata
 
             spec = self.spec

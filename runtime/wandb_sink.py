@@ -39,14 +39,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.metrics import JsonlSink, StepFilter
+from hpc.contract.jobspec import WANDB_MODES
+from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
 if TYPE_CHECKING:
     from runtime.env import WorkerEnv
 
 log = logging.getLogger(__name__)
 
-WANDB_MODES = ("offline", "online", "disabled")
 RUN_ID_FILE = "wandb_run_id"
 STATE_FILE = "wandb_state.json"
 FALLBACK_FILE = "metrics.jsonl"
@@ -313,3 +313,44 @@ class WandbSink:
             self._run = None
         if self._fallback is not None:
             self._fallback.close(exit_code)
+
+
+def make_sink(
+    rank: int,
+    *,
+    job_dir: Path | str,
+    mode: str = "offline",
+    project: str = "",
+    entity: str = "",
+    name: str = "",
+    metadata: Mapping[str, Any] | None = None,
+    resume_step: int | None = None,
+    init_timeout_s: float = 15.0,
+    run_id: str | None = None,
+) -> MetricsSink:
+    """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
+
+    Args:
+        rank: this process's global rank.
+        job_dir: the job directory (holds `wandb_run_id`, `wandb_state.json`, `wandb/`,
+            `metrics.jsonl`).
+        mode: "offline" (default), "online" or "disabled" (then rank 0 writes only the JSONL file).
+        project: W&B project (empty: `hpc-elastic`).
+        entity: W&B entity (empty: the default for the API key).
+        name: display name of the run (empty: W&B's choice).
+        metadata: Slurm and job facts for the run config (job id, node list, restart count, world
+            size, ...).
+        resume_step: the checkpoint step this process resumed from, or None on a fresh start.
+        init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
+        run_id: a W&B run id to adopt if the job directory has none yet (e.g. from a checkpoint
+            manifest); the id in `JOB_DIR/wandb_run_id` always wins.
+
+    Returns:
+        A sink; the caller calls it on every rank without checking the rank.
+    """
+    if rank != 0:
+        return NullSink()
+    settings = WandbSettings(mode=mode, project=project, entity=entity, name=name,
+                             init_timeout_s=init_timeout_s)
+    return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
+                     run_id=run_id)

@@ -20,13 +20,14 @@ from hpc import render
 from hpc.contract import jobdir
 from hpc.contract.jobspec import JobSpec
 
+from hpc.contract.slurm import TAG_PREFIX
+
 if TYPE_CHECKING:
     from hpc.contract.slurm import SlurmClient
 
 # sbatch's default is --export=ALL, but a site's SBATCH_EXPORT would silently change it; the
 # submitter's environment (secrets included) must reach the job, so the argv says it.
 SBATCH_OPTIONS = ("--export=ALL",)
-TAG_PREFIX = "hpc-tag:"  # the same prefix hpc.contract.slurm puts into --comment
 
 
 @dataclass(frozen=True)

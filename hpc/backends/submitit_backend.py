@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc import render
+from hpc.backends import slurm_options
 from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
@@ -49,14 +50,14 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
 
     Every user option is carried; none is dropped. Elastic ``MIN:MAX`` nodes become Slurm's
     ``--nodes=MIN-MAX`` (submitit's ``nodes`` is an int, so it goes in additional parameters).
+    ``time`` is None without ``--time`` (the partition's default; submitit's own default would
+    be 5 minutes). The warning signal is ours; without one (``--signal-lead 0``) submitit's
+    ``--signal`` line is removed from the script (:func:`submission_text`).
     """
-    lo, hi = spec.nodes
-    extra: dict[str, Any] = {
-        "signal": f"{spec.signal}@{spec.signal_lead_s}",
-        "no-kill": True,
-        "export": "ALL",
-        ("no-requeue" if spec.requeue == "never" else "requeue"): True,
-    }
+    extra: dict[str, Any] = {"no-kill": True, "export": "ALL", slurm_options.requeue_flag(spec): True}
+    signal = slurm_options.warning_signal(spec)
+    if signal:
+        extra["signal"] = signal
     params: dict[str, Any] = {
         "job_name": spec.job_name, "ntasks_per_node": 1, "stderr_to_stdout": True,
         # srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05)
@@ -64,10 +65,10 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
                       *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])],
         "time": math.ceil(spec.time_limit_s / 60) if spec.time_limit_s else None,
     }
-    if lo == hi:
-        params["nodes"] = lo
+    if spec.min_nodes == spec.max_nodes:
+        params["nodes"] = spec.min_nodes
     else:
-        extra["nodes"] = f"{lo}-{hi}"
+        extra["nodes"] = slurm_options.nodes_range(spec)
     for name in ("partition", "account", "qos", "constraint", "exclude", "mem"):
         if getattr(spec, name):
             params[name] = getattr(spec, name)
@@ -77,6 +78,15 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         params["gpus_per_node"] = spec.gpus_per_node
     params["additional_parameters"] = extra
     return params
+
+
+def submission_text(text: str, spec: JobSpec) -> str:
+    """submitit's batch script, with its ``--signal`` line removed when the job has no
+    warning signal (submitit always writes one)."""
+    if slurm_options.warning_signal(spec):
+        return text
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("#SBATCH --signal="))
 
 
 @dataclass(frozen=True)
@@ -91,10 +101,11 @@ class SubmititPlan:
         """The dry run: the executor settings and the sbatch script submitit will write."""
         from submitit.slurm.slurm import _make_sbatch_string
 
-        params = {k: v for k, v in self.parameters.items() if v is not None}
+        params = self.parameters
         command = shlex.join([self.spec.python, "-u", "-m", "submitit.core._submit",
                               str(self.folder)])
-        script = _make_sbatch_string(command=command, folder=str(self.folder / "%j"), **params)
+        script = submission_text(
+            _make_sbatch_string(command=command, folder=str(self.folder / "%j"), **params), self.spec)
         return (f"# submitit SlurmExecutor(folder={str(self.folder)!r}, "
                 f"python={self.spec.python!r})\n# update_parameters("
                 f"{json.dumps(params, sort_keys=True)})\n# submit(run_node, "
@@ -118,8 +129,11 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
             return [sys.executable, "-m", "hpc.backends.submitit_backend", str(submission_file_path)]
 
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return submission_text(super()._make_submission_file_text(command, uid), p.spec)
+
     executor = Executor(folder=str(p.folder / "%j"), python=p.spec.python)
-    executor.update_parameters(**{k: v for k, v in p.parameters.items() if v is not None})
+    executor.update_parameters(**p.parameters)
     try:
         job = executor.submit(run_node, p.spec.job_dir)
     except submitit.core.utils.FailedJobError as e:
@@ -129,31 +143,21 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
     return str(job.job_id)
 
 
-def rendezvous_host(env: dict[str, str] | os._Environ[str]) -> str:
-    """The first node of the allocation (what ``scontrol show hostnames | head -n1`` prints)."""
-    from hpc.contract.slurm_parse import expand_hostlist
-
-    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
-    if not hosts:
-        raise RuntimeError("SLURM_JOB_NODELIST is not set: run_node runs inside a Slurm job")
-    return hosts[0]
-
-
 def run_node(job_dir: str) -> int:
-    """The callable submitit runs on every node: our per-node launcher.
+    """The callable submitit runs on every node: it becomes our per-node launcher.
 
-    Raises:
-        RuntimeError: when the launcher fails, so submitit records the job as failed.
+    The process is replaced (``exec``) by ``python -m runtime.launch``, which finds the
+    rendezvous host itself: no submitit signal handler stays behind to act on the warning
+    signal (submitit would requeue from global rank 0 on SIGUSR2), and the launcher's exit
+    status (0, 75 to be requeued, ...) is the Slurm task's. submitit records no result for the
+    job; ``hpc status`` reads outcomes from the job directory instead.
     """
-    from runtime import launch
-
-    host = rendezvous_host(os.environ)
-    os.environ["HPC_RDZV_HOST"] = host
-    code = launch.main(["--job-dir", job_dir, "--rdzv-host", host])
-    if code != 0:
-        raise RuntimeError(f"runtime.launch exited with {code}; see {job_dir}/logs")
-    print(f"hpc: node {os.environ.get('SLURM_NODEID', '?')} done", file=sys.stderr, flush=True)
-    return code
+    spec = JobSpec.load(job_dir)
+    argv = slurm_options.launcher_argv(spec)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    raise AssertionError("unreachable")
 
 
 def _submit_file(argv: list[str]) -> int:

@@ -34,16 +34,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc import render
+from hpc.backends import slurm_options
 from hpc.contract import jobdir
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
-    from torchx.specs import AppDef
+    from torchx.specs import AppDef, Role
 
     from hpc.contract.slurm import SlurmClient
-
-RDZV_HOST_ENV = "SLURM_JOB_NODELIST_HET_GROUP_0"
 
 
 def check_carried(spec: JobSpec) -> None:
@@ -95,15 +94,22 @@ def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
         jobdir.create(path)
         jobdir.write_atomic(path / jobdir.JOBSPEC, spec.to_json())
     spec = JobSpec.load(path)
-    # TorchX shell-quotes every role argument, so environment variables are expanded by a
-    # small `bash -c` (the rendezvous host is only known inside the job).
-    args = ["-c", f'exec "$0" -m runtime.launch --job-dir "$1" --rdzv-host "${RDZV_HOST_ENV}" '
-            '--node-rank "$2" --run-id torchx', spec.python, str(path), specs.macros.replica_id]
+    return specs.AppDef(name=spec.job_name, roles=[elastic_role(spec)])
+
+
+def elastic_role(spec: JobSpec) -> "Role":
+    """The one TorchX role: the per-node launcher, one replica per node (pure)."""
+    from torchx import specs
+
+    # The launcher finds the rendezvous host itself (SLURM_JOB_NODELIST_HET_GROUP_0 in
+    # TorchX's heterogeneous job); the replica id is the node rank.
+    python, *args = slurm_options.launcher_argv(
+        spec, "--node-rank", specs.macros.replica_id, "--run-id", "torchx")
     resource = specs.Resource(cpu=spec.cpus_per_task or 1, gpu=spec.gpus_per_node, memMB=0)
-    role = specs.Role(name="node", image=os.getcwd(), entrypoint="bash",
+    role = specs.Role(name="node", image=os.getcwd(), entrypoint=python,
                       args=args, num_replicas=spec.max_nodes, resource=resource,
                       max_retries=spec.max_requeues)
-    return specs.AppDef(name=spec.job_name, roles=[role])
+    return role
 
 
 def scheduler_cfg(spec: JobSpec) -> dict[str, Any]:
@@ -143,7 +149,7 @@ def plan(spec: JobSpec) -> TorchxPlan:
     render.check_renderable(spec)
     check_carried(spec)
     return TorchxPlan(spec=spec, cfg=scheduler_cfg(spec),
-                      env={"SBATCH_SIGNAL": f"{spec.signal}@{spec.signal_lead_s}",
+                      env={**({"SBATCH_SIGNAL": signal} if (signal := slurm_options.warning_signal(spec)) else {}),
                            # TorchX puts --cpus-per-task on sbatch only, and srun does not
                            # inherit it (Slurm >= 22.05): the job's srun reads this instead.
                            **({"SRUN_CPUS_PER_TASK": str(spec.cpus_per_task)} if spec.cpus_per_task else {})})

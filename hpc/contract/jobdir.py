@@ -37,6 +37,7 @@ EXIT_INTENT = "exit-intent.json"
 PROGRESS = "progress.json"
 RESULT = "result.json"
 SBATCH = "job.sbatch"
+SLURM_JOB_ID = "slurm_job_id"
 
 OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled")
 

@@ -41,7 +41,8 @@ def _job(rank: int, port: int, job_dir: str, attempt: int, first: int, last: int
     import torch
     import torch.distributed as dist
 
-    from runtime.metrics import make_sink, reduce_metrics
+    from runtime.metrics import reduce_metrics
+    from runtime.wandb_sink import make_sink
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)

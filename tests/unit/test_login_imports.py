@@ -39,3 +39,20 @@ def test_no_heavy_module_loaded_by_help():
                         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
                         "('torch','wandb','torchx','submitit')))"], capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_no_module_of_hpc_imports_runtime() -> None:
+    """hpc/ is the login-node side and the job contract; runtime/ depends on it, never the
+    other way (hpc doctor runs ``python -m runtime.doctor`` as a process)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "hpc"
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(root.parent)}: {n}" for n in names
+                          if n == "runtime" or n.startswith("runtime.")]
+    assert offenders == []

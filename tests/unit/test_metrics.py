@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, make_sink, reduce_metrics
+from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics
+from runtime.wandb_sink import make_sink
 from runtime.wandb_sink import (
     FALLBACK_FILE,
     RUN_ID_FILE,
