@@ -17,15 +17,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Who requeues after each outcome kind.
-REQUEUE_BY = {
-    "finished": None,
-    "app_error": None,
-    "cancelled": None,
-    "preempted": "us",          # we exit before Slurm's kill, so Slurm will not requeue
-    "time_limit": "us",
-    "node_failure": "us",
-}
+from hpc.contract import jobdir
+
+# The outcomes after which we requeue (a preempted job exits before Slurm's kill, so Slurm
+# itself does not requeue it). Every other outcome ends the job.
+REQUEUE_KINDS = frozenset({"preempted", "time_limit", "node_failure"})
 
 
 @dataclass(frozen=True)
@@ -45,11 +41,8 @@ def decide_requeue(kind: str, *, policy: str, allocation: int, max_requeues: int
         max_requeues: The job's requeue budget.
         under_slurm: False for ``hpc run``: nothing to requeue.
     """
-    who = REQUEUE_BY[kind]
-    if not under_slurm or who is None:
+    if not under_slurm or kind not in REQUEUE_KINDS:
         return RequeueDecision(False, f"{kind}: nothing to requeue")
-    if who == "slurm":
-        return RequeueDecision(False, f"{kind}: Slurm requeues preempted jobs itself")
     if policy == "never":
         return RequeueDecision(False, f"{kind}: requeue policy is 'never'")
     if allocation >= max_requeues:
@@ -66,7 +59,7 @@ def claim(job_dir: Path, allocation: int, duty: str = "requeue") -> bool:
         duty: What is claimed: ``"requeue"`` (one node requeues the job) or ``"record"`` (one
             survivor records the outcome when node 0 is gone).
     """
-    path = Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
+    path = jobdir.claim_path(Path(job_dir), allocation, duty)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:

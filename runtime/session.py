@@ -223,7 +223,7 @@ class Session:
         spec = self.spec
         self._app_state = _app_state(state)
         self._checkpointer = Checkpointer(
-            spec.resolved_checkpoint_dir if spec else self.job_dir / "checkpoints",
+            spec.resolved_checkpoint_dir if spec else self.job_dir / jobdir.CHECKPOINTS,
             keep_last=spec.keep_last if spec else 3,
             keep_every=(spec.keep_every or None) if spec else None,
             every_steps=(spec.checkpoint_every_steps or None) if spec else None,

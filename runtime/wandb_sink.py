@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc.contract import jobdir
 from hpc.contract.jobspec import WANDB_MODES
 from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
@@ -47,9 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RUN_ID_FILE = "wandb_run_id"
-STATE_FILE = "wandb_state.json"
-FALLBACK_FILE = "metrics.jsonl"
+RUN_ID_FILE = jobdir.WANDB_RUN_ID
+STATE_FILE = jobdir.WANDB_STATE
+FALLBACK_FILE = jobdir.METRICS_JSONL
 DEFAULT_PROJECT = "hpc-elastic"
 
 

@@ -15,6 +15,10 @@ Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`
       exit-intent.json             rank 0's reason for a clean exit (preempted, ...)
       progress.json                rank 0's latest step (every few seconds): work lost on a crash
       wandb_run_id                 one W&B run for the job's whole life
+      wandb_state.json, wandb/     the last step logged (exactly-once history), W&B's files
+      metrics.jsonl                rank 0's metrics when W&B is disabled or failing
+      slurm_job_id                 the Slurm job id (Slurm backends)
+      requeue-claim-alloc-<A>      who requeued allocation A (one node, atomically)
       result.json                  written by the example trainer
 
 Job directories are created private to the user (0700): they hold logs and may hold
@@ -38,6 +42,10 @@ PROGRESS = "progress.json"
 RESULT = "result.json"
 SBATCH = "job.sbatch"
 SLURM_JOB_ID = "slurm_job_id"
+CHECKPOINTS = "checkpoints"            # the default checkpoint directory
+WANDB_RUN_ID = "wandb_run_id"
+WANDB_STATE = "wandb_state.json"       # the last step logged to W&B (exactly-once history)
+METRICS_JSONL = "metrics.jsonl"        # rank 0's metrics when W&B is disabled or failing
 
 OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled")
 
@@ -73,6 +81,11 @@ def write_atomic(path: Path, text: str, mode: int = 0o600, *, durable: bool = Tr
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def claim_path(job_dir: Path, allocation: int, duty: str) -> Path:
+    """The file whose atomic creation claims ``duty`` (requeue, record) for one allocation."""
+    return Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
 
 
 def alloc_log_dir(job_dir: Path, allocation: int) -> Path:
