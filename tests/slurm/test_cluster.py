@@ -1,4 +1,4 @@
-"""The test cluster itself behaves like a real multi-node Slurm cluster (DESIGN.md section 5)."""
+"""The test cluster itself behaves like a real multi-node Slurm cluster (the settings below were verified on Slurm 22.05)."""
 
 from __future__ import annotations
 
