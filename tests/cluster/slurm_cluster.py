@@ -5,7 +5,7 @@ Slurm CLI cannot show whether that works, so the slurm test tier runs against a 
 slurmctld (plus slurmdbd and MariaDB so that ``sacct`` works) in the root network namespace, and one
 slurmd per compute node, each in its own network namespace (a veth on a bridge, a private address)
 and UTS namespace (``hostname nodeN``). All namespaces share the mount namespace, so the host
-filesystem is the cluster's shared filesystem. The settings in slurm_conf() were verified on Slurm 22.05.
+filesystem is the cluster's shared filesystem. The settings written below were verified on Slurm 22.05.
 
 Everything the cluster owns lives under one state directory (configs, spool, logs, the MariaDB data
 directory, a private munge key and socket, pid records), so that ``down`` removes exactly what ``up``
