@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +15,19 @@ PYTHON = sys.executable
 # Paths users really have: spaces, quotes, shell metacharacters. Every test that puts a path
 # into a script or a command runs with these too.
 HOSTILE_NAMES = ["plain", "with space", "quote's \"dq\"", "semi;colon $HOME `x`"]
+
+
+def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Runs the ``hpc`` CLI as a user would (``python -m hpc ARGS``) from the repository."""
+    return subprocess.run([sys.executable, "-m", "hpc", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+def squeue_state(env: dict[str, str], job_id: str) -> str:
+    """The job's state in squeue, or ``GONE`` once it has left the queue."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                         text=True).stdout.strip()
+    return out or "GONE"
 
 
 @pytest.fixture(params=HOSTILE_NAMES, ids=["plain", "space", "quotes", "shellmeta"])

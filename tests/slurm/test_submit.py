@@ -7,30 +7,19 @@ path must survive sbatch's #SBATCH parser, bash and srun on the way to the worke
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import hpc, squeue_state
+
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "tests" / "slurm" / "allreduce_check.py"
 HOSTILE = "semi;colon $HOME `x` quote's \"dq\" #h"
 SECRET = "hpc-test-s3cr3t-value-4f1c"
-
-
-def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hpc", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
-
-
-def squeue_state(env: dict[str, str], job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                         text=True).stdout.strip()
-    return out or "GONE"
 
 
 def wait_job(env: dict[str, str], job_id: str, timeout: float = 240) -> dict[str, float]:
