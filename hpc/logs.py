@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.contract.errors import SpecError
+from hpc.contract.slurm import SlurmClient
 from hpc.index import JobRecord, resolve
+from hpc.status import Poller
 
 _ALLOC = re.compile(r"alloc-(\d+)$")
 _RESTART = re.compile(r"restart-(\d+)$")
@@ -144,8 +146,6 @@ def main(args: argparse.Namespace) -> int:
         if not follower.step(final=True):
             print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
         return 0
-    from hpc.contract.slurm import SlurmClient
-    from hpc.status import Poller
 
     poller = Poller(SlurmClient(), [job])
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc.contract import jobdir, values
+from hpc.contract.slurm import SlurmClient, SlurmError
+from hpc.contract.slurm_parse import parse_job_state
 from hpc.index import JobRecord, read_index, resolve
 
 if TYPE_CHECKING:
-    from hpc.contract.slurm import SlurmClient
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
 
 RECENT = 10
@@ -69,7 +70,6 @@ class JobView:
 
     @property
     def terminal(self) -> bool:
-        from hpc.contract.slurm_parse import parse_job_state
         return self.state != "UNKNOWN" and parse_job_state(self.state).is_terminal
 
 
@@ -173,8 +173,6 @@ def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
 
 def collect(client: SlurmClient, jobs: Sequence[JobRecord]) -> list[JobView]:
     """One squeue and one sacct call for all ``jobs``, joined with their outcomes."""
-    from hpc.contract.slurm import SlurmError
-
     ids = [j.job_id for j in jobs]
     queue = client.queue(ids)
     try:
@@ -224,8 +222,6 @@ def _jobs_from_args(refs: Sequence[str]) -> list[JobRecord]:
 
 def main(args: argparse.Namespace) -> int:
     """``hpc status [JOB...]``: a table of the given jobs (default: your recent ones)."""
-    from hpc.contract.slurm import SlurmClient
-
     jobs = _jobs_from_args(args.job)
     if not jobs:
         print("hpc status: no jobs submitted from here yet (the index is in $HPC_HOME, default "
@@ -238,8 +234,6 @@ def main(args: argparse.Namespace) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     """``hpc cancel JOB...``: cancels each job through the Slurm client."""
-    from hpc.contract.slurm import SlurmClient
-
     client = SlurmClient()
     for job in (resolve(r) for r in args.job):
         client.cancel(job.job_id)
