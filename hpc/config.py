@@ -20,6 +20,12 @@ one named by ``--profile``, else ``default_profile``, else none.
 The file is found at ``--config PATH``, else ``$HPC_CONFIG``, else ``./hpc.toml``, else
 ``./pyproject.toml`` (``[tool.hpc]``), else ``~/.config/hpc/hpc.toml``. Unknown keys are
 errors that list every valid key: a typo must never be silently ignored.
+
+A config file is trusted as input (it is the user's, or came with a cloned repository) but
+never executed and never passed through unchecked: every value goes through the same parser
+and checks as the flag it stands for, so ``partition = "gpu\\necho pwned"`` or
+``partition = true`` is refused (exit 2, naming the file, table and key) exactly like
+``--partition`` would be. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -96,9 +102,13 @@ def parse_config(data: Mapping[str, Any], path: str = "hpc.toml") -> Config:
     if not isinstance(profiles_raw, Mapping):
         raise SpecError(f"{path} profiles", profiles_raw, "tables [profiles.NAME]",
                         '[profiles.mycluster] partition = "gpu"')
+    default_profile = data.get("default_profile", "")
+    if not isinstance(default_profile, str):
+        raise SpecError(f"{path} default_profile", default_profile, "a profile name, quoted",
+                        'default_profile = "mycluster"')
     return Config(
         path=path,
-        default_profile=str(data.get("default_profile", "")),
+        default_profile=default_profile,
         defaults=_section(data.get("defaults", {}), f"{path} [defaults]"),
         profiles={name: _section(tbl, f"{path} [profiles.{name}]") for name, tbl in profiles_raw.items()},
     )
@@ -126,12 +136,19 @@ def find_config(explicit: str = "", cwd: Path | None = None,
         if not path.is_file():
             continue
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise SpecError(str(path), "(file)", f"valid TOML ({e})", 'partition = "gpu"') from None
+        except OSError as e:
+            raise SpecError(str(path), "(file)", f"a readable file ({e.strerror or e})",
+                            "--config hpc.toml") from None
         if in_pyproject:
-            data = data.get("tool", {}).get("hpc")
+            tool = data.get("tool", {})
+            data = tool.get("hpc") if isinstance(tool, Mapping) else None
             if data is None:
                 continue
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{path} [tool.hpc]" if in_pyproject else str(path), data,
+                            "a table of options", '[tool.hpc.profiles.mycluster] partition = "gpu"')
         return parse_config(data, str(path))
     return Config()

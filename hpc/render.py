@@ -15,17 +15,15 @@ Two quoting rules, because two different parsers read the script:
   a backslash before every character outside a small safe set, which every version reads
   back as the literal character.
 
-Secrets never go into a rendered script, ``jobspec.json`` or a log: :func:`check_no_secrets`
-refuses secret-looking names in the spec's ``env`` and tells the user to export them
-instead (sbatch's ``--export=ALL`` carries the submitter's environment to the job).
+Secrets never go into a rendered script, ``jobspec.json`` or a log: :func:`check_renderable`
+applies the policy of :mod:`hpc.secrets` (export them instead: sbatch's ``--export=ALL``
+carries the submitter's environment to the job).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-from collections.abc import Mapping, Sequence
 from importlib import resources
 
 import jinja2
@@ -33,74 +31,12 @@ import jinja2
 from hpc.backends import slurm_options
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
+from hpc.secrets import check_no_secrets
 
 TEMPLATE = "sbatch_elastic.sh.j2"
 OUTPUT_PATTERN = "slurm-%j.out"
 
-# Names that hold credentials: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...
-_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)$"
-                          r"|^WANDB_API_KEY$", re.IGNORECASE)
 _SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./=:@,+%-]")
-
-
-def is_secret_name(name: str) -> bool:
-    """True for environment variable names that conventionally hold credentials."""
-    return bool(_SECRET_NAME.search(name))
-
-
-# A value that looks like a credential: long, one word, letters and digits mixed.
-_CREDENTIAL_VALUE = re.compile(r"^(?=.*[0-9])(?=.*[A-Za-z])[A-Za-z0-9_\-.+/=:]{16,}$")
-_MIN_SECRET_LEN = 8
-
-
-def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | None:
-    """Describes the first script argument that carries a secret, or None (pure).
-
-    Two rules: an argument equal to (or containing) the value of a secret-named variable of
-    ``environ`` (the shell expanded ``$WANDB_API_KEY`` into the command line), and a
-    secret-named flag (``--api-key``, ``--hf-token``...) whose value looks like a credential.
-    A flag such as ``--key 3`` or ``--max-tokens 4096`` is not one.
-    """
-    secrets = {name: value for name, value in environ.items()
-               if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
-    for i, arg in enumerate(args):
-        for name, value in secrets.items():
-            if value in arg:
-                return f"script argument {i + 1} holds the value of ${name}"
-    for i, arg in enumerate(args):
-        if not arg.startswith("-"):
-            continue
-        flag, eq, inline = arg.partition("=")
-        value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-        if is_secret_name(flag.lstrip("-").replace("-", "_")) and _CREDENTIAL_VALUE.match(value):
-            return f"script argument {flag} is given a credential-like value"
-    return None
-
-
-def check_no_secrets(spec: JobSpec, environ: Mapping[str, str] | None = None) -> None:
-    """Refuses secrets where they would be written down: ``spec.env`` and the script's arguments.
-
-    Both are written into ``jobspec.json`` (and the arguments into the sbatch script and logs).
-
-    Raises:
-        SpecError: naming the variable or argument and how to pass it instead.
-    """
-    secret = sorted(name for name, _ in spec.env if is_secret_name(name))
-    if secret:
-        names = ", ".join(secret)
-        raise SpecError(
-            "--env", names, "not a secret: --env values are written into jobspec.json and logs",
-            f"export {secret[0]}=... && hpc submit train.py",
-            f"Export {names} in your shell instead: the job inherits the submitting environment "
-            "(sbatch --export=ALL) and hpc-elastic never writes it to disk")
-    found = secret_in_args(spec.script_args, os.environ if environ is None else environ)
-    if found:
-        raise SpecError(
-            "SCRIPT_ARGS", f"<{found}>", "no secrets: script arguments are written into "
-            "jobspec.json, the sbatch script and the logs", "export WANDB_API_KEY=... && hpc submit "
-            "train.py -- --lr 3e-4",
-            "Export the secret in your shell and read it from the environment in the script "
-            "(the job inherits it; hpc-elastic never writes it to disk)")
 
 
 def shell_quote(value: object) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from hpc.contract.jobspec import JobSpec
-from hpc.render import check_no_secrets
+from hpc.secrets import check_no_secrets
 
 
 def free_port() -> int:

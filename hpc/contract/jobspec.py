@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc.contract import values
-from hpc.contract.errors import SpecError
+from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
@@ -29,123 +29,268 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _opt(default: Any, help: str, parse: Callable[[Any, str], Any] | None = None, *,
-         example: str = "", metavar: str | None = None, cli: bool = True, repeat: bool = False) -> Any:
-    """Declares one option: its default, help, parser and example, in one place."""
-    meta = {"help": help, "parse": parse, "example": example, "metavar": metavar, "cli": cli,
-            "repeat": repeat}
+         check: Callable[[Any, str], None] | None = None, example: str = "",
+         metavar: str | None = None, cli: bool = True, repeat: bool = False) -> Any:
+    """Declares one option: its default, help, parser, check and example, in one place.
+
+    ``parse`` turns a raw value (CLI text or a TOML value) into the field's value and checks it,
+    naming where it came from; ``check`` validates a field value wherever the spec was built
+    (the constructor runs it for every field, so direct construction and ``jobspec.json`` are
+    held to the same rules as flags and profiles).
+    """
+    meta = {"help": help, "parse": parse, "check": check, "example": example, "metavar": metavar,
+            "cli": cli, "repeat": repeat}
     if isinstance(default, (list, dict)):
         raise AssertionError("use tuples for frozen defaults")
     return field(default=default, metadata=meta)
 
 
-def _str(v: Any, flag: str) -> str:
-    if not isinstance(v, (str, int)) or str(v).strip() == "":
-        raise SpecError(flag, v, "a non-empty string", f"{flag} NAME")
-    return str(v).strip()
+def _parsed(check: Callable[[Any, str], None]) -> Callable[[Any, str], str]:
+    """A parser for a string option: strips blanks at the ends, refuses empty, then ``check``."""
+    def parse(v: Any, flag: str) -> str:
+        if isinstance(v, str) and v.strip() == "":
+            raise SpecError(flag, v, "a non-empty string", f"{flag} NAME")
+        s = v.strip() if isinstance(v, str) else v
+        check(s, flag)  # a non-string (partition = true in hpc.toml) is refused here
+        return s
+    return parse
+
+
+def _name(example: str, extra: str = "", words: str = "") -> Callable[[Any, str], None]:
+    return lambda v, flag: values.check_slurm_name(v, flag, extra=extra, extra_words=words,
+                                                   example=example)
+
+
+def _text(example: str, max_len: int = values.MAX_NAME,
+          forbidden: str = "") -> Callable[[Any, str], None]:
+    return lambda v, flag: values.check_text(v, flag, example=example, max_len=max_len,
+                                             forbidden=forbidden)
+
+
+def _path(example: str) -> Callable[[Any, str], None]:
+    return lambda v, flag: values.check_path(v, flag, example=example)
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     def parse(v: Any, flag: str) -> str:
-        s = str(v).strip().lower()
+        s = v.strip().lower() if isinstance(v, str) else None
         if s not in choices:
             raise SpecError(flag, v, "one of " + ", ".join(choices), f"{flag} {choices[0]}")
         return s
     return parse
 
 
-def _int(minimum: int) -> Callable[[Any, str], int]:
-    return lambda v, flag: values.parse_int(v, flag, minimum=minimum)
+def _in(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
+    def check(v: Any, flag: str) -> None:
+        if v not in choices:
+            raise SpecError(flag, v, "one of " + ", ".join(choices), f"{flag} {choices[0]}")
+    return check
+
+
+def _int(minimum: int, maximum: int, example: str = "") -> Callable[[Any, str], int]:
+    return lambda v, flag: values.parse_int(v, flag, minimum=minimum, maximum=maximum,
+                                            example=example)
+
+
+def _int_check(minimum: int, maximum: int) -> Callable[[Any, str], None]:
+    return lambda v, flag: values.check_int(v, flag, minimum=minimum, maximum=maximum)
+
+
+def _cpus(v: Any, flag: str) -> int:
+    """``--cpus-per-task``: 0 is the unset default, never a value a user gives (Slurm refuses it)."""
+    if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip() == "0":
+        raise SpecError(flag, v, f"an integer >= 1 and <= {MAX_CPUS_PER_TASK} (Slurm refuses 0)",
+                        f"{flag} 8", "Leave the option out for the partition's default")
+    return values.parse_int(v, flag, minimum=1, maximum=MAX_CPUS_PER_TASK)
 
 
 def _env(v: Any, flag: str) -> tuple[tuple[str, str], ...]:
+    """``--env NAME=VALUE`` (repeated), or in hpc.toml a table or a list of ``"NAME=VALUE"``."""
+    valid = 'NAME=VALUE pairs: in hpc.toml a table (env = { NCCL_DEBUG = "INFO" }) or a list of strings'
     if isinstance(v, Mapping):
-        items = [(str(k), str(x)) for k, x in v.items()]
-        for k, _ in items:
-            values.parse_env_pair(f"{k}=", flag)
+        items = []
+        for k, x in v.items():
+            if isinstance(x, bool) or not isinstance(x, (str, int, float)):
+                raise SpecError(f"{flag} {k}", x, "a string (or a number)", 'NCCL_DEBUG = "INFO"')
+            items.append(values.parse_env_pair(f"{k}={x}", flag))
         return tuple(sorted(items))
     if isinstance(v, str):
         v = [v]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise SpecError(flag, v, valid, 'env = { NCCL_DEBUG = "INFO" } in hpc.toml, or '
+                        "--env NCCL_DEBUG=INFO")
     return tuple(sorted(dict(values.parse_env_pair(x, flag) for x in v).items()))
 
 
+def _env_check(v: Any, flag: str) -> None:
+    if not isinstance(v, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in v):
+        raise SpecError(flag, v, "a tuple of (NAME, VALUE) string pairs", f"{flag} NCCL_DEBUG=INFO")
+    for name, value in v:
+        if not values.ENV_NAME.fullmatch(name):
+            raise SpecError(flag, f"{name}={value}", "NAME=VALUE with a valid variable name",
+                            f"{flag} NCCL_DEBUG=INFO")
+        values.check_env_value(name, value, flag)
+
+
 def _args(v: Any, flag: str) -> tuple[str, ...]:
-    if isinstance(v, str):
+    if isinstance(v, str) or not isinstance(v, (list, tuple)):
         raise SpecError(flag, v, "a list of arguments", f'{flag} = ["--lr", "3e-4"]')
     return tuple(str(x) for x in v)
 
 
+def _args_check(v: Any, flag: str) -> None:
+    if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
+        raise SpecError(flag, v, "a tuple of strings", "hpc submit train.py -- --lr 3e-4")
+    bad = next((x for x in v if "\x00" in x), None)
+    if bad is not None:
+        raise SpecError(flag, bad, "arguments without NUL characters (no program can receive "
+                        "them)", "hpc submit train.py -- --lr 3e-4")
+
+
+# Upper bounds (in the help text, and docs/security.md).
+MAX_NPROC_PER_NODE = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_TASK = 4096
+MAX_SIGNAL_LEAD_S = 65535   # Slurm's --signal takes at most 0xffff seconds
+MAX_RESTARTS = 1000
+MAX_REQUEUES = 10_000
+MAX_PORT = 65535
+MAX_STEPS = 10**12
+MAX_KEEP = 100_000
+MAX_EVERY_MIN = values.MAX_TIME_S // 60
+
+_WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in project and entity names
+_CONSTRAINT_OPS = "[]()&|,:*!"
+
+
+def _str_opt(default: str, help: str, check: Callable[[Any, str], None], example: str,
+             **kw: Any) -> Any:
+    """A string option: the parser strips and refuses empty, then ``check``; so does the spec."""
+    return _opt(default, help, _parsed(check), check=check, example=example, **kw)
+
+
+def _int_opt(default: int, help: str, minimum: int, maximum: int, example: str, *,
+             parse: Callable[[Any, str], int] | None = None, unset: int | None = None,
+             **kw: Any) -> Any:
+    """An integer option in ``[minimum, maximum]``; ``unset`` is a default below ``minimum``
+    that the spec accepts but a user cannot give (``--nproc-per-node 0``)."""
+    lowest = minimum if unset is None else min(unset, minimum)
+    return _opt(default, help, parse or _int(minimum, maximum, example),
+                check=_int_check(lowest, maximum), example=example, **kw)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    """What to run, where, for how long, and how to keep it alive."""
+    """What to run, where, for how long, and how to keep it alive.
+
+    Every field is checked by its declaration's ``check`` in ``__post_init__``, however the spec
+    is built (flags, profiles, ``jobspec.json``, the constructor): a bad value raises
+    :class:`SpecError` naming the flag, the value, the valid form and an example.
+    """
 
     # --- what to run -------------------------------------------------------------------
     script: str = _opt("", "Training script to run on every worker (a torchrun-style script).",
-                       cli=False)
+                       check=_path("hpc submit train.py"), cli=False)
     script_args: tuple[str, ...] = _opt((), "Arguments passed to the script (after --).",
-                                        _args, cli=False)
-    job_name: str = _opt("", "Slurm job name (default: the script's stem).", _str,
-                         example="--job-name gpt-small")
-    job_dir: str = _opt("", "Job directory: jobspec, logs, checkpoints, outcomes "
-                        "(default: ./jobs/<name>-<time>).", _str, example="--job-dir runs/gpt")
-    python: str = _opt(sys.executable, "Python interpreter on the compute nodes.", _str,
-                       example="--python /shared/venv/bin/python")
+                                        _args, check=_args_check, cli=False)
+    job_name: str = _str_opt("", "Slurm job name (default: the script's stem; one line of "
+                             "printable text).", _text("--job-name gpt-small"),
+                             "--job-name gpt-small")
+    job_dir: str = _str_opt("", "Job directory: jobspec, logs, checkpoints, outcomes "
+                            "(default: ./jobs/<name>-<time>).", _path("--job-dir runs/gpt"),
+                            "--job-dir runs/gpt")
+    python: str = _str_opt(sys.executable, "Python interpreter on the compute nodes.",
+                           _path("--python /shared/venv/bin/python"),
+                           "--python /shared/venv/bin/python")
     # --- resources ---------------------------------------------------------------------
-    nodes: tuple[int, int] = _opt((1, 1), "Nodes: N, or MIN:MAX for an elastic job.",
-                                  values.parse_nodes, example="--nodes 2:4", metavar="N|MIN:MAX")
-    nproc_per_node: int = _opt(0, "Worker processes per node (default: GPUs per node, else 1).",
-                               _int(1), example="--nproc-per-node 8")
-    gpus_per_node: int = _opt(0, "GPUs per node.", _int(0), example="--gpus-per-node 8")
-    cpus_per_task: int = _opt(0, "CPUs for each node's task (0: Slurm's default).", _int(0),
-                              example="--cpus-per-task 8")
-    mem: str = _opt("", "Memory per node, Slurm syntax.", values.parse_mem, example="--mem 64G")
-    time_limit_s: int = _opt(0, "Time limit (Slurm formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
-                             "D-HH:MM:SS); 0: the partition's default.", values.parse_time,
-                             example="--time 4:00:00", metavar="TIME")
-    partition: str = _opt("", "Slurm partition.", _str, example="--partition gpu")
-    account: str = _opt("", "Slurm account.", _str, example="--account proj123")
-    qos: str = _opt("", "Slurm QOS.", _str, example="--qos normal")
-    constraint: str = _opt("", "Slurm node features constraint.", _str, example="--constraint a100")
-    exclude: str = _opt("", "Nodes to exclude (Slurm hostlist).", _str, example="--exclude node[3-4]")
+    nodes: tuple[int, int] = _opt((1, 1), "Nodes: N, or MIN:MAX for an elastic job (at most "
+                                  f"{values.MAX_NODES}).", values.parse_nodes,
+                                  check=values.check_nodes, example="--nodes 2:4",
+                                  metavar="N|MIN:MAX")
+    nproc_per_node: int = _int_opt(0, "Worker processes per node (default: GPUs per node, else 1; "
+                                   f"at most {MAX_NPROC_PER_NODE}).", 1, MAX_NPROC_PER_NODE,
+                                   "--nproc-per-node 8", unset=0)
+    gpus_per_node: int = _int_opt(0, f"GPUs per node (0 to {MAX_GPUS_PER_NODE}).", 0,
+                                  MAX_GPUS_PER_NODE, "--gpus-per-node 8")
+    cpus_per_task: int = _int_opt(0, f"CPUs for each node's task, 1 to {MAX_CPUS_PER_TASK} (not "
+                                  "given: Slurm's default).", 1, MAX_CPUS_PER_TASK,
+                                  "--cpus-per-task 8", parse=_cpus, unset=0)
+    mem: str = _opt("", "Memory per node, Slurm syntax.", values.parse_mem, check=values.check_mem,
+                    example="--mem 64G")
+    time_limit_s: int = _int_opt(0, "Time limit (Slurm formats: MM, MM:SS, HH:MM:SS, D-HH, "
+                                 "D-HH:MM, D-HH:MM:SS; at most 365 days); 0: the partition's "
+                                 "default.", 1, values.MAX_TIME_S, "--time 4:00:00",
+                                 parse=values.parse_time, unset=0, metavar="TIME")
+    partition: str = _str_opt("", "Slurm partition (or a comma-separated list).",
+                              _name("--partition gpu", ",", " and ,"), "--partition gpu")
+    account: str = _str_opt("", "Slurm account.", _name("--account proj123"), "--account proj123")
+    qos: str = _str_opt("", "Slurm QOS.", _name("--qos normal"), "--qos normal")
+    constraint: str = _str_opt("", "Slurm node features constraint.",
+                               _name("--constraint 'a100&ib'", _CONSTRAINT_OPS,
+                                     " and Slurm's operators " + " ".join(_CONSTRAINT_OPS)),
+                               "--constraint a100")
+    exclude: str = _str_opt("", "Nodes to exclude (Slurm hostlist).",
+                            _name("--exclude node[3-4]", "[],", " and [ ] , of a hostlist"),
+                            "--exclude node[3-4]")
     # --- keeping it alive ----------------------------------------------------------------
     signal: str = _opt("USR2", "Warning signal Slurm sends before the time limit.",
-                       values.parse_signal, example="--signal USR2")
-    signal_lead_s: int = _opt(120, "Seconds before the time limit that the warning arrives (0: no warning "
-                              "signal; a preemption then sends only SIGTERM).",
-                              _int(0), example="--signal-lead 120")
-    max_restarts: int = _opt(3, "Elastic restarts of the workers within one allocation.",
-                             _int(0), example="--max-restarts 3")
+                       values.parse_signal, check=_in(values.SIGNALS), example="--signal USR2")
+    signal_lead_s: int = _int_opt(120, "Seconds before the time limit that the warning arrives "
+                                  "(0: no warning signal; a preemption then sends only SIGTERM; "
+                                  f"at most {MAX_SIGNAL_LEAD_S}).", 0, MAX_SIGNAL_LEAD_S,
+                                  "--signal-lead 120")
+    max_restarts: int = _int_opt(3, "Elastic restarts of the workers within one allocation (at "
+                                 f"most {MAX_RESTARTS}).", 0, MAX_RESTARTS, "--max-restarts 3")
     requeue: str = _opt("auto", "Requeue policy: auto (on preemption and time limit) or never.",
-                        _choice(REQUEUE_POLICIES), example="--requeue auto")
-    max_requeues: int = _opt(20, "Most requeues the job may do before it gives up.", _int(0),
-                             example="--max-requeues 20")
-    rdzv_port: int = _opt(0, "TCP port of the c10d rendezvous on the first node (0: "
-                          "29400 + the Slurm job id mod 1000, so jobs sharing a node differ; "
-                          "a free port locally).", _int(0),
-                          example="--rdzv-port 29400")
+                        _choice(REQUEUE_POLICIES), check=_in(REQUEUE_POLICIES),
+                        example="--requeue auto")
+    max_requeues: int = _int_opt(20, "Most requeues the job may do before it gives up (at most "
+                                 f"{MAX_REQUEUES}).", 0, MAX_REQUEUES, "--max-requeues 20")
+    rdzv_port: int = _int_opt(0, "TCP port (1 to 65535) of the c10d rendezvous on the first node "
+                              "(0: 29400 + the Slurm job id mod 1000, so jobs sharing a node "
+                              "differ; a free port locally).", 0, MAX_PORT, "--rdzv-port 29400")
     # --- checkpoints -----------------------------------------------------------------------
-    checkpoint_dir: str = _opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).", _str,
-                               example="--checkpoint-dir /scratch/me/ckpt")
-    checkpoint_every_steps: int = _opt(0, "Save every N steps (0: off).", _int(0),
-                                       example="--checkpoint-every-steps 500")
+    checkpoint_dir: str = _str_opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).",
+                                   _path("--checkpoint-dir /scratch/me/ckpt"),
+                                   "--checkpoint-dir /scratch/me/ckpt")
+    checkpoint_every_steps: int = _int_opt(0, "Save every N steps (0: off).", 0, MAX_STEPS,
+                                           "--checkpoint-every-steps 500")
     checkpoint_every_min: float = _opt(
-        0.0, "Save every M minutes (0: off).",
-        lambda v, f: values.parse_float(v, f, minimum=0.0), example="--checkpoint-every-min 30")
-    keep_last: int = _opt(3, "Checkpoints to keep (the newest k).", _int(1), example="--keep-last 3")
-    keep_every: int = _opt(0, "Also keep every n-th step forever (0: off).", _int(0),
-                           example="--keep-every 10000")
+        0.0, "Save every M minutes (0: off; at most 365 days).",
+        lambda v, f: values.parse_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
+                                        example="--checkpoint-every-min 30"),
+        check=lambda v, f: values.check_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
+                                              example="--checkpoint-every-min 30"),
+        example="--checkpoint-every-min 30")
+    keep_last: int = _int_opt(3, f"Checkpoints to keep (the newest k, 1 to {MAX_KEEP}).", 1,
+                              MAX_KEEP, "--keep-last 3")
+    keep_every: int = _int_opt(0, "Also keep every n-th step forever (0: off).", 0, MAX_STEPS,
+                               "--keep-every 10000")
     # --- logging ---------------------------------------------------------------------------
-    wandb_project: str = _opt("", "W&B project (empty: the job name).", _str,
-                              example="--wandb-project gpt")
-    wandb_entity: str = _opt("", "W&B entity.", _str, example="--wandb-entity my-team")
+    wandb_project: str = _str_opt("", "W&B project (empty: the job name).",
+                                  _text("--wandb-project gpt", 128, _WANDB_FORBIDDEN),
+                                  "--wandb-project gpt")
+    wandb_entity: str = _str_opt("", "W&B entity.",
+                                 _text("--wandb-entity my-team", 128, _WANDB_FORBIDDEN),
+                                 "--wandb-entity my-team")
     wandb_mode: str = _opt("offline", "W&B mode: offline (default), online or disabled.",
-                           _choice(WANDB_MODES), example="--wandb-mode online")
+                           _choice(WANDB_MODES), check=_in(WANDB_MODES),
+                           example="--wandb-mode online")
     env: tuple[tuple[str, str], ...] = _opt((), "Extra environment for the workers, NAME=VALUE "
-                                            "(repeatable).", _env, example="--env NCCL_DEBUG=INFO",
+                                            "(repeatable; never a secret).", _env, check=_env_check,
+                                            example="--env NCCL_DEBUG=INFO",
                                             metavar="NAME=VALUE", repeat=True)
-    profile: str = _opt("", "Cluster profile from hpc.toml.", _str, example="--profile mycluster")
+    profile: str = _str_opt("", "Cluster profile from hpc.toml.", _text("--profile mycluster"),
+                            "--profile mycluster")
 
     def __post_init__(self) -> None:
-        lo, hi = self.nodes
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                check(getattr(self, f.name), _CHECK_FLAGS.get(f.name) or flag_name(f.name))
+        if isinstance(self.checkpoint_every_min, int):
+            object.__setattr__(self, "checkpoint_every_min", float(self.checkpoint_every_min))
         if self.gpus_per_node and self.nproc_per_node and self.nproc_per_node != self.gpus_per_node:
             raise SpecError(
                 "--nproc-per-node", self.nproc_per_node,
@@ -157,7 +302,6 @@ class JobSpec:
             raise SpecError("--signal-lead", self.signal_lead_s,
                             f"shorter than the time limit ({self.time_limit_s} s)",
                             "--time 4:00:00 --signal-lead 120")
-        assert 1 <= lo <= hi
 
     # --- derived values ------------------------------------------------------------------
     @property
@@ -195,20 +339,75 @@ class JobSpec:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = "jobspec.json") -> JobSpec:
+        """Reads a spec written by :meth:`to_json`, checked like any other.
+
+        Args:
+            text: The file's text.
+            source: Where it came from, for errors (the file's path).
+
+        Raises:
+            SpecError: for text that is not a jobspec of this schema version (garbled, written by
+                another hpc-elastic version, or holding a value no flag would accept), naming
+                ``source`` and what to do.
+        """
+        def refuse(what: str, valid: str = "") -> SpecError:
+            return _unreadable(source, what, valid)
+
+        try:
+            data = json.loads(text)
+        except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes
+            raise refuse(f"not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise refuse(f"a JSON {type(data).__name__}, not an object")
         version = data.pop("schema_version", None)
         if version != SCHEMA_VERSION:
-            raise ValueError(f"jobspec.json has schema_version {version!r}; this hpc-elastic "
-                             f"reads version {SCHEMA_VERSION}")
-        data["nodes"] = tuple(data["nodes"])
-        data["script_args"] = tuple(data["script_args"])
-        data["env"] = tuple(tuple(p) for p in data["env"])
-        return cls(**data)
+            raise refuse(f"schema_version {version!r}",
+                         f"schema_version {SCHEMA_VERSION}, the one this hpc-elastic reads")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise refuse(f"unknown keys {', '.join(unknown)}")
+        try:
+            for key in ("nodes", "script_args"):
+                if key in data:
+                    data[key] = tuple(data[key])
+            if "env" in data:
+                data["env"] = tuple(tuple(p) for p in data["env"])
+        except TypeError as e:
+            raise refuse(f"a malformed value ({e})") from None
+        try:
+            return cls(**data)
+        except SpecError as e:
+            raise refuse(f"{e.flag} {e.value!r}: {e.valid}") from None
 
     @classmethod
     def load(cls, job_dir: str | Path) -> JobSpec:
-        return cls.from_json((Path(job_dir) / "jobspec.json").read_text())
+        """Reads ``JOB_DIR/jobspec.json``.
+
+        Raises:
+            SpecError: for a file that is not a readable jobspec (see :meth:`from_json`).
+            HpcError: for a file that cannot be read at all (missing, no permission).
+        """
+        path = Path(job_dir) / "jobspec.json"
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise HpcError(f"cannot read {path}: {e.strerror or e}; is {job_dir} a job "
+                           "directory written by hpc submit or hpc run?") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _unreadable(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+        return cls.from_json(text, str(path))
+
+
+def _unreadable(source: str, what: str, valid: str = "") -> SpecError:
+    """The error for a jobspec.json that this version cannot use, and what to do about it."""
+    return SpecError(source, what, valid or f"a jobspec.json of schema_version {SCHEMA_VERSION}, "
+                     "as this hpc-elastic writes it", "hpc submit train.py --job-dir runs/new-dir",
+                     "Use a new --job-dir, or remove this job directory if nothing in it is needed "
+                     "(or use the hpc-elastic version that wrote it)")
 
 
 def option_fields() -> list[dataclasses.Field]:
@@ -223,6 +422,8 @@ def flag_name(name: str) -> str:
 
 # Flags whose name is not simply the field name (units live in field names, not flags).
 FLAG_ALIASES = {"time_limit_s": "time", "signal_lead_s": "signal-lead"}
+# How the fields that are not flags are named in errors (as the CLI's usage names them).
+_CHECK_FLAGS = {"script": "SCRIPT", "script_args": "SCRIPT_ARGS"}
 CONFIG_KEYS = {flag_name(f.name)[2:].replace("-", "_"): f.name for f in option_fields()}
 """Config-file key (``time``, ``signal_lead``, ``partition``...) -> field name."""
 

@@ -1,37 +1,74 @@
-"""Parsers for the values users type: node ranges, Slurm time limits, memory, signals.
+"""Parsers and checks for the values users type: numbers, node ranges, Slurm time limits, memory,
+signals, Slurm names, paths and free text.
 
 Pure functions. Each raises :class:`~hpc.contract.errors.SpecError` naming the flag, the value given,
 the valid form and an example. They are shared by the CLI, config files and ``JobSpec``.
+
+Why the string checks are strict: a JobSpec's values end up in batch scripts written by three
+different libraries (our template, submitit, TorchX), and not all of them quote (TorchX writes
+``#SBATCH --partition=VALUE`` as is). A line break in any value becomes a shell line of the
+batch script, and a blank in an unquoted option smuggles in another option. So every value is
+held to the characters its Slurm syntax needs, once, where the spec is built; no backend has to
+be trusted to quote. Numbers are ASCII digits only (``str.isdigit`` and ``int`` also accept
+``'٣'`` and ``'²'``) and have documented upper bounds.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import signal
+import unicodedata
 
 from hpc.contract.errors import SpecError
 
-_NODES_VALID = "N or MIN:MAX with 1 <= MIN <= MAX"
+_ASCII_INT = re.compile(r"[0-9]+")
+
+# --- bounds (documented in the help text and docs/security.md) ---------------------------------
+MAX_NODES = 100_000
+MAX_TIME_S = 365 * 86400
+"""Longest time limit accepted: 365 days (Slurm's own "INFINITE" is not a limit we submit)."""
+
+_NODES_VALID = f"N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES}"
 
 
 def parse_nodes(text: str | int, flag: str = "--nodes") -> tuple[int, int]:
     """Parses ``N`` or ``MIN:MAX`` into ``(min, max)``."""
+    if isinstance(text, bool):
+        raise SpecError(flag, text, _NODES_VALID, f"{flag} 2 or {flag} 2:4")
     raw = str(text).strip()
-    m = re.fullmatch(r"(\d+)(?::(\d+))?", raw)
+    m = re.fullmatch(r"([0-9]+)(?::([0-9]+))?", raw)
     if not m:
         raise SpecError(flag, text, _NODES_VALID, f"{flag} 2 or {flag} 2:4")
     lo = int(m.group(1))
     hi = int(m.group(2)) if m.group(2) is not None else lo
-    if lo < 1:
-        raise SpecError(flag, text, _NODES_VALID + " (a job needs at least one node)", f"{flag} 1")
-    if lo > hi:
-        raise SpecError(flag, text, _NODES_VALID + f" (MIN {lo} is larger than MAX {hi})",
-                        f"{flag} {hi}:{lo}")
+    check_nodes((lo, hi), flag, text)
     return lo, hi
 
 
-_TIME_VALID = "a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+def check_nodes(nodes: object, flag: str = "--nodes", shown: object = None) -> None:
+    """Checks a parsed ``(min, max)`` node range."""
+    shown = nodes if shown is None else shown
+    if (not isinstance(nodes, tuple) or len(nodes) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in nodes)):
+        raise SpecError(flag, shown, _NODES_VALID, f"{flag} 2 or {flag} 2:4")
+    lo, hi = nodes
+    if lo < 1:
+        raise SpecError(flag, shown, _NODES_VALID + " (a job needs at least one node)", f"{flag} 1")
+    if lo > hi:
+        raise SpecError(flag, shown, _NODES_VALID + f" (MIN {lo} is larger than MAX {hi})",
+                        f"{flag} {hi}:{lo}")
+    if hi > MAX_NODES:
+        raise SpecError(flag, shown, _NODES_VALID, f"{flag} 2:4")
+
+
+_TIME_VALID = ("a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, "
+               "ASCII digits, at most 365 days")
 _TIME_EXAMPLE = "--time 4:00:00 (4 hours) or --time 1-12 (1 day 12 hours)"
+
+
+def _digits(parts: list[str]) -> bool:
+    return all(_ASCII_INT.fullmatch(p) for p in parts)
 
 
 def parse_time(text: str | int, flag: str = "--time") -> int:
@@ -39,21 +76,23 @@ def parse_time(text: str | int, flag: str = "--time") -> int:
 
     Slurm's formats: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``.
     """
+    if isinstance(text, bool):
+        raise SpecError(flag, text, _TIME_VALID, _TIME_EXAMPLE)
     raw = str(text).strip()
     days = 0
     rest = raw
     if "-" in raw:
         d, _, rest = raw.partition("-")
-        if not d.isdigit() or not rest:
+        if not _digits([d]) or not rest:
             raise SpecError(flag, text, _TIME_VALID, _TIME_EXAMPLE)
         days = int(d)
         parts = rest.split(":")
-        if len(parts) > 3 or not all(p.isdigit() for p in parts):
+        if len(parts) > 3 or not _digits(parts):
             raise SpecError(flag, text, _TIME_VALID, _TIME_EXAMPLE)
         h, m, s = (list(map(int, parts)) + [0, 0])[:3]
     else:
         parts = raw.split(":")
-        if not parts or len(parts) > 3 or not all(p.isdigit() for p in parts):
+        if not parts or len(parts) > 3 or not _digits(parts):
             raise SpecError(flag, text, _TIME_VALID, _TIME_EXAMPLE)
         nums = list(map(int, parts))
         if len(nums) == 1:
@@ -69,6 +108,8 @@ def parse_time(text: str | int, flag: str = "--time") -> int:
     total = ((days * 24 + h) * 60 + m) * 60 + s
     if total <= 0:
         raise SpecError(flag, text, _TIME_VALID + " (must be longer than zero)", _TIME_EXAMPLE)
+    if total > MAX_TIME_S:
+        raise SpecError(flag, text, _TIME_VALID + " (longer than 365 days)", _TIME_EXAMPLE)
     return total
 
 
@@ -80,55 +121,195 @@ def format_time(seconds: int) -> str:
     return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
 
 
-_MEM_RE = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE)
+_MEM_RE = re.compile(r"([0-9]{1,12})([KMGT]?)B?", re.IGNORECASE)
+_MEM_VALID = "a size in ASCII digits with an optional unit K, M, G or T (Slurm's --mem)"
 
 
 def parse_mem(text: str, flag: str = "--mem") -> str:
     """Validates a Slurm memory size (``64G``, ``512M``, ``0`` = all) and returns it normalized."""
-    raw = str(text).strip()
+    raw = str(text).strip() if isinstance(text, (str, int)) and not isinstance(text, bool) else ""
     m = _MEM_RE.fullmatch(raw)
     if not m:
-        raise SpecError(flag, text, "a size with an optional unit K, M, G or T (Slurm's --mem)",
-                        f"{flag} 64G")
+        raise SpecError(flag, text, _MEM_VALID, f"{flag} 64G")
     return f"{m.group(1)}{m.group(2).upper()}"
 
 
-_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
+def check_mem(value: object, flag: str = "--mem") -> None:
+    """Checks a normalized memory size (``""``: not set)."""
+    if value == "":
+        return
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9]{1,12}[KMGT]?", value):
+        raise SpecError(flag, value, _MEM_VALID, f"{flag} 64G")
+
+
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
 
 
 def parse_signal(text: str, flag: str = "--signal") -> str:
     """Normalizes a warning signal name (``SIGUSR2``, ``usr2`` -> ``USR2``)."""
-    name = str(text).strip().upper().removeprefix("SIG")
-    if name not in _SIGNALS or not hasattr(signal, "SIG" + name):
-        raise SpecError(flag, text, "one of " + ", ".join(_SIGNALS), f"{flag} USR2")
+    name = str(text).strip().upper().removeprefix("SIG") if isinstance(text, str) else ""
+    if name not in SIGNALS or not hasattr(signal, "SIG" + name):
+        raise SpecError(flag, text, "one of " + ", ".join(SIGNALS), f"{flag} USR2")
     return name
 
 
-def parse_int(text: str | int, flag: str, *, minimum: int = 0, example: str = "") -> int:
-    """Parses an integer that must be at least ``minimum``."""
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise SpecError(flag, text, f"an integer >= {minimum}", example or f"{flag} {max(minimum, 1)}")
+def _int_valid(minimum: int, maximum: int | None) -> str:
+    return f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "") + \
+        " in ASCII digits"
+
+
+def parse_int(text: str | int, flag: str, *, minimum: int = 0, maximum: int | None = None,
+              example: str = "") -> int:
+    """Parses an integer in ASCII digits that must lie in ``[minimum, maximum]``."""
+    value: int | None = None
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    elif isinstance(text, str) and _ASCII_INT.fullmatch(text.strip()):
+        value = int(text.strip())
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        raise SpecError(flag, text, _int_valid(minimum, maximum),
+                        example or f"{flag} {max(minimum, 1)}")
     return value
 
 
-def parse_float(text: str | float, flag: str, *, minimum: float = 0.0, example: str = "") -> float:
-    """Parses a number that must be at least ``minimum``."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise SpecError(flag, text, f"a number >= {minimum:g}", example or f"{flag} {max(minimum, 1):g}")
+def check_int(value: object, flag: str, *, minimum: int, maximum: int | None = None,
+              example: str = "") -> None:
+    """Checks an already parsed integer (a real ``int``, not a ``bool``) against its bounds."""
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        raise SpecError(flag, value, _int_valid(minimum, maximum),
+                        example or f"{flag} {max(minimum, 1)}")
+
+
+_FLOAT_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _float_valid(minimum: float, maximum: float | None) -> str:
+    return f"a number >= {minimum:g}" + (f" and <= {maximum:g}" if maximum is not None else "") + \
+        " in ASCII digits (no sign, nan or inf)"
+
+
+def parse_float(text: str | float, flag: str, *, minimum: float = 0.0,
+                maximum: float | None = None, example: str = "") -> float:
+    """Parses a finite, unsigned number in ASCII digits that must lie in ``[minimum, maximum]``.
+
+    ``nan``, ``inf``, a sign (``-0`` included) and non-ASCII digits are refused.
+    """
+    value: float | None = None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    elif isinstance(text, str) and _FLOAT_RE.fullmatch(text.strip()):
+        value = float(text.strip())
+    if (value is None or not math.isfinite(value) or math.copysign(1.0, value) < 0
+            or value < minimum or (maximum is not None and value > maximum)):
+        raise SpecError(flag, text, _float_valid(minimum, maximum),
+                        example or f"{flag} {max(minimum, 1):g}")
     return value
+
+
+def check_float(value: object, flag: str, *, minimum: float = 0.0, maximum: float | None = None,
+                example: str = "") -> None:
+    """Checks an already parsed number (finite, not negative zero) against its bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(flag, value, _float_valid(minimum, maximum), example or f"{flag} 1")
+    parse_float(value, flag, minimum=minimum, maximum=maximum, example=example)
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_ENV_VALUE = 32_768
 
 
 def parse_env_pair(text: str, flag: str = "--env") -> tuple[str, str]:
     """Parses ``NAME=VALUE``."""
-    name, sep, value = str(text).partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+    if not isinstance(text, str):
         raise SpecError(flag, text, "NAME=VALUE with a valid variable name", f"{flag} NCCL_DEBUG=INFO")
+    name, sep, value = text.partition("=")
+    if not sep or not ENV_NAME.fullmatch(name):
+        raise SpecError(flag, text, "NAME=VALUE with a valid variable name", f"{flag} NCCL_DEBUG=INFO")
+    check_env_value(name, value, flag)
     return name, value
+
+
+def check_env_value(name: str, value: object, flag: str = "--env") -> None:
+    """Checks one environment value: text without line breaks or control characters, bounded."""
+    if not isinstance(value, str) or _control(value) or len(value) > MAX_ENV_VALUE:
+        raise SpecError(flag, f"{name}={value}" if isinstance(value, str) else value,
+                        "NAME=VALUE where VALUE is text without line breaks, NUL or other control "
+                        f"characters, at most {MAX_ENV_VALUE} characters", f"{flag} NCCL_DEBUG=INFO")
+
+
+# --- strings -----------------------------------------------------------------------------------
+
+_CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _control(text: str) -> str | None:
+    """The first control character of ``text`` (line breaks, NUL, tab, U+2028, bidi marks...)."""
+    return next((c for c in text if unicodedata.category(c) in _CONTROL_CATEGORIES), None)
+
+
+MAX_NAME = 200
+MAX_PATH = 4096
+SLURM_NAME_CHARS = "letters, digits and _ . - +"
+
+
+def check_slurm_name(value: object, flag: str, *, extra: str = "", extra_words: str = "",
+                     example: str, max_len: int = MAX_NAME) -> None:
+    """Checks a Slurm name (partition, account, qos, features, hostlist).
+
+    Allowed: ASCII letters, digits, ``_ . - +`` and the syntax characters in ``extra``; not
+    starting with ``-``; no blanks, quotes, line breaks or shell characters. ``""`` means unset.
+
+    Args:
+        value: The value (already stripped by the parser).
+        flag: The flag or config key, for the error.
+        extra: Further allowed characters (``,`` for a partition list, ``[]`` for hostlists...).
+        extra_words: How ``extra`` is described to the user.
+        example: A valid example, as the user would type it.
+        max_len: Longest accepted value.
+    """
+    if value == "":
+        return
+    valid = (f"a Slurm name of {SLURM_NAME_CHARS}{extra_words} (no blanks, quotes, line breaks "
+             f"or shell characters), not starting with '-', at most {max_len} characters")
+    if not isinstance(value, str):
+        raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
+    ok = re.fullmatch(r"[A-Za-z0-9_.+\-" + re.escape(extra) + r"]+", value)
+    if not ok or value.startswith("-") or len(value) > max_len:
+        raise SpecError(flag, value, valid, example)
+
+
+def check_text(value: object, flag: str, *, example: str, max_len: int = MAX_NAME,
+               forbidden: str = "") -> None:
+    """Checks free text such as a job name: printable, one line, plain spaces only.
+
+    Quotes and shell characters are allowed: every backend quotes these values. Refused: line
+    breaks, NUL, tabs and every other control or format character (U+2028, bidi marks), any
+    blank other than a plain space, the characters in ``forbidden``, a leading ``-`` and
+    values longer than ``max_len``. ``""`` means unset.
+    """
+    if value == "":
+        return
+    valid = ("one line of printable text (no line breaks, tabs, NUL or other control characters"
+             + (f", none of {' '.join(forbidden)}" if forbidden else "")
+             + f"), not starting with '-', at most {max_len} characters")
+    if not isinstance(value, str):
+        raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
+    if (_control(value) or any(c.isspace() and c != " " for c in value)
+            or any(c in forbidden for c in value) or value.startswith("-")
+            or value != value.strip() or len(value) > max_len):
+        raise SpecError(flag, value, valid, example)
+
+
+def check_path(value: object, flag: str, *, example: str) -> None:
+    """Checks a path: any characters a file name may have except line breaks, NUL and other
+    control characters (spaces, quotes and ``$`` are fine: paths are always shell-quoted).
+    Not starting with ``-``; at most 4096 characters. ``""`` means unset."""
+    if value == "":
+        return
+    valid = ("a path without line breaks, NUL, tabs or other control characters, not starting "
+             f"with '-', at most {MAX_PATH} characters")
+    if not isinstance(value, str):
+        raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
+    if _control(value) or value.startswith("-") or len(value) > MAX_PATH:
+        raise SpecError(flag, value, valid, example)

@@ -17,7 +17,8 @@ import pytest
 
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
-from hpc.render import check_no_secrets, is_secret_name, render_sbatch, sbatch_quote
+from hpc.render import render_sbatch, sbatch_quote
+from hpc.secrets import check_no_secrets, is_secret_name
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +166,7 @@ KEY = "0123456789abcdef0123456789abcdef01234567"
     (["--hf-token=hf_AbCdEfGh1234567890"], {}, "--hf-token is given a credential-like value"),
 ])
 def test_secrets_in_script_args_are_found(args: list[str], environ: dict, found: str) -> None:
-    from hpc.render import secret_in_args
+    from hpc.secrets import secret_in_args
 
     assert found in (secret_in_args(args, environ) or "")
 
@@ -175,7 +176,7 @@ def test_secrets_in_script_args_are_found(args: list[str], environ: dict, found:
     ["--password-file", "/run/secrets/db"], ["--pass", "2"], ["--lr", "3e-4"],
 ])
 def test_ordinary_script_args_are_not_secrets(args: list[str]) -> None:
-    from hpc.render import secret_in_args
+    from hpc.secrets import secret_in_args
 
     assert secret_in_args(args, {"WANDB_API_KEY": KEY, "SHORT_TOKEN": "abc"}) is None
 

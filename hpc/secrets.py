@@ -1,0 +1,127 @@
+"""The secrets policy: credentials are never written down by hpc-elastic.
+
+``jobspec.json``, the rendered batch script and the launcher's log record a job's ``--env``
+values and the script's arguments, in a job directory that may be shared or backed up. A
+credential put there outlives the job. So the policy is: secrets travel only through the
+submitting shell's environment (sbatch ``--export=ALL`` carries it to the job), and anything
+that looks like a secret on its way into the spec is refused before anything is created:
+
+* ``--env NAME=VALUE`` with a secret-looking NAME (``WANDB_API_KEY``, ``HF_TOKEN``,
+  ``DB_PASSWORD``...), whatever the value;
+* an ``--env`` value or a script argument that holds the value of a secret-named variable of
+  the environment (the shell expanded ``$WANDB_API_KEY`` into the command line);
+* a script argument with a secret-looking flag name (``--api-key``, ``--hf-token``,
+  ``--password``) and a value, unless the value is a number (``--key 3``, ``--pass 2``) or
+  empty. Flags that merely contain such a word (``--max-tokens``, ``--tokenizer``,
+  ``--password-file``) are not secret-named.
+
+Pure apart from reading ``os.environ`` when no environment is passed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from hpc.contract.errors import SpecError
+
+if TYPE_CHECKING:
+    from hpc.contract.jobspec import JobSpec
+
+# Names that hold credentials: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...
+_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)$"
+                          r"|^WANDB_API_KEY$", re.IGNORECASE)
+# Values a secret-named flag may take: plain ASCII numbers (--key 3, --pass 2, --token -1).
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# A value that looks like a credential: long, one word, letters and digits mixed (only used to
+# word the message; a secret-named flag is refused with any value that is not a number).
+_CREDENTIAL_VALUE = re.compile(r"^(?=.*[0-9])(?=.*[A-Za-z])[A-Za-z0-9_\-.+/=:]{16,}$")
+# Shorter values of secret-named variables are not looked for (they would match by chance).
+_MIN_SECRET_LEN = 8
+
+
+def is_secret_name(name: str) -> bool:
+    """True for environment variable names that conventionally hold credentials."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def _secret_values(environ: Mapping[str, str]) -> dict[str, str]:
+    return {name: value for name, value in environ.items()
+            if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
+
+
+def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """Describes the first script argument that carries a secret, or None (pure).
+
+    Two rules: an argument holding the value of a secret-named variable of ``environ``, and a
+    secret-named flag (``--api-key``, ``--hf-token``...) given a value that is not a number.
+    A flag such as ``--key 3`` or ``--max-tokens 4096`` is not one.
+    """
+    secrets = _secret_values(environ)
+    for i, arg in enumerate(args):
+        for name, value in secrets.items():
+            if value in arg:
+                return f"script argument {i + 1} holds the value of ${name}"
+    for i, arg in enumerate(args):
+        if not arg.startswith("-") or _NUMBER.fullmatch(arg):
+            continue
+        flag, eq, inline = arg.partition("=")
+        if eq:
+            value = inline
+        else:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            # The next argument is this flag's value unless it is another flag (a switch).
+            value = "" if nxt.startswith("-") and not _NUMBER.fullmatch(nxt) else nxt
+        if (is_secret_name(flag.lstrip("-").replace("-", "_")) and value
+                and not _NUMBER.fullmatch(value)):
+            what = ("a credential-like value" if _CREDENTIAL_VALUE.match(value)
+                    else "a value that is not a number")
+            return f"script argument {flag} is given {what}, and its name is secret-like"
+    return None
+
+
+def secret_in_env(env: Sequence[tuple[str, str]], environ: Mapping[str, str]) -> str | None:
+    """Describes the first ``--env`` value that holds a secret of ``environ``, or None (pure)."""
+    secrets = _secret_values(environ)
+    for var, value in env:
+        for name, secret in secrets.items():
+            if secret in value:
+                return f"--env {var} holds the value of ${name}"
+    return None
+
+
+def check_no_secrets(spec: JobSpec, environ: Mapping[str, str] | None = None) -> None:
+    """Refuses secrets where they would be written down: ``spec.env`` and the script's arguments.
+
+    Both are written into ``jobspec.json`` (and the arguments into the sbatch script and logs).
+    Error messages never repeat the secret.
+
+    Raises:
+        SpecError: naming the variable or argument and how to pass it instead.
+    """
+    environ = os.environ if environ is None else environ
+    secret = sorted(name for name, _ in spec.env if is_secret_name(name))
+    if secret:
+        names = ", ".join(secret)
+        raise SpecError(
+            "--env", names, "not a secret: --env values are written into jobspec.json and logs",
+            f"export {secret[0]}=... && hpc submit train.py",
+            f"Export {names} in your shell instead: the job inherits the submitting environment "
+            "(sbatch --export=ALL) and hpc-elastic never writes it to disk")
+    found = secret_in_env(spec.env, environ)
+    if found:
+        raise SpecError(
+            "--env", f"<{found}>", "no secrets: --env values are written into jobspec.json and "
+            "the launcher's log", "export WANDB_API_KEY=... && hpc submit train.py",
+            "Leave the secret in your shell's environment: the job inherits it (sbatch "
+            "--export=ALL) and hpc-elastic never writes it to disk")
+    found = secret_in_args(spec.script_args, environ)
+    if found:
+        raise SpecError(
+            "SCRIPT_ARGS", f"<{found}>", "no secrets: script arguments are written into "
+            "jobspec.json, the sbatch script and the logs", "export WANDB_API_KEY=... && hpc submit "
+            "train.py -- --lr 3e-4",
+            "Export the secret in your shell and read it from the environment in the script "
+            "(the job inherits it; hpc-elastic never writes it to disk)")
