@@ -17,7 +17,7 @@ from typing import Any
 
 from hpc import __version__, backends
 from hpc.contract import values
-from hpc.contract.errors import HpcError, SpecError
+from hpc.contract.errors import HpcError, SpecError, UsageError
 from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
 
 EXIT_USAGE = 2
@@ -128,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except SpecError as e:
+        print(f"hpc {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as e:
         print(f"hpc {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except HpcError as e:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -121,6 +121,16 @@ def follow(job: JobRecord, follower: Follower, poll_state: Callable[[], str],
         poll_state: Returns the job's current Slurm state (one polite poll).
         wait: Sleeps until the next poll (with backoff).
     """
+    for state in following(follower, poll_state):
+        if state is not None:
+            return state
+        wait()
+    raise AssertionError("following() ends with the final state")
+
+
+def following(follower: Follower, poll_state: Callable[[], str]) -> Iterator[str | None]:
+    """Steps ``follower`` once per poll: yields None while the job goes on (the caller waits
+    before the next), then, after draining, the final state."""
     maybe_final = 0
     while True:
         follower.step()
@@ -128,8 +138,9 @@ def follow(job: JobRecord, follower: Follower, poll_state: Callable[[], str],
         maybe_final = maybe_final + 1 if state in MAYBE_FINAL_STATES else 0
         if state in FINAL_STATES or maybe_final >= MAYBE_FINAL_POLLS:
             follower.step(final=True)
-            return state
-        wait()
+            yield state
+            return
+        yield None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,9 +6,10 @@ The order matters and is the point of this module:
    ``hpc render`` / ``--dry-run`` print that plan and stop: no job directory, no Slurm call;
 2. check (reads Slurm, changes nothing): the partition exists and is up, the node count and the
    time limit fit it; a problem exits with status 2 and a message that names it;
-3. act: create the private job directory, write ``jobspec.json``, submit, record the job id in
-   ``JOB_DIR/slurm_job_id`` and in the user's job index (:mod:`hpc.index`) so that
-   ``hpc status`` lists recent jobs and ``hpc logs JOBID`` finds the job.
+3. act (:func:`hpc.api.submit`): create the private job directory, lock it, write
+   ``jobspec.json``, submit, record the job id in ``JOB_DIR/slurm_job_id`` and in the user's
+   job index (:mod:`hpc.index`) so that ``hpc status`` lists recent jobs and ``hpc logs
+   JOBID`` finds the job.
 
 sbatch's own rejections (the controller knows limits we cannot see, e.g. QOS or account) are
 mapped to the same kind of clear message and status 2.
@@ -17,23 +18,18 @@ mapped to the same kind of clear message and status 2.
 from __future__ import annotations
 
 import re
-import shutil
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc import backends
-from hpc.contract import jobdir, values
+from hpc.contract import values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
-from hpc.index import JobRecord, record_job
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import PartitionInfo
 
-EXIT_USAGE = 2
 
 # sbatch's words for a rejection -> (what was wrong, what to do). Recorded from Slurm 22.05.
 _SBATCH_REJECTIONS = (
@@ -144,38 +140,19 @@ def explain_rejection(stderr: str) -> str | None:
 
 
 def submit(spec: JobSpec, backend: str = backends.DEFAULT) -> int:
-    """Checks, creates the job directory, submits; prints the job id and directory.
+    """``hpc submit``: :func:`hpc.api.submit`, then the job id, directory and how to follow it.
 
     Returns:
-        0 when submitted, 2 when the request does not fit the cluster or sbatch refused it.
+        0 when submitted (refusals raise :class:`SpecError` / :class:`UsageError`, which the
+        CLI prints with exit status 2).
     """
-    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc import api
 
-    chosen = backends.get(backend)
-    p = chosen.plan(spec)  # renders and refuses secrets before anything is created
-    client = SlurmClient()
-    _print_notes(notes(spec, check_partition(spec, client.partitions())))
-    job_dir = Path(spec.job_dir)
-    fresh = not job_dir.exists()
-    jobdir.create(job_dir)
-    jobdir.write_atomic(job_dir / jobdir.JOBSPEC, spec.to_json())
-    started = time.time()
-    try:
-        job_id = chosen.execute(p, client)
-    except SlurmError as e:
-        if fresh:
-            shutil.rmtree(job_dir, ignore_errors=True)
-        message = explain_rejection(e.stderr or str(e))
-        if message is None:
-            raise
-        print(f"hpc submit: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
-    jobdir.write_atomic(job_dir / jobdir.SLURM_JOB_ID, job_id + "\n")
-    record_job(JobRecord(job_id, str(job_dir), spec.job_name, backend, started))
-    print(f"Submitted job {job_id} ({backend}): {spec.job_name}, {spec.nodes_text} node(s) x "
+    job = api.submit(spec, backend, on_notes=_print_notes)
+    print(f"Submitted job {job.job_id} ({backend}): {spec.job_name}, {spec.nodes_text} node(s) x "
           f"{spec.nproc_per_node} process(es)")
-    print(f"Job directory: {job_dir}")
-    print(f"Follow it with: hpc logs -f {job_id}")
+    print(f"Job directory: {job.job_dir}")
+    print(f"Follow it with: hpc logs -f {job.job_id}")
     return 0
 
 

@@ -33,3 +33,8 @@ class SpecError(ValueError):
 
 class HpcError(RuntimeError):
     """An operational failure the user should read (Slurm refused, job dir unusable, ...)."""
+
+
+class UsageError(HpcError):
+    """A request that cannot be carried out as given (Slurm refused it, the job directory is
+    in use): the CLI prints the message and exits with status 2, like a :class:`SpecError`."""

@@ -1,0 +1,216 @@
+"""The Python API: submit, watch and collect jobs from a script or a notebook.
+
+The CLI is a thin layer over these functions; they raise what it prints (:class:`SpecError`
+for a bad value, :class:`UsageError` for a request Slurm or the job directory refuses,
+:class:`HpcError` for an operational failure) instead of printing and returning a status.
+Importing this module imports no torch, wandb or torchx::
+
+    import hpc
+
+    spec = hpc.JobSpec(script="/home/me/train.py", job_dir="/scratch/me/jobs/gpt-1",
+                       job_name="gpt", nodes=(2, 4), time_limit_s=4 * 3600)
+    job = hpc.submit(spec)            # a Job handle
+    job.wait(timeout=3600)            # until it ends (polls squeue/sacct politely)
+    job.outcomes()                    # why each allocation ended
+    job.result()                      # the script's JOB_DIR/result.json, if it wrote one
+
+    job = hpc.Job.attach("1234")      # or a job directory, from any later process
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc import backends
+from hpc.contract import joblock, jobdir
+from hpc.contract.errors import UsageError
+from hpc.contract.jobspec import JobSpec
+from hpc.index import JobRecord, record_job, resolve
+
+
+def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
+           on_notes: Callable[[Sequence[str]], None] | None = None) -> Job:
+    """Checks ``spec`` against the cluster, creates the job directory and submits it.
+
+    Args:
+        spec: The job (its ``job_dir`` absolute).
+        backend: A registered backend name (``hpc.backends.names()``).
+        on_notes: Called with advice about a valid but probably unmeant request (the CLI
+            prints it); ignored when None.
+
+    Returns:
+        The submitted job.
+
+    Raises:
+        SpecError: a value the backend or the cluster cannot take (unknown partition, too many
+            nodes, a secret in the arguments...); nothing was created.
+        UsageError: Slurm refused the job (its words, explained), or the job directory is in
+            use by another job; nothing was submitted.
+    """
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.submit import check_partition, explain_rejection, notes
+
+    chosen = backends.get(backend)
+    plan = chosen.plan(spec)  # renders and refuses secrets before anything is created
+    client = SlurmClient()
+    advice = notes(spec, check_partition(spec, client.partitions()))
+    if advice and on_notes is not None:
+        on_notes(advice)
+    job_dir = Path(spec.job_dir)
+    fresh = not job_dir.exists()
+    jobdir.create(job_dir)
+    joblock.acquire(job_dir, "hpc submit")  # held by the Slurm job once submitted
+    jobdir.write_atomic(job_dir / jobdir.JOBSPEC, spec.to_json())
+    started = time.time()
+    try:
+        job_id = chosen.execute(plan, client)
+    except SlurmError as e:
+        if fresh:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        message = explain_rejection(e.stderr or str(e))
+        if message is None:
+            raise
+        raise UsageError(message) from e
+    jobdir.write_atomic(job_dir / jobdir.SLURM_JOB_ID, job_id + "\n")
+    record = JobRecord(job_id, str(job_dir), spec.job_name, backend, started)
+    record_job(record)
+    return Job(record)
+
+
+def run(spec: JobSpec) -> int:
+    """Runs ``spec`` on this machine (``hpc run``), blocking; returns the launchers' status
+    (0 finished, 75 stopped and resumable, 1 application error, 2 refused)."""
+    from hpc.backends import local
+
+    return local.run(spec)
+
+
+class Job:
+    """A submitted job: its Slurm id and its job directory.
+
+    Get one from :func:`submit` or :meth:`attach`. Every method reads Slurm (one squeue and
+    one sacct call) or the job directory; nothing is cached.
+    """
+
+    def __init__(self, record: JobRecord) -> None:
+        self.record = record
+
+    @classmethod
+    def attach(cls, ref: str | Path) -> Job:
+        """The job with this Slurm id (from your job index) or this job directory.
+
+        Raises:
+            SpecError: when neither the index nor the directory knows the job.
+        """
+        return cls(resolve(str(ref)))
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(self.record.job_dir)
+
+    def __repr__(self) -> str:
+        return f"Job({self.job_id!r}, job_dir={self.record.job_dir!r})"
+
+    def status(self) -> Any:
+        """The job's state, nodes, requeues and allocations (a :class:`hpc.status.JobView`)."""
+        from hpc.contract.slurm import SlurmClient
+        from hpc.status import collect
+
+        return collect(SlurmClient(), [self.record])[0]
+
+    def wait(self, timeout: float | None = None, *, max_interval_s: float = 30.0) -> Any:
+        """Blocks until the job has ended (finished, failed, cancelled; not a requeue).
+
+        Polls with backoff (1 s, doubling while nothing changes, at most ``max_interval_s``).
+
+        Returns:
+            The final :class:`hpc.status.JobView`.
+
+        Raises:
+            TimeoutError: when ``timeout`` seconds pass first (the job keeps running).
+        """
+        from hpc.contract.slurm import SlurmClient
+        from hpc.status import Poller
+
+        poller = Poller(SlurmClient(), [self.record], max_interval_s=max_interval_s)
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = poller.poll()[0]
+            if view.terminal:
+                return view
+            if end is not None and time.monotonic() + poller.interval > end:
+                raise TimeoutError(f"job {self.job_id} is still {view.state} after {timeout:g} s")
+            poller.wait()
+
+    def outcomes(self) -> list[jobdir.Outcome]:
+        """Why each allocation ended (``outcomes.jsonl``), oldest first."""
+        return jobdir.read_outcomes(self.job_dir)
+
+    def result(self) -> dict[str, Any] | None:
+        """The script's ``JOB_DIR/result.json`` (None until it writes one)."""
+        return jobdir.read_json(self.job_dir / jobdir.RESULT)
+
+    def logs(self, rank: int = 0) -> str:
+        """Rank ``rank``'s output so far, across requeues and restarts, in order."""
+        return "".join(_read_text(p) for p in self._log_files(rank))
+
+    def follow(self, rank: int = 0, *, max_interval_s: float = 30.0) -> Iterator[str]:
+        """Yields rank ``rank``'s output as it is written, until the job has ended."""
+        from hpc.contract.slurm import SlurmClient
+        from hpc.logs import Follower, following
+        from hpc.status import Poller
+
+        buffer = io.StringIO()
+        follower = Follower(lambda: self._log_files(rank), buffer)
+        poller = Poller(SlurmClient(), [self.record], max_interval_s=max_interval_s)
+        for state in following(follower, lambda: poller.poll()[0].state):
+            text = buffer.getvalue()
+            buffer.seek(0)
+            buffer.truncate()
+            if text:
+                yield text
+            if state is None:
+                poller.wait()
+
+    def cancel(self) -> None:
+        """Cancels the job (``scancel``); the runtime records it as ``cancelled``."""
+        from hpc.contract.slurm import SlurmClient
+
+        SlurmClient().cancel(self.job_id)
+
+    def _log_files(self, rank: int) -> list[Path]:
+        from hpc.logs import log_files
+
+        return log_files(self.job_dir, self.job_id, rank)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def load_results(jobs: Sequence[Job]) -> list[dict[str, Any]]:
+    """One row per job for a table (e.g. ``pandas.DataFrame(hpc.api.load_results(jobs))``):
+    the job id and directory, its last outcome and its ``result.json`` fields."""
+    rows = []
+    for job in jobs:
+        outcomes = job.outcomes()
+        row: dict[str, Any] = {"job_id": job.job_id, "job_dir": str(job.job_dir),
+                               "outcome": outcomes[-1].kind if outcomes else ""}
+        row.update(job.result() or {})
+        rows.append(row)
+    return rows
+
+
+__all__ = ["submit", "run", "Job", "load_results"]
