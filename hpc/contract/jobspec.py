@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import values
+from hpc.contract import stall, values
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -250,6 +250,13 @@ class JobSpec:
     rdzv_port: int = _int_opt(0, "TCP port (1 to 65535) of the c10d rendezvous on the first node "
                               "(0: 29400 + the Slurm job id mod 1000, so jobs sharing a node "
                               "differ; a free port locally).", 0, MAX_PORT, "--rdzv-port 29400")
+    stall_timeout: str = _opt("auto", "Stall watch: a rank that makes no progress this long has its "
+                              "stacks dumped and its node's workers restarted. auto: max(20 s, "
+                              "10 x the recent p99 step time), with own budgets for start-up, "
+                              "restore, the first steps, saves and eval; SECONDS: a fixed step "
+                              "deadline; off: wait for the collective timeout.",
+                              stall.parse_stall_timeout, check=stall.check_stall_timeout,
+                              example="--stall-timeout auto", metavar="auto|off|SECONDS")
     # --- checkpoints -----------------------------------------------------------------------
     checkpoint_dir: str = _str_opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).",
                                    _path("--checkpoint-dir /scratch/me/ckpt"),
