@@ -248,6 +248,9 @@ def _control(text: str) -> str | None:
     return next((c for c in text if unicodedata.category(c) in _CONTROL_CATEGORIES), None)
 
 
+# Backslashes are refused in text and paths: sbatch's #SBATCH parser (Slurm 22.05) reads a
+# backslash as an escape even inside quotes, so a value shell-quoted by submitit would reach Slurm
+# changed (the job's log path somewhere other than its job directory).
 MAX_NAME = 200
 MAX_PATH = 4096
 SLURM_NAME_CHARS = "letters, digits and _ . - +"
@@ -285,13 +288,15 @@ def check_text(value: object, flag: str, *, example: str, max_len: int = MAX_NAM
 
     Quotes and shell characters are allowed: every backend quotes these values. Refused: line
     breaks, NUL, tabs and every other control or format character (U+2028, bidi marks), any
-    blank other than a plain space, the characters in ``forbidden``, a leading ``-`` and
-    values longer than ``max_len``. ``""`` means unset.
+    blank other than a plain space, a backslash (see above), the characters
+    in ``forbidden``, a leading ``-``, blanks at either end and values longer than ``max_len``.
+    ``""`` means unset.
     """
     if value == "":
         return
+    forbidden = "\\" + forbidden.replace("\\", "")
     valid = ("one line of printable text (no line breaks, tabs, NUL or other control characters"
-             + (f", none of {' '.join(forbidden)}" if forbidden else "")
+             + f", none of {' '.join(forbidden)}"
              + f"), not starting with '-', at most {max_len} characters")
     if not isinstance(value, str):
         raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
@@ -302,14 +307,14 @@ def check_text(value: object, flag: str, *, example: str, max_len: int = MAX_NAM
 
 
 def check_path(value: object, flag: str, *, example: str) -> None:
-    """Checks a path: any characters a file name may have except line breaks, NUL and other
-    control characters (spaces, quotes and ``$`` are fine: paths are always shell-quoted).
-    Not starting with ``-``; at most 4096 characters. ``""`` means unset."""
+    """Checks a path: any characters a file name may have except line breaks, NUL, other
+    control characters and a backslash (spaces, quotes and ``$`` are fine: paths are always
+    shell-quoted). Not starting with ``-``; at most 4096 characters. ``""`` means unset."""
     if value == "":
         return
-    valid = ("a path without line breaks, NUL, tabs or other control characters, not starting "
-             f"with '-', at most {MAX_PATH} characters")
+    valid = ("a path without line breaks, NUL, tabs, other control characters or backslashes, "
+             f"not starting with '-', at most {MAX_PATH} characters")
     if not isinstance(value, str):
         raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
-    if _control(value) or value.startswith("-") or len(value) > MAX_PATH:
+    if _control(value) or "\\" in value or value.startswith("-") or len(value) > MAX_PATH:
         raise SpecError(flag, value, valid, example)
