@@ -17,11 +17,12 @@ survives requeues (see `runtime.wandb_sink` for why we chose first-write-wins).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from hpc.contract.jobdir import write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -141,15 +142,9 @@ class StepFilter:
         assert self.admits(step), f"step {step} <= last logged {self.last_step}"
         self.last_step = step
         if self.state_path is not None:
+            # no fsync: this runs every logged step; a crash loses at most the last mark
             write_atomic(self.state_path,
-                         json.dumps({"run_id": self.run_id, "last_step": step}) + "\n")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename (readers never see half)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+                         json.dumps({"run_id": self.run_id, "last_step": step}) + "\n", durable=False)
 
 
 def reduce_metrics(

@@ -67,20 +67,47 @@ def create(job_dir: Path) -> Path:
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o600, *, durable: bool = True) -> None:
-    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename).
+    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename); the one such writer.
 
-    ``durable=False`` skips the fsync: readers still see the old or the new text, never a torn
+    The temporary file has a fresh random name next to ``path`` and is created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``: a symlink planted at a predictable temporary name can
+    not redirect the write to another file, and ``os.replace`` replaces a symlink at ``path``
+    itself rather than writing through it. The file gets ``mode`` (less the umask).
+
+    ``durable=False`` skips the fsyncs: readers still see the old or the new text, never a torn
     one, but a crash of the node may lose the update. For bookkeeping written from the
-    training loop, where an fsync on a shared filesystem can stall a step.
+    training loop, where an fsync on a shared filesystem can stall a step. ``durable=True``
+    also fsyncs the directory, so the rename itself survives a crash.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for attempt in range(8):  # 48 random bits: only a planted name collides; pick another
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            if attempt == 7:
+                raise
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def claim_path(job_dir: Path, allocation: int, duty: str) -> Path:

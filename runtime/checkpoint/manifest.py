@@ -28,11 +28,16 @@ from typing import Any
 
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from hpc.contract.jobdir import write_atomic  # noqa: F401  (re-exported: the one atomic writer)
+
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp$")
+_CORRUPT_RE = re.compile(r"^step-(\d+)\.corrupt-(\d+)(?:-(\d+))?$")
+#: Quarantined (``.corrupt-*``) checkpoint directories kept for a post-mortem; older ones are pruned.
+KEEP_QUARANTINED = 2
 #: errnos worth retrying: a flaky NFS/Lustre server, an interrupted call. ENOSPC is not one.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.EAGAIN, errno.EINTR})
 
@@ -174,16 +179,46 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@retry_transient
-def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically (temp file, fsync, rename, fsync of the dir)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def read_latest(directory: Path) -> tuple[str | None, str | None]:
+    """The ``latest`` pointer's text, or ``(None, why)`` when it is missing or unusable.
+
+    The pointer is advisory (resume picks the newest step that verifies): an unreadable, non
+    UTF-8 or non step-name pointer is reported, never trusted and never fatal.
+    """
+    path = directory / LATEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{path} is unreadable ({e.strerror or e})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{path} is not UTF-8 text"
+    if parse_step(name) is None:
+        return None, f"{path} does not name a step directory"
+    return name, None
+
+
+def quarantine_name(step_dir: Path, now: float) -> Path:
+    """A fresh ``step-000123.corrupt-<unix time>[-N]`` next to ``step_dir`` (never an existing one)."""
+    base = f"{step_dir.name}.corrupt-{int(now)}"
+    candidate, n = step_dir.with_name(base), 1
+    while candidate.exists():
+        candidate, n = step_dir.with_name(f"{base}-{n}"), n + 1
+    return candidate
+
+
+def quarantined_to_prune(names: Iterable[str], keep: int = KEEP_QUARANTINED) -> list[str]:
+    """Which quarantined ``.corrupt-*`` directories retention removes: all but the newest ``keep``.
+
+    Newest by quarantine time, then by step (pure). They are kept for a post-mortem, not for
+    resuming, and each can be as large as a checkpoint.
+    """
+    found = sorted(((int(m.group(2)), int(m.group(3) or 0), int(m.group(1)), name) for name in names
+                    if (m := _CORRUPT_RE.match(name))), reverse=True)
+    return sorted(name for *_, name in found[max(keep, 0):])
 
 
 def read_manifest(step_dir: Path) -> Manifest:
@@ -208,6 +243,8 @@ def verify(step_dir: Path, *, checksums: bool = True) -> tuple[Manifest | None, 
     if parse_step(step_dir.name) != manifest.step:
         return manifest, f"manifest step {manifest.step} does not match directory {step_dir.name}"
     for entry in manifest.files:
+        if entry.name in ("", ".", "..") or "/" in entry.name or "\\" in entry.name:
+            return manifest, f"file name {entry.name!r} in the manifest is not a plain file name"
         path = step_dir / entry.name
         try:
             size = path.stat().st_size
