@@ -18,7 +18,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = {"submit": "hpc.api", "run": "hpc.api", "Job": "hpc.api", "load_results": "hpc.api",
+_API = {"submit": "hpc.api", "sweep": "hpc.api", "run": "hpc.api", "Job": "hpc.api",
+        "Sweep": "hpc.api", "load_results": "hpc.api",
         "JobSpec": "hpc.contract.jobspec", "SpecError": "hpc.contract.errors",
         "HpcError": "hpc.contract.errors", "UsageError": "hpc.contract.errors"}
 __all__ = ["__version__", *_API]

@@ -82,6 +82,42 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
     return Job(record)
 
 
+def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0,
+          on_notes: Callable[[Sequence[str]], None] | None = None) -> Sweep:
+    """Submits one Slurm job array, a task per argument set (see :mod:`hpc.sweeps`).
+
+    Args:
+        spec: The job every task runs; ``spec.job_dir`` becomes the sweep directory.
+        arg_sets: Script arguments per task, after ``spec.script_args``
+            (``hpc.sweeps.expand_grid([("lr", ["1e-3", "3e-4"])])``).
+        throttle: At most this many tasks at once (0: no limit).
+        on_notes: Called with advice about the request, as for :func:`submit`.
+
+    Raises:
+        SpecError, UsageError: as :func:`submit`; nothing is submitted.
+    """
+    from hpc import sweeps
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.submit import check_partition, explain_rejection, notes
+
+    plan = sweeps.plan(spec, arg_sets, throttle=throttle)
+    client = SlurmClient()
+    advice = notes(spec, check_partition(spec, client.partitions()))
+    if advice and on_notes is not None:
+        on_notes(advice)
+    fresh = not Path(spec.job_dir).exists()
+    try:
+        record = sweeps.submit(plan, client)
+    except SlurmError as e:
+        if fresh:
+            shutil.rmtree(spec.job_dir, ignore_errors=True)
+        message = explain_rejection(e.stderr or str(e))
+        if message is None:
+            raise
+        raise UsageError(message) from e
+    return Sweep(record)
+
+
 def run(spec: JobSpec) -> int:
     """Runs ``spec`` on this machine (``hpc run``), blocking; returns the launchers' status
     (0 finished, 75 stopped and resumable, 1 application error, 2 refused)."""
@@ -138,18 +174,7 @@ class Job:
         Raises:
             TimeoutError: when ``timeout`` seconds pass first (the job keeps running).
         """
-        from hpc.contract.slurm import SlurmClient
-        from hpc.status import Poller
-
-        poller = Poller(SlurmClient(), [self.record], max_interval_s=max_interval_s)
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            view = poller.poll()[0]
-            if view.terminal:
-                return view
-            if end is not None and time.monotonic() + poller.interval > end:
-                raise TimeoutError(f"job {self.job_id} is still {view.state} after {timeout:g} s")
-            poller.wait()
+        return _wait([self.record], timeout, max_interval_s)[0]
 
     def outcomes(self) -> list[jobdir.Outcome]:
         """Why each allocation ended (``outcomes.jsonl``), oldest first."""
@@ -193,11 +218,79 @@ class Job:
         return log_files(self.job_dir, self.job_id, rank)
 
 
+def _wait(records: Sequence[JobRecord], timeout: float | None, max_interval_s: float) -> list[Any]:
+    """Polls ``records`` (one squeue + one sacct per poll, with backoff) until all have ended."""
+    from hpc.contract.slurm import SlurmClient
+    from hpc.status import Poller
+
+    poller = Poller(SlurmClient(), records, max_interval_s=max_interval_s)
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        views = poller.poll()
+        if all(v.terminal for v in views):
+            return views
+        if end is not None and time.monotonic() + poller.interval > end:
+            running = ", ".join(f"{v.job_id} {v.state}" for v in views if not v.terminal)
+            raise TimeoutError(f"still running after {timeout:g} s: {running}")
+        poller.wait()
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+class Sweep:
+    """A submitted sweep: one Slurm job array, one :class:`Job` per task."""
+
+    def __init__(self, record: JobRecord) -> None:
+        from hpc import sweeps
+
+        self.record = record
+        self.jobs = [Job(r) for r in sweeps.task_records(record)]
+        if not self.jobs:
+            raise UsageError(f"{record.job_dir or record.job_id} is not a sweep (no sweep.json)")
+
+    @classmethod
+    def attach(cls, ref: str | Path) -> Sweep:
+        """The sweep with this array id (from your job index) or this sweep directory."""
+        return cls(resolve(str(ref)))
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    def __repr__(self) -> str:
+        return f"Sweep({self.job_id!r}, {len(self.jobs)} tasks)"
+
+    def status(self) -> list[Any]:
+        """One :class:`hpc.status.JobView` per task."""
+        from hpc.contract.slurm import SlurmClient
+        from hpc.status import collect
+
+        return collect(SlurmClient(), [j.record for j in self.jobs])
+
+    def wait(self, timeout: float | None = None, *, max_interval_s: float = 30.0) -> list[Any]:
+        """Blocks until every task has ended; returns their final views."""
+        return _wait([j.record for j in self.jobs], timeout, max_interval_s)
+
+    def results(self) -> list[dict[str, Any]]:
+        """One row per task: its arguments, last outcome and ``result.json`` fields."""
+        from hpc import sweeps
+
+        args = {t["index"]: t["args"] for t in (sweeps.read(self.record.job_dir) or {}).get("tasks", [])}
+        rows = load_results(self.jobs)
+        for i, row in enumerate(rows):
+            row["args"] = args.get(i, [])
+        return rows
+
+    def cancel(self) -> None:
+        """Cancels every task of the array."""
+        from hpc.contract.slurm import SlurmClient
+
+        SlurmClient().cancel(self.job_id)
 
 
 def load_results(jobs: Sequence[Job]) -> list[dict[str, Any]]:
@@ -213,4 +306,4 @@ def load_results(jobs: Sequence[Job]) -> list[dict[str, Any]]:
     return rows
 
 
-__all__ = ["submit", "run", "Job", "load_results"]
+__all__ = ["submit", "sweep", "run", "Job", "Sweep", "load_results"]

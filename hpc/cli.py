@@ -72,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "submit":
             sp.add_argument("--dry-run", action="store_true", help="print what would run; submit nothing")
 
+    sw = sub.add_parser("sweep", help="submit a grid of script arguments as one Slurm job array")
+    _add_job_options(sw, slurm=True)
+    sweep_opts = sw.add_argument_group("sweep options")
+    sweep_opts.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                            help="a script argument and its values; the tasks are the product of "
+                                 "all --grid (repeatable; the script gets --KEY V)")
+    sweep_opts.add_argument("--grid-file", default="", metavar="TOML",
+                            help="argument sets from a TOML file: a [grid] table or [[runs]] args")
+    sweep_opts.add_argument("--throttle", default="0", metavar="N",
+                            help="at most N tasks run at once (sbatch --array=...%%N) [default: no limit]")
+    sweep_opts.add_argument("--dry-run", action="store_true", help="print what would run; submit nothing")
+
     st = sub.add_parser("status", help="state, nodes, elapsed, requeues and history of jobs")
     st.add_argument("job", nargs="*", help="job ids or job directories (default: your recent jobs)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -150,6 +162,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "render" or args.dry_run:
             return submit.dry_run(spec, args.backend)
         return submit.submit(spec, args.backend)
+    if args.command == "sweep":
+        return _sweep(args)
     if args.command == "status":
         from hpc import status
         return status.main(args)
@@ -162,6 +176,29 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         return _doctor(args)
     raise AssertionError(args.command)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``hpc sweep``: the argument sets, then one job array (or its dry run)."""
+    from hpc import api, sweeps
+    from hpc.submit import _print_notes
+
+    spec = build_spec(args)
+    if bool(args.grid) == bool(args.grid_file):
+        raise SpecError("--grid", " ".join(args.grid) or "(none)",
+                        "either --grid KEY=V1,V2 (repeatable) or --grid-file FILE, not both",
+                        "hpc sweep train.py --grid lr=1e-3,3e-4 --grid seed=1,2")
+    arg_sets = sweeps.expand_grid(sweeps.parse_grid(args.grid)) if args.grid \
+        else sweeps.load_file(Path(args.grid_file))
+    throttle = values.parse_int(args.throttle, "--throttle", minimum=0)
+    if args.dry_run:
+        print(sweeps.plan(spec, arg_sets, throttle=throttle).describe(), end="")
+        return 0
+    sweep = api.sweep(spec, arg_sets, throttle=throttle, on_notes=_print_notes)
+    print(f"Submitted sweep {sweep.job_id}: {len(sweep.jobs)} tasks of {spec.job_name} as one job array")
+    print(f"Sweep directory: {sweep.record.job_dir} (task-<i>/ per task)")
+    print(f"Watch it with: hpc status {sweep.job_id}")
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:

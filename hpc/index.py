@@ -67,9 +67,16 @@ def resolve(ref: str, home: Path | None = None) -> JobRecord:
     if path.is_dir() and (path / jobdir.SLURM_JOB_ID).exists():
         job_id = (path / jobdir.SLURM_JOB_ID).read_text().strip()
         return JobRecord(job_id, str(path.absolute()), path.name, "", 0.0)
-    for rec in reversed(read_index(home)):
+    records = read_index(home)
+    for rec in reversed(records):
         if rec.job_id == ref:
             return rec
+    array_id, _, task = ref.partition("_")
+    for rec in reversed(records):   # a task of a sweep we submitted: ARRAY_TASK
+        if task.isdigit() and rec.job_id == array_id and rec.job_dir:
+            task_dir = jobdir.sweep_task_dir(Path(rec.job_dir), int(task))
+            if task_dir.is_dir():
+                return JobRecord(ref, str(task_dir), f"{rec.name}[{task}]", rec.backend, rec.submitted)
     if re.fullmatch(r"\d+(_\d+)?", ref):
         return JobRecord(ref, "", "", "", 0.0)  # a job id we did not submit: Slurm may know it
     raise SpecError("JOB", ref, "a Slurm job id or a job directory holding slurm_job_id",

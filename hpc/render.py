@@ -35,6 +35,8 @@ from hpc.secrets import check_no_secrets
 
 TEMPLATE = "sbatch_elastic.sh.j2"
 OUTPUT_PATTERN = "slurm-%j.out"
+ARRAY_TASK_DIR = "task-%a"                 # a sweep's task directory, as a Slurm file pattern
+ARRAY_OUTPUT_PATTERN = "slurm-%A_%a.out"   # the task's Slurm job id is ARRAYID_TASKID
 
 _SBATCH_SAFE = re.compile(r"[A-Za-z0-9_./=:@,+%-]")
 
@@ -92,21 +94,28 @@ def check_renderable(spec: JobSpec) -> None:
     check_no_secrets(spec)
 
 
-def render_sbatch(spec: JobSpec, template: str = TEMPLATE) -> str:
+def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -> str:
     """Renders the batch script for ``spec`` (pure).
 
     Args:
         spec: The validated job (``job_dir`` already absolute).
         template: Template file name in ``slurm_templates/``.
+        array: For a sweep, sbatch's ``--array`` value (``0-5%2``); ``spec.job_dir`` is then
+            the sweep's directory and each array task runs in its ``task-<i>/`` (see
+            :mod:`hpc.sweeps`).
 
     Returns:
         The script text, exactly as ``hpc submit`` writes it to ``JOB_DIR/job.sbatch``.
     """
     check_renderable(spec)
+    root = spec.job_dir.rstrip("/")
     return _environment().get_template(template).render(
         spec=spec,
         nodes_range=slurm_options.nodes_range(spec),
-        output=output_path(spec),
+        output=f"{root}/{ARRAY_TASK_DIR}/logs/{ARRAY_OUTPUT_PATTERN}" if array else output_path(spec),
         warning_signal=slurm_options.warning_signal(spec),
         requeue_flag=slurm_options.requeue_flag(spec),
+        array=array,
+        job_dir_expr=shell_quote(root) + '"/task-${SLURM_ARRAY_TASK_ID}"' if array
+        else shell_quote(spec.job_dir),
     )

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc import sweeps
 from hpc.contract import jobdir, values
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
@@ -220,15 +221,42 @@ def _jobs_from_args(refs: Sequence[str]) -> list[JobRecord]:
     return read_index()[-RECENT:]
 
 
+def summarize_sweep(record: JobRecord, views: Sequence[JobView]) -> str:
+    """One line for a sweep: its array id, task count and tasks per state (pure)."""
+    counts: dict[str, int] = {}
+    for v in views:
+        counts[v.state] = counts.get(v.state, 0) + 1
+    states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"sweep {record.job_id} ({record.name}): {len(views)} tasks: {states}\n"
+
+
 def main(args: argparse.Namespace) -> int:
-    """``hpc status [JOB...]``: a table of the given jobs (default: your recent ones)."""
+    """``hpc status [JOB...]``: a table of the given jobs (default: your recent ones).
+
+    A sweep shows as one line of counts per state; named explicitly (``hpc status SWEEP``),
+    its tasks follow, one row each.
+    """
     jobs = _jobs_from_args(args.job)
     if not jobs:
         print("hpc status: no jobs submitted from here yet (the index is in $HPC_HOME, default "
               "~/.hpc); pass job ids: hpc status 1234")
         return 0
-    views = collect(SlurmClient(), jobs)
-    print(to_json(views) if getattr(args, "json", False) else format_table(views), end="")
+    client = SlurmClient()
+    plain, summaries, as_json = [], [], getattr(args, "json", False)
+    for job in jobs:
+        tasks = sweeps.task_records(job)
+        if not tasks:
+            plain.append(job)
+            continue
+        task_views = collect(client, tasks)
+        summaries.append(summarize_sweep(job, task_views))
+        if args.job or as_json:
+            plain.extend(tasks)
+    views = collect(client, plain) if plain else []
+    if as_json:
+        print(to_json(views), end="")
+        return 0
+    print("".join(summaries) + (format_table(views) if views else ""), end="")
     return 0
 
 

@@ -35,11 +35,13 @@ class OfflineRun:
         config: the merged config (later updates win), without wandb's `_wandb` key.
         history: one dict per `log` call, in file order, with `_step` and the logged values.
         files: the `.wandb` files read, in order.
+        groups: every run group seen in run records (a sweep's runs share one).
     """
 
     run_ids: set[str] = dataclasses.field(default_factory=set)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    groups: set[str] = dataclasses.field(default_factory=set)
     files: list[Path] = dataclasses.field(default_factory=list)
 
     @property
@@ -136,6 +138,8 @@ def read_files(files: list[Path]) -> OfflineRun:
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 out.run_ids.add(record.run.run_id)
+                if record.run.run_group:
+                    out.groups.add(record.run.run_group)
                 _apply_config(out.config, record.run.config)
             elif kind == "config":
                 _apply_config(out.config, record.config)

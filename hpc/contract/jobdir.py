@@ -14,26 +14,38 @@ Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`
       outcomes.jsonl               one record per allocation: why it ended
       exit-intent.json             rank 0's reason for a clean exit (preempted, ...)
       progress.json                rank 0's latest step (every few seconds): work lost on a crash
+      hangs.jsonl                  one record per stall a node's watchdog acted on (who, where)
+      logs/alloc-<A>/hang-<host>-<n>.txt   that stall's verdict and the node's Python stacks
+      liveness/alloc-<A>/node-<N>.json     each node's latest liveness summary (watchdogs)
       wandb_run_id                 one W&B run for the job's whole life
       wandb_state.json, wandb/     the last step logged (exactly-once history), W&B's files
       metrics.jsonl                rank 0's metrics when W&B is disabled or failing
       slurm_job_id                 the Slurm job id (Slurm backends)
       requeue-claim-alloc-<A>      who requeued allocation A (one node, atomically)
       result.json                  written by the example trainer
+      .hpc-lock.json               who runs the job now (hpc.contract.joblock)
+      .hpc-reserve                 space given back on a full disk so the outcome is recorded
 
-Job directories are created private to the user (0700): they hold logs and may hold
-secrets a user's script prints.
+Job directories that hpc creates are private to the user (0700): they hold logs and may hold
+secrets a user's script prints. An existing directory is never re-moded: it is reused only
+when it is a job directory already (or empty), so ``--job-dir .`` or ``--job-dir ~`` is
+refused instead of being made private and filled with a job's files.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hpc.contract import diskspace
+from hpc.contract.errors import SpecError
 
 JOBSPEC = "jobspec.json"
 OUTCOMES = "outcomes.jsonl"
@@ -42,26 +54,63 @@ PROGRESS = "progress.json"
 RESULT = "result.json"
 SBATCH = "job.sbatch"
 SLURM_JOB_ID = "slurm_job_id"
+LOCK = ".hpc-lock.json"
+# Any of these makes a directory a job directory that `hpc run`/`hpc submit` may reuse.
+JOB_MARKERS = (JOBSPEC, LOCK, OUTCOMES)
 CHECKPOINTS = "checkpoints"            # the default checkpoint directory
 WANDB_RUN_ID = "wandb_run_id"
 WANDB_STATE = "wandb_state.json"       # the last step logged to W&B (exactly-once history)
 METRICS_JSONL = "metrics.jsonl"        # rank 0's metrics when W&B is disabled or failing
 
-OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled")
+OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled",
+                 "hang")
 
 
 def default_job_dir(name: str, root: Path | None = None, now: float | None = None) -> Path:
-    """``./jobs/<name>-<YYYYmmdd-HHMMSS>`` (unique by time)."""
+    """``./jobs/<name>-<YYYYmmdd-HHMMSS>-<6 hex>``: unique even for launches in the same second.
+
+    The time makes the name readable and sortable; the random suffix (24 bits) keeps parallel
+    launches apart, and :func:`create` makes a new directory with ``exist_ok=False``.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "job"
-    return (root or Path.cwd() / "jobs") / f"{safe}-{stamp}"
+    return (root or Path.cwd() / "jobs") / f"{safe}-{stamp}-{secrets.token_hex(3)}"
+
+
+def is_job_dir(path: Path) -> bool:
+    """True when ``path`` holds a job (its spec, lock or outcome records)."""
+    return any((Path(path) / name).exists() for name in JOB_MARKERS)
 
 
 def create(job_dir: Path) -> Path:
-    """Creates the job directory (and ``logs/``) private to the user; returns it absolute."""
+    """Makes ``job_dir`` ready for a job; returns it absolute.
+
+    A new directory is created private to the user (0700), with ``logs/``. An existing one is
+    reused as it is (its mode untouched) when it is a job directory or empty.
+
+    Raises:
+        SpecError: ``job_dir`` is a file, or an existing non-empty directory that is not a job
+            directory (``.``, ``~``, a project directory): hpc would mix a job's files into it.
+    """
     job_dir = job_dir.expanduser().absolute()
-    job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(job_dir, 0o700)
+    if job_dir.exists() and not job_dir.is_dir():
+        raise SpecError("--job-dir", str(job_dir), "a directory (this is a file)", "--job-dir jobs/run1")
+    try:
+        job_dir.mkdir(parents=True, exist_ok=False, mode=0o700)
+        os.chmod(job_dir, 0o700)
+    except FileExistsError:
+        if not is_job_dir(job_dir):
+            entries = sorted(p.name for p in job_dir.iterdir())
+            if entries:
+                shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+                raise SpecError(
+                    "--job-dir", str(job_dir),
+                    "a new directory (hpc creates it, private to you) or an existing job "
+                    "directory (one holding jobspec.json) to resume",
+                    f"--job-dir {job_dir / 'jobs' / 'run1'}",
+                    f"{job_dir} exists, is not a job directory and holds {len(entries)} "
+                    f"entr{'y' if len(entries) == 1 else 'ies'} ({shown}): a job's logs and "
+                    "checkpoints would be mixed into it") from None
     (job_dir / "logs").mkdir(exist_ok=True, mode=0o700)
     return job_dir
 
@@ -110,6 +159,11 @@ def write_atomic(path: Path, text: str, mode: int = 0o600, *, durable: bool = Tr
             os.close(dir_fd)
 
 
+def sweep_task_dir(sweep_dir: Path, index: int) -> Path:
+    """Where task ``index`` of a sweep (a Slurm job array) runs: a job directory of its own."""
+    return Path(sweep_dir) / f"task-{index}"
+
+
 def claim_path(job_dir: Path, allocation: int, duty: str) -> Path:
     """The file whose atomic creation claims ``duty`` (requeue, record) for one allocation."""
     return Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
@@ -140,6 +194,7 @@ class Outcome:
     start_step: int | None = None   # the step this allocation started (resumed) at
     last_step: int | None = None    # the last step it completed (from progress.json)
     lost_steps: int | None = None   # steps done after the last committed checkpoint
+    hangs: tuple[str, ...] = ()     # stalls the watchdogs acted on (hangs.jsonl), one line each
 
     def describe(self) -> str:
         """One line for ``hpc status``: what happened and what it cost."""
@@ -150,6 +205,8 @@ class Outcome:
             parts.append(f"checkpoint {self.step}")
         if self.lost_steps:
             parts.append(f"{self.lost_steps} steps lost")
+        if self.hangs and self.kind != "hang":
+            parts.append(f"{len(self.hangs)} stall(s) recovered, last: {self.hangs[-1]}")
         return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
 
     def __post_init__(self) -> None:
@@ -157,13 +214,25 @@ class Outcome:
 
 
 def append_outcome(job_dir: Path, outcome: Outcome) -> None:
-    """Appends one record to ``outcomes.jsonl`` (a single write, so lines never interleave)."""
+    """Appends one record to ``outcomes.jsonl`` (a single write, so lines never interleave).
+
+    On a full disk the job's reserve (:mod:`hpc.contract.diskspace`) is given back and the
+    write tried again: the one record that says the disk filled up must not be lost to it.
+    """
     data = asdict(outcome)
     data["time"] = data["time"] or time.time()
-    line = json.dumps(data, sort_keys=True) + "\n"
+    line = (json.dumps(data, sort_keys=True) + "\n").encode()
     fd = os.open(Path(job_dir) / OUTCOMES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, line.encode())
+        written = 0
+        try:
+            written = os.write(fd, line)
+            if written < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            if e.errno not in diskspace.DISK_FULL_ERRNOS or not diskspace.give_back_reserve(job_dir):
+                raise
+            os.write(fd, (b"\n" if written else b"") + line)   # a torn line stays a line of its own
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -176,8 +245,13 @@ def read_outcomes(job_dir: Path) -> list[Outcome]:
     out = []
     for line in path.read_text().splitlines():
         if line.strip():
-            data = json.loads(line)
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue        # torn by a full disk; the record follows on the next line
             known = {k: v for k, v in data.items() if k in Outcome.__dataclass_fields__}
+            if "hangs" in known:
+                known["hangs"] = tuple(known["hangs"])
             out.append(Outcome(**known))
     return out
 

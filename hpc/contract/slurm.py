@@ -242,7 +242,9 @@ class SlurmClient:
         ids = sorted(set(job_ids))
         if not ids:
             return {}
-        proc = self._run(["squeue", "--noheader", "--states=all", f"--jobs={','.join(ids)}",
+        # --array: one line per array task (a sweep's pending tasks would otherwise be one
+        # collapsed line, 123_[2-5%2], matching no task id)
+        proc = self._run(["squeue", "--noheader", "--array", "--states=all", f"--jobs={','.join(ids)}",
                           f"--format={SQUEUE_FORMAT}"], "squeue failed",
                          ok_stderr=("Invalid job id specified",))
         if proc.returncode != 0:
