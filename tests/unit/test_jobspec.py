@@ -45,3 +45,82 @@ def test_schema_version_mismatch_is_explained():
     data["schema_version"] = 99
     with pytest.raises(ValueError, match="schema_version 99"):
         JobSpec.from_json(json.dumps(data))
+
+
+# --- a reused job directory whose jobspec.json this version cannot use -------------------------
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("{not json", "not JSON"),
+    ("", "not JSON"),
+    ("[1, 2]", "a JSON list"),
+    ('{"schema_version": 2}', "schema_version 2"),
+    ('{"schema_version": "1"}', "schema_version '1'"),
+    ("{}", "schema_version None"),
+])
+def test_unusable_jobspec_json_is_a_spec_error_saying_what_to_do(text: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_json(text, source="/j/jobspec.json")
+    msg = str(e.value)
+    assert e.value.flag == "/j/jobspec.json" and fragment in msg and "new --job-dir" in msg
+    assert len(msg.splitlines()) == 1
+
+
+def _spec_data(**changes: object) -> str:
+    data = json.loads(JobSpec(script="/x/train.py", job_dir="/j").to_json())
+    data.update(changes)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [
+    ({"future_option": 1}, "unknown keys future_option"),
+    ({"nodes": 5}, "malformed value"),
+    ({"env": [["A"]]}, "--env"),
+    ({"env": 5}, "malformed value"),
+    ({"partition": "gpu\necho x"}, "--partition"),
+    ({"rdzv_port": 70000}, "--rdzv-port"),
+    ({"gpus_per_node": "8"}, "--gpus-per-node"),
+    ({"checkpoint_every_min": None}, "--checkpoint-every-min"),
+])
+def test_jobspec_json_values_are_checked_like_flags(changes: dict, fragment: str) -> None:
+    with pytest.raises(SpecError, match="jobspec.json") as e:
+        JobSpec.from_json(_spec_data(**changes))
+    assert fragment in str(e.value)
+
+
+def test_a_missing_key_takes_its_default() -> None:
+    data = json.loads(_spec_data())
+    del data["keep_every"]
+    assert JobSpec.from_json(json.dumps(data)).keep_every == 0
+
+
+def test_load_names_the_file(tmp_path) -> None:
+    (tmp_path / "jobspec.json").write_text('{"schema_version": 7}')
+    with pytest.raises(SpecError) as e:
+        JobSpec.load(tmp_path)
+    assert e.value.flag == str(tmp_path / "jobspec.json") and "schema_version 7" in str(e.value)
+    (tmp_path / "jobspec.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(SpecError, match="not UTF-8"):
+        JobSpec.load(tmp_path)
+
+
+def test_load_of_a_missing_file_is_an_hpc_error(tmp_path) -> None:
+    from hpc.contract.errors import HpcError
+
+    with pytest.raises(HpcError, match="cannot read .*jobspec.json"):
+        JobSpec.load(tmp_path)
+
+
+def test_hpc_run_on_a_garbled_job_dir_exits_2(tmp_path, monkeypatch, capsys) -> None:
+    from hpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HPC_CONFIG", raising=False)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    job = tmp_path / "job"
+    job.mkdir(mode=0o700)
+    (job / "jobspec.json").write_text('{"schema_version": 1, "nodes": ')
+    assert main(["run", "train.py", "--job-dir", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert str(job / "jobspec.json") in err and "new --job-dir" in err
+    assert len(err.strip().splitlines()) == 1

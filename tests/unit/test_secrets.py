@@ -1,0 +1,90 @@
+"""The secrets policy (hpc/secrets.py): nothing secret is written into jobspec.json or a script.
+
+Covers what issue 19 added: ``--env`` values holding a secret of the environment, and
+secret-named script flags whatever their value, except numbers (``--key 3``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc.cli import main
+from hpc.contract.errors import SpecError
+from hpc.contract.jobspec import JobSpec
+from hpc.secrets import check_no_secrets, secret_in_args, secret_in_env
+
+pytestmark = pytest.mark.unit
+
+KEY = "0123456789abcdef0123456789abcdef01234567"
+BASE = dict(script="/home/me/train.py", job_name="gpt", job_dir="/scratch/me/jobs/gpt-1")
+
+
+@pytest.mark.parametrize("value", [KEY, f"Bearer {KEY}", f"prefix-{KEY}-suffix"])
+def test_env_value_holding_a_secret_is_refused_without_printing_it(value: str) -> None:
+    spec = JobSpec(**BASE, env=(("NCCL_DEBUG", "INFO"), ("X", value)))
+    with pytest.raises(SpecError) as e:
+        check_no_secrets(spec, environ={"WANDB_API_KEY": KEY})
+    msg = str(e.value)
+    assert "--env X holds the value of $WANDB_API_KEY" in msg and KEY not in msg
+
+
+def test_env_values_are_compared_only_with_secret_named_variables() -> None:
+    environ = {"HOME": "/home/me/long-enough", "SHORT_TOKEN": "abc", "HF_TOKEN": KEY}
+    assert secret_in_env((("X", "/home/me/long-enough"), ("Y", "abc")), environ) is None
+    check_no_secrets(JobSpec(**BASE, env=(("X", "/home/me/long-enough"),)), environ=environ)
+
+
+@pytest.mark.parametrize("args", [
+    ["--api-key", "hunter2"], ["--hf-token=hf_short"], ["--password", "correct horse"],
+    ["--db-pass", "swordfish"], ["--secret", "abc"], ["--lr", "1", "--wandb-key", "mykey"],
+    ["--aws-secret-access-key=AKIA"],
+])
+def test_secret_named_flags_with_any_word_are_refused(args: list[str]) -> None:
+    found = secret_in_args(args, {})
+    assert found and "secret-like" in found
+    with pytest.raises(SpecError, match="SCRIPT_ARGS") as e:
+        check_no_secrets(JobSpec(**BASE, script_args=tuple(args)), environ={})
+    assert all(a not in str(e.value) for a in args if not a.startswith("-"))
+
+
+@pytest.mark.parametrize("args", [
+    ["--key", "3"], ["--pass", "-1"], ["--token", "0.5"], ["--max-tokens", "4096"],
+    ["--api-key="], ["--use-token", "--lr", "3e-4"], ["--token"], ["--password-file", "/run/s/db"],
+    ["--tokenizer", "gpt2"], ["--keyboard", "us"], ["-k", "v"],
+])
+def test_numbers_switches_and_lookalike_flags_pass(args: list[str]) -> None:
+    assert secret_in_args(args, {"WANDB_API_KEY": KEY}) is None
+
+
+@pytest.fixture
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HPC_CONFIG", raising=False)
+    s = tmp_path / "train.py"
+    s.write_text("print('hi')\n")
+    return s
+
+
+@pytest.mark.parametrize("command", ["run", "render", "submit"])
+@pytest.mark.parametrize("backend", ["sbatch", "submitit", "torchx"])
+def test_env_secret_exits_2_creating_nothing(script: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch, command: str,
+                                            backend: str) -> None:
+    if command == "run" and backend != "sbatch":
+        pytest.skip("hpc run has no --backend")
+    monkeypatch.setenv("WANDB_API_KEY", KEY)
+    job_dir = script.parent / "job"
+    more = ["--backend", backend] if command != "run" else []
+    assert main([command, str(script), "--job-dir", str(job_dir), *more, "--env", f"WB={KEY}"]) == 2
+    err = capsys.readouterr().err
+    assert "$WANDB_API_KEY" in err and KEY not in err and len(err.strip().splitlines()) == 1
+    assert not job_dir.exists()
+
+
+def test_secret_named_flag_exits_2(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", str(script), "--", "--hf-token", "hf_abc"]) == 2
+    err = capsys.readouterr().err
+    assert "--hf-token" in err and "hf_abc" not in err and "Export" in err
