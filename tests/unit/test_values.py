@@ -46,3 +46,62 @@ def test_mem_and_signal():
         parse_signal("KILL")
     with pytest.raises(SpecError, match="--mem"):
         parse_mem("lots")
+
+
+# --- issue 19: ASCII digits, bounds, and the string checks ---------------------------------------
+
+@pytest.mark.parametrize("text", ["٣", "²", "３", "1٣", "٣:00", "1-٣", "1-00:٣"])
+def test_parse_time_refuses_non_ascii_digits(text):
+    with pytest.raises(SpecError, match="ASCII digits"):
+        parse_time(text)
+
+
+def test_parse_time_bound_is_365_days():
+    assert parse_time("365-00:00:00") == 365 * 86400
+    with pytest.raises(SpecError, match="365 days"):
+        parse_time("365-00:00:01")
+
+
+@pytest.mark.parametrize("text", ["٣", "３:４", "1:٣", "1e2", " 2 :3", "+1"])
+def test_parse_nodes_refuses_non_ascii_and_odd_forms(text):
+    with pytest.raises(SpecError, match="MIN:MAX"):
+        parse_nodes(text)
+
+
+def test_parse_int_and_float_bounds_and_digits():
+    from hpc.contract.values import parse_float, parse_int
+
+    assert parse_int("65535", "--rdzv-port", maximum=65535) == 65535
+    for bad in ("65536", "٣", "²", "1_0", "0x1", "", "+1", True):
+        with pytest.raises(SpecError, match="--rdzv-port"):
+            parse_int(bad, "--rdzv-port", maximum=65535)
+    assert parse_float("1.5e1", "--m") == 15.0 and parse_float(3, "--m") == 3.0
+    for bad in ("nan", "inf", "-0", "-0.0", "1e999", "٣", "1_0", "-1", float("nan"), -0.0, True):
+        with pytest.raises(SpecError, match="no sign, nan or inf"):
+            parse_float(bad, "--m")
+
+
+def test_parse_mem_is_ascii():
+    with pytest.raises(SpecError, match="ASCII"):
+        parse_mem("٦٤G")
+
+
+@pytest.mark.parametrize(("check", "value", "ok"), [
+    ("name", "gpu", True), ("name", "gpu,debug", False), ("name", "-gpu", False),
+    ("name", "gpu x", False), ("name", "gpü", False), ("name", "g" * 201, False),
+    ("text", "my job's \"name\" $(x)", True), ("text", "a\u2028b", False), ("text", "a\u00a0b", False),
+    ("text", " a", False), ("text", "a\\b", False), ("text", "-a", False),
+    ("path", "/a b/'c'/$d", True), ("path", "/a\nb", False), ("path", "/a\x00b", False),
+    ("path", "/a\\b", False), ("path", "/" + "a" * 4096, False),
+])
+def test_string_checks(check, value, ok):
+    from hpc.contract import values
+
+    run = {"name": lambda v: values.check_slurm_name(v, "--x", example="--x gpu"),
+           "text": lambda v: values.check_text(v, "--x", example="--x gpt"),
+           "path": lambda v: values.check_path(v, "--x", example="--x /a")}[check]
+    if ok:
+        run(value)
+    else:
+        with pytest.raises(SpecError, match="--x"):
+            run(value)
