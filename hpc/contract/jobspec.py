@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import stall, values
+from hpc.contract import interval, stall, values
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -270,6 +270,13 @@ class JobSpec:
         check=lambda v, f: values.check_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
                                               example="--checkpoint-every-min 30"),
         example="--checkpoint-every-min 30")
+    checkpoint_interval: str = _opt(
+        "fixed", "fixed: --checkpoint-every-min/-steps as given; auto: save every "
+        "sqrt(2 x save cost x MTBF) (Young/Daly), from the measured save cost and the job's own "
+        "interruptions, recomputed at each allocation, with a prior MTBF of 6h for the cluster "
+        "(auto:2h sets another; see docs/goodput.md).", interval.parse_checkpoint_interval,
+        check=interval.check_checkpoint_interval, example="--checkpoint-interval auto",
+        metavar="fixed|auto|auto:MTBF")
     keep_last: int = _int_opt(3, f"Checkpoints to keep (the newest k, 1 to {MAX_KEEP}).", 1,
                               MAX_KEEP, "--keep-last 3")
     keep_every: int = _int_opt(0, "Also keep every n-th step forever (0: off).", 0, MAX_STEPS,
