@@ -10,10 +10,13 @@ that looks like a secret on its way into the spec is refused before anything is 
   ``DB_PASSWORD``...), whatever the value;
 * an ``--env`` value or a script argument that holds the value of a secret-named variable of
   the environment (the shell expanded ``$WANDB_API_KEY`` into the command line);
-* a script argument with a secret-looking flag name (``--api-key``, ``--hf-token``,
-  ``--password``) and a value, unless the value is a number (``--key 3``, ``--pass 2``) or
-  empty. Flags that merely contain such a word (``--max-tokens``, ``--tokenizer``,
-  ``--password-file``) are not secret-named.
+* a script flag named for a credential (``--api-key``, ``--hf-token``, ``--password``,
+  ``--secret``, a bare ``--key``/``--token``/``--pass``) given any value but a number
+  (``--key 3``) or nothing;
+* a script flag that only ends like one (``--bos-token``, ``--sort-key``, ``--first-pass``:
+  tokenizer and data options in ordinary training scripts) given a credential-like value (long,
+  one word, letters and digits mixed). Flags that merely contain such a word
+  (``--max-tokens``, ``--tokenizer``, ``--password-file``) are not secret-named at all.
 
 Pure apart from reading ``os.environ`` when no environment is passed.
 """
@@ -33,10 +36,15 @@ if TYPE_CHECKING:
 # Names that hold credentials: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...
 _SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)$"
                           r"|^WANDB_API_KEY$", re.IGNORECASE)
-# Values a secret-named flag may take: plain ASCII numbers (--key 3, --pass 2, --token -1).
+# Flag names (dashes as underscores) that name a credential and nothing else.
+_CREDENTIAL_FLAG = re.compile(
+    r"^(KEY|TOKEN|PASS|SECRET|PASSWORD|PASSWD|CREDENTIALS?)$"
+    r"|(^|_)(API_?KEY|ACCESS_?KEY|SECRET_?KEY|PRIVATE_?KEY|AUTH_?KEY|WANDB_?KEY|"
+    r"(API|ACCESS|AUTH|REFRESH|BEARER|HF|HUGGINGFACE|GITHUB|GH|GITLAB|SLACK|OAUTH)_?TOKEN|"
+    r"SECRET|PASSWORD|PASSWD|CREDENTIALS?)$", re.IGNORECASE)
+# Values a credential flag may take: plain ASCII numbers (--key 3, --pass 2, --token -1).
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-# A value that looks like a credential: long, one word, letters and digits mixed (only used to
-# word the message; a secret-named flag is refused with any value that is not a number).
+# A value that looks like a credential: long, one word, letters and digits mixed.
 _CREDENTIAL_VALUE = re.compile(r"^(?=.*[0-9])(?=.*[A-Za-z])[A-Za-z0-9_\-.+/=:]{16,}$")
 # Shorter values of secret-named variables are not looked for (they would match by chance).
 _MIN_SECRET_LEN = 8
@@ -55,9 +63,10 @@ def _secret_values(environ: Mapping[str, str]) -> dict[str, str]:
 def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """Describes the first script argument that carries a secret, or None (pure).
 
-    Two rules: an argument holding the value of a secret-named variable of ``environ``, and a
-    secret-named flag (``--api-key``, ``--hf-token``...) given a value that is not a number.
-    A flag such as ``--key 3`` or ``--max-tokens 4096`` is not one.
+    Three rules (see the module docstring): an argument holding the value of a secret-named
+    variable of ``environ``; a credential flag (``--api-key``, ``--hf-token``...) given a value
+    that is not a number; any other secret-named flag (``--bos-token``) given a
+    credential-like value. ``--key 3``, ``--max-tokens 4096`` and ``--pad-token "<pad>"`` pass.
     """
     secrets = _secret_values(environ)
     for i, arg in enumerate(args):
@@ -74,11 +83,14 @@ def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | Non
             nxt = args[i + 1] if i + 1 < len(args) else ""
             # The next argument is this flag's value unless it is another flag (a switch).
             value = "" if nxt.startswith("-") and not _NUMBER.fullmatch(nxt) else nxt
-        if (is_secret_name(flag.lstrip("-").replace("-", "_")) and value
-                and not _NUMBER.fullmatch(value)):
-            what = ("a credential-like value" if _CREDENTIAL_VALUE.match(value)
-                    else "a value that is not a number")
-            return f"script argument {flag} is given {what}, and its name is secret-like"
+        name = flag.lstrip("-").replace("-", "_")
+        if not value or _NUMBER.fullmatch(value) or not is_secret_name(name):
+            continue
+        if _CREDENTIAL_VALUE.match(value):
+            return f"script argument {flag} is given a credential-like value"
+        if _CREDENTIAL_FLAG.search(name):
+            return (f"script argument {flag} is given a value that is not a number, and its "
+                    "name is secret-like")
     return None
 
 

@@ -38,10 +38,11 @@ def test_env_values_are_compared_only_with_secret_named_variables() -> None:
 
 @pytest.mark.parametrize("args", [
     ["--api-key", "hunter2"], ["--hf-token=hf_short"], ["--password", "correct horse"],
-    ["--db-pass", "swordfish"], ["--secret", "abc"], ["--lr", "1", "--wandb-key", "mykey"],
-    ["--aws-secret-access-key=AKIA"],
+    ["--db-password", "swordfish"], ["--secret", "xyzzy"], ["--lr", "1", "--wandb-key", "mykey"],
+    ["--aws-secret-access-key=AKIA"], ["--key", "image"], ["--token", "open sesame"], ["--pass", "hunter3"],
+    ["--github-token", "ghp_short"], ["--client-secret", "opensesame"],
 ])
-def test_secret_named_flags_with_any_word_are_refused(args: list[str]) -> None:
+def test_credential_flags_with_any_word_are_refused(args: list[str]) -> None:
     found = secret_in_args(args, {})
     assert found and "secret-like" in found
     with pytest.raises(SpecError, match="SCRIPT_ARGS") as e:
@@ -53,9 +54,17 @@ def test_secret_named_flags_with_any_word_are_refused(args: list[str]) -> None:
     ["--key", "3"], ["--pass", "-1"], ["--token", "0.5"], ["--max-tokens", "4096"],
     ["--api-key="], ["--use-token", "--lr", "3e-4"], ["--token"], ["--password-file", "/run/s/db"],
     ["--tokenizer", "gpt2"], ["--keyboard", "us"], ["-k", "v"],
+    ["--pad-token", "<pad>"], ["--bos-token=<s>"], ["--eos-token", "</s>"], ["--sort-key", "loss"],
+    ["--first-pass", "full"], ["--mask-token", "[MASK]"],
 ])
 def test_numbers_switches_and_lookalike_flags_pass(args: list[str]) -> None:
     assert secret_in_args(args, {"WANDB_API_KEY": KEY}) is None
+
+
+@pytest.mark.parametrize("args", [["--pad-token", "hf_AbCdEfGh1234567890"],
+                                  ["--sort-key=sk-live-4f9a8b7c6d5e4f3a2b1c"]])
+def test_lookalike_flags_still_refuse_credential_like_values(args: list[str]) -> None:
+    assert "credential-like" in (secret_in_args(args, {}) or "")
 
 
 @pytest.fixture
