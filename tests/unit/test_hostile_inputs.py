@@ -292,3 +292,21 @@ def test_bash_would_have_run_the_payload(tmp_path: Path) -> None:
     _run_with_stubs("echo hi\ntouch INJECTED\n", tmp_path)
     assert (tmp_path / "INJECTED").exists()
     os.remove(tmp_path / "INJECTED")
+
+
+@pytest.mark.parametrize("name", ["tr\nain.py", "tr\u2028ain.py", "tr\\ain.py"])
+def test_script_path_with_a_line_break_exits_2(script: Path, capsys: pytest.CaptureFixture[str],
+                                               name: str) -> None:
+    (script.parent / name).write_text("print('hi')\n")
+    _refused(script, capsys, ["render", str(script.parent / name)], "SCRIPT")
+
+
+def test_hostile_looking_script_path_is_accepted(script: Path) -> None:
+    odd = script.parent / "semi;colon $(touch INJECTED) 'q'.py"
+    odd.write_text("print('hi')\n")
+    from hpc.cli import build_parser, build_spec
+
+    args = build_parser().parse_args(["render", str(odd)])
+    args.script_args = []
+    spec = build_spec(args)
+    assert spec.script == str(odd) and spec.job_name == odd.stem
