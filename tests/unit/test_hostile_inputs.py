@@ -310,3 +310,23 @@ def test_hostile_looking_script_path_is_accepted(script: Path) -> None:
     args.script_args = []
     spec = build_spec(args)
     assert spec.script == str(odd) and spec.job_name == odd.stem
+
+
+def test_every_field_is_checked_by_the_constructor() -> None:
+    """A field added later without a check would let unchecked values reach the backends."""
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(JobSpec) if f.metadata.get("check") is None] == []
+
+
+def _string_fields() -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(JobSpec) if f.type == "str"]
+
+
+@pytest.mark.parametrize("kind", ["newline", "cr", "nul", "u2028", "nel"])
+@pytest.mark.parametrize("field", _string_fields())
+def test_every_string_field_refuses_line_breaks(field: str, kind: str) -> None:
+    with pytest.raises(SpecError):
+        JobSpec(**{**BASE, field: HOSTILE[kind]})
