@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
-from hpc.contract import jobdir
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from runtime.env import SlurmEnv
+from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.requeue import claim, decide_requeue
 
@@ -306,6 +307,9 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             result = "failed"
             reason = (f"the rendezvous on this node ({plan.rdzv_endpoint}) failed: {e}. Is the "
                       "port in use by another job? Set --rdzv-port")
+    except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
+        log.exception("the elastic agent failed")
+        result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
     intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
     if intent and intent.get("time", 0) < started:
         intent = None
@@ -313,6 +317,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))
+    if kind != "finished":
+        reason = diskspace.explain(plan.job_dir, reason)   # names ENOSPC when the disk is full
     if forwarder.received and kind == "finished":
         reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
     log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
@@ -469,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
              socket.gethostname(), plan.rdzv_endpoint, run_id)
     forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
     forwarder.install()
+    if args.local:
+        watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure
+    if plan.is_rdzv_host and not diskspace.reserve(job_dir):
+        log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
     return run(plan, forwarder)
 
 

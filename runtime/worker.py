@@ -73,10 +73,32 @@ def main(argv: list[str]) -> None:
         raise
     except BaseException as e:
         # The agent reads this file to say *why* a rank failed (outcomes.jsonl, hpc status).
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-        get_error_handler().record_exception(e)
+        record_failure(e)
         raise
+
+
+def record_failure(e: BaseException) -> None:
+    """Writes the error file the agent reads; never leaves a torn one behind.
+
+    On a full disk the write fails half way and leaves an empty file, and torch's agent dies
+    parsing it (no outcome, no word of the disk). Without a file, the agent still sees the
+    exit status, and the launcher names the full disk.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    try:
+        get_error_handler().record_exception(e)
+    except (OSError, ValueError) as err:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        try:
+            print(f"[hpc worker] cannot write the error file {path}: {err}", file=sys.stderr)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -3,12 +3,26 @@
 It writes the same job directory a Slurm job writes, then starts one per-node launcher per
 (simulated) node on this machine, all meeting at a c10d rendezvous on 127.0.0.1 on a free
 port. Rank 0's output streams to the terminal; every rank's output is in the job
-directory. Ctrl-C (SIGINT) and SIGTERM are passed to the launchers, which pass the warning
-on to the workers so they can save before exiting.
+directory.
+
+``hpc run`` owns its job: nothing it started outlives it.
+
+- It holds the job directory's lock (:mod:`hpc.contract.joblock`) while the job runs; a
+  second ``hpc run`` or ``hpc submit`` on the same directory is refused.
+- Ctrl-C (SIGINT), SIGTERM and SIGHUP (the terminal closed, the ssh session dropped) are
+  passed to the launchers as SIGTERM, which they pass on to the workers as the warning: the
+  workers save a checkpoint and exit (status 75, resumable). A second Ctrl-C stops at once.
+- The launchers run in their own session (a terminal's signals reach only ``hpc run``, which
+  decides), and the kernel sends them SIGTERM when ``hpc run`` dies, even by SIGKILL
+  (``PR_SET_PDEATHSIG``): the workers save and stop, and a launcher whose ``hpc run`` is gone
+  stops them for good after a grace period (:mod:`runtime.lifeline`). The workers are bound
+  to their launcher in turn (:mod:`runtime.worker`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import socket
@@ -17,9 +31,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+from hpc.contract import diskspace, joblock, jobdir
 from hpc.contract import environment as job_env
-from hpc.contract import jobdir
+from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.secrets import check_no_secrets
 
@@ -30,22 +46,66 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def prepare(spec: JobSpec) -> Path:
-    """Creates the job directory and writes ``jobspec.json`` (refuses to reuse a finished one).
+def _refuse_full_disk(job_dir: Path, problem: str) -> SpecError:
+    return SpecError("--job-dir", str(job_dir), "a directory on a filesystem with free space",
+                     "--job-dir /scratch/$USER/run1", problem)
+
+
+def prepare(spec: JobSpec) -> tuple[Path, joblock.JobLock]:
+    """Creates (or reuses) the job directory, locks it and writes ``jobspec.json``.
+
+    Returns:
+        The job directory and its lock, which the caller releases when the job has ended.
 
     Raises:
-        SpecError: for a secret in ``spec.env`` or the script's arguments (nothing is created).
+        SpecError: for a secret in ``spec.env`` or the script's arguments (nothing is created),
+            a ``--job-dir`` that is not a job directory, one in use by another job
+            (:class:`~hpc.contract.joblock.JobDirInUse`), or a full disk.
     """
     check_no_secrets(spec)
+    problem = diskspace.check_room(Path(spec.job_dir))
+    if problem:
+        raise _refuse_full_disk(Path(spec.job_dir), problem)
     job_dir = jobdir.create(Path(spec.job_dir))
-    path = job_dir / jobdir.JOBSPEC
-    if path.exists():
-        old = JobSpec.load(job_dir)
-        if (old.script, old.nproc_per_node) != (spec.script, spec.nproc_per_node):
-            print(f"hpc: note: {job_dir} held another job's spec; it is replaced "
-                  "(checkpoints there are reused when compatible)", file=sys.stderr)
-    jobdir.write_atomic(path, spec.to_json())
-    return job_dir
+    lock = joblock.acquire(job_dir, "hpc run")
+    try:
+        path = job_dir / jobdir.JOBSPEC
+        if path.exists():
+            old = JobSpec.load(job_dir)
+            if (old.script, old.nproc_per_node) != (spec.script, spec.nproc_per_node):
+                print(f"hpc: note: {job_dir} held another job's spec; it is replaced "
+                      "(checkpoints there are reused when compatible)", file=sys.stderr)
+        jobdir.write_atomic(path, spec.to_json())
+    except OSError as e:
+        lock.release()
+        if e.errno in diskspace.DISK_FULL_ERRNOS:
+            raise _refuse_full_disk(job_dir, diskspace.refusal(job_dir)) from None
+        raise
+    except BaseException:
+        lock.release()
+        raise
+    return job_dir, lock
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(prctl: Any, parent: int) -> None:
+    """In a launcher, between fork and exec: SIGTERM when ``hpc run`` dies (even by SIGKILL)."""
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:        # it died before prctl: nobody will ever signal us
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _say(message: str) -> None:
+    """Prints to the user's terminal, which may be gone (SIGHUP): then says nothing."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except OSError as e:
+        if e.errno not in (errno.EIO, errno.EPIPE):
+            raise
+    except RuntimeError:
+        pass                            # a signal arrived while the main thread was printing
 
 
 def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_id: str) -> list[str]:
@@ -55,33 +115,48 @@ def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_i
 
 def run(spec: JobSpec) -> int:
     """Runs ``spec`` locally; returns the job's exit status."""
-    job_dir = prepare(spec)
+    job_dir, lock = prepare(spec)
+    with lock:
+        return _run(spec, job_dir, lock)
+
+
+def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
     nodes = spec.max_nodes
     port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
-    print(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
-          f"process(es); job dir {job_dir}", file=sys.stderr, flush=True)
+    _say(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
+         f"process(es); job dir {job_dir}")
     started = time.monotonic()
     # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
     # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
+    # SIGHUP (terminal gone) and SIGTERM stop the same way; our own death sends them SIGTERM.
     # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
     env = dict(os.environ, **{job_env.ALLOCATION: str(len(jobdir.read_outcomes(job_dir)))})
-    procs = [subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id), cwd=os.getcwd(),
-                              env=env, start_new_session=True) for i in range(nodes)]
+    me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
+    procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]
 
     def forward(signum: int, _frame: object) -> None:
         if signum == signal.SIGINT:
             interrupts[0] += 1
             signum = signal.SIGTERM if interrupts[0] == 1 else signal.SIGINT
-            print("hpc run: interrupted: asking the workers to save and stop (Ctrl-C again to "
-                  "stop now)" if interrupts[0] == 1 else "hpc run: stopping now", file=sys.stderr)
+            _say("hpc run: interrupted: asking the workers to save and stop (Ctrl-C again to "
+                 "stop now)" if interrupts[0] == 1 else "hpc run: stopping now")
+        elif signum in (signal.SIGHUP, signal.SIGTERM):
+            _say(f"hpc run: {signal.Signals(signum).name}: asking the workers to save and stop")
+            signum = signal.SIGTERM
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    old = {s: signal.signal(s, forward)
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)}
     try:
+        for i in range(nodes):
+            procs.append(subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id),
+                                          cwd=os.getcwd(), env=env, start_new_session=True,
+                                          preexec_fn=lambda: _die_with_parent(prctl, me)))
+        lock.add_processes([p.pid for p in procs])
         codes = [p.wait() for p in procs]
     finally:
         for s, h in old.items():
@@ -90,12 +165,11 @@ def run(spec: JobSpec) -> int:
     outcomes = jobdir.read_outcomes(job_dir)
     last = outcomes[-1] if outcomes else None
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
-    print(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}",
-          file=sys.stderr)
+    _say(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
     if last and last.kind in ("preempted", "time_limit"):
-        print(f"hpc run: to resume from step {last.step}, run the same command with "
-              f"--job-dir {job_dir}", file=sys.stderr)
+        _say(f"hpc run: to resume from step {last.step}, run the same command with "
+             f"--job-dir {job_dir}")
     result = job_dir / jobdir.RESULT
     if result.exists() and code == 0:
-        print(f"hpc run: result {result}", file=sys.stderr)
+        _say(f"hpc run: result {result}")
     return code
