@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     cn = sub.add_parser("cancel", help="cancel a job")
     cn.add_argument("job", nargs="+", help="job ids or job directories")
 
+    from hpc.report.command import add_parser as add_report   # torch- and matplotlib-free
+    add_report(sub)
+
     dr = sub.add_parser("doctor", help="check this node (or an allocation): network, GPUs, versions")
     dr.add_argument("--json", action="store_true", help="machine-readable output")
     dr.add_argument("--rdzv-host", default="", help="rendezvous host to check routes to")
@@ -175,6 +178,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return status.cancel(args)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "report":
+        from hpc.report.command import main as report
+        return report(args)
     raise AssertionError(args.command)
 
 

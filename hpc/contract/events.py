@@ -1,0 +1,54 @@
+"""``JOB_DIR/events.jsonl``: the job-directory contract of the event stream (torch-free).
+
+The runtime appends (:mod:`runtime.events`), ``hpc report`` reads (:mod:`hpc.report`). One
+JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name) and
+``alloc`` (the allocation). The names, who writes them and their own fields:
+
+=====================  =========  ==============================================================
+``alloc_start``        launcher   each node: ``node_rank``, ``slurm_job_id``
+``agent_rendezvous``   launcher   the elastic agent's rendezvous round ``[t0, t]``
+``workers_started``    launcher   the agent started (or restarted) its workers
+``signal``             launcher   a warning signal reached the node (``signal``)
+``alloc_end``          launcher   ``kind`` and ``exit_code`` as in ``outcomes.jsonl``
+``session_start``      rank 0     ``restart``, ``t_proc`` (when the worker process started)
+``rendezvous``         rank 0     the process group is up (``world_size``)
+``restore_begin/end``  rank 0     ``step`` resumed at (``from_checkpoint``)
+``loop_start``         rank 0     the step loop begins at ``step``
+``first_step``         rank 0     the first step of this run is done
+``steps``              rank 0     steps ``first..last`` (``count``) ran in ``[t0, t]``
+``ckpt_save``          rank 0     a save of ``step`` blocked training ``block_s``
+``ckpt_commit``        rank 0     the save of ``step`` is committed; it took ``save_s`` in all
+``ckpt_interval``      rank 0     ``--checkpoint-interval auto`` chose ``every_s`` (and why)
+``stop_begin/end``     rank 0     the agreed stop (``kind``, ``signal``; ``saved_step``)
+``crash``              rank 0     the training raised (``error``, ``step``)
+``session_end``        rank 0     the worker tears down (``ok``)
+=====================  =========  ==============================================================
+
+Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+EVENTS = "events.jsonl"
+
+
+def read_events(job_dir: str | Path) -> list[dict[str, Any]]:
+    """All events of a job, in time order; a torn or foreign line is skipped."""
+    out = []
+    try:
+        text = (Path(job_dir) / EVENTS).read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and isinstance(ev.get("t"), (int, float)) and "ev" in ev:
+            out.append(ev)
+    out.sort(key=lambda e: e["t"])
+    return out

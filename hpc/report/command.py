@@ -1,0 +1,49 @@
+"""``hpc report JOB [--json] [--png PATH]``: the goodput ledger of one job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpc.contract.errors import SpecError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    rp = sub.add_parser("report", help="goodput: where a job's allocated node-time went (table, "
+                                       "JSON, timeline picture)")
+    rp.add_argument("job", help="job id or job directory (a directory works without Slurm)")
+    rp.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    rp.add_argument("--png", default="", metavar="PATH", help="also draw the timeline to PATH (PNG)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from hpc.contract import jobdir
+    from hpc.index import resolve
+    from hpc.report.load import load
+    from hpc.report.table import format_table, to_json
+
+    path = Path(args.job).expanduser()
+    if path.is_dir() and jobdir.is_job_dir(path):
+        job_dir = path
+        job_id = (path / jobdir.SLURM_JOB_ID).read_text().strip() \
+            if (path / jobdir.SLURM_JOB_ID).exists() else ""
+    else:
+        record = resolve(args.job)
+        if not record.job_dir:
+            raise SpecError("JOB", args.job, "a job submitted from here (its directory is in the "
+                            "index) or a job directory", "hpc report jobs/train_gpt-...")
+        job_dir, job_id = Path(record.job_dir), record.job_id
+    ledger = load(job_dir, job_id)
+    if not ledger.allocations:
+        print(f"hpc report: no events in {job_dir} yet (events.jsonl appears when the job starts)",
+              file=sys.stderr)
+        return 1
+    sys.stdout.write(to_json(ledger) if args.json else format_table(ledger, str(job_dir)))
+    if args.png:
+        from hpc.report.plot import render_png
+
+        render_png(ledger, Path(args.png), title=job_dir.name)
+        if not args.json:
+            print(f"timeline: {args.png}")
+    return 0

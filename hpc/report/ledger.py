@@ -1,0 +1,392 @@
+"""The goodput ledger: where every allocated node-second of a job went (pure: events in).
+
+Each allocation's wall time, from its start (Slurm's, when known, else the first launcher's)
+to its end, is painted with categories from the event stream (:mod:`hpc.contract.events`);
+where two claims overlap the more specific wins, in the order of :data:`PAINT_ORDER`:
+
+- ``startup``: launcher, agent, worker processes, imports, model building, the first batch;
+- ``teardown``: after the work ended (last step or the stop's save) until the allocation ends;
+- ``rendezvous``: the agent's rendezvous rounds, the process group's set-up, and a re-form
+  after a failure (from the crash until the next worker group starts);
+- ``restore``: loading the checkpoint; ``productive``: the step loop;
+- ``lost``: steps whose results were thrown away (computed again after a resume from an older
+  checkpoint), the step in flight at a crash, and time after a group's last sign of life when
+  it vanished (killed, node lost);
+- ``hang``: a stall the watchdog acted on, from the last progress to its action;
+- ``checkpoint``: the time saves blocked training; ``preemption``: from the agreed stop to the
+  end of its save;
+- ``unaccounted``: whatever no event explains; it is shown, never spread over the others.
+
+Node-seconds: every node of an allocation counts from the allocation's start to its own end
+(its launcher's ``alloc_end``, else the allocation's end: a lost node stays allocated until
+Slurm drops it). Categories are the job's timeline (rank 0's view) weighted by the nodes alive,
+so they add up exactly to the allocated node-seconds. Queue wait comes from Slurm and is
+reported beside the allocated time, not inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpc.report import young_daly
+
+CATEGORIES = ("productive", "startup", "rendezvous", "restore", "checkpoint", "lost",
+              "preemption", "hang", "teardown", "unaccounted")
+PAINT_ORDER = ("startup", "teardown", "rendezvous", "restore", "productive", "lost", "hang",
+               "checkpoint", "preemption")
+
+
+@dataclass(frozen=True)
+class Span:
+    t0: float
+    t1: float
+    category: str
+
+
+@dataclass(frozen=True)
+class Marker:
+    t: float
+    kind: str          # checkpoint, signal, failure, hang, restart, stop
+    label: str
+
+
+@dataclass
+class AllocationLedger:
+    """One allocation: its frame, its categories (node-seconds) and its timeline."""
+
+    allocation: int
+    start: float
+    end: float
+    nodes: tuple[str, ...]
+    node_s: float
+    categories: dict[str, float]
+    kind: str = ""
+    queue_s: float | None = None
+    start_step: int | None = None
+    last_step: int | None = None
+    lost_steps: int = 0
+    restarts: int = 0
+    spans: list[Span] = field(default_factory=list)
+    node_ends: dict[str, float] = field(default_factory=dict)
+    markers: list[Marker] = field(default_factory=list)
+    steps: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Ledger:
+    allocations: list[AllocationLedger]
+    categories: dict[str, float]
+    allocated_node_s: float
+    queue_s: float | None
+    lost_steps: int
+    interruptions: int
+    interval: dict[str, Any] | None
+    checkpoints: dict[str, Any]
+
+    @property
+    def goodput(self) -> float:
+        return self.categories["productive"] / self.allocated_node_s if self.allocated_node_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``hpc report --json``)."""
+        allocs = []
+        for a in self.allocations:
+            d = asdict(a)
+            d["wall_s"] = a.wall_s
+            d["spans"] = [[s.t0, s.t1, s.category] for s in a.spans]
+            d["markers"] = [[m.t, m.kind, m.label] for m in a.markers]
+            d["steps"] = [list(p) for p in a.steps]
+            allocs.append(d)
+        return {"goodput": self.goodput, "allocated_node_s": self.allocated_node_s,
+                "categories": self.categories, "queue_s": self.queue_s,
+                "lost_steps": self.lost_steps, "interruptions": self.interruptions,
+                "checkpoints": self.checkpoints, "checkpoint_interval": self.interval,
+                "allocations": allocs}
+
+
+class _Timeline:
+    """Non-overlapping labelled segments over ``[t0, t1]``; a later paint wins."""
+
+    def __init__(self, t0: float, t1: float) -> None:
+        self.segs: list[list[Any]] = [[t0, t1, "unaccounted"]]
+        self.t0, self.t1 = t0, t1
+
+    def paint(self, a: float | None, b: float | None, cat: str) -> None:
+        if a is None or b is None:
+            return
+        a, b = max(a, self.t0), min(b, self.t1)
+        if b <= a:
+            return
+        out: list[list[Any]] = []
+        for s0, s1, c in self.segs:
+            if s1 <= a or s0 >= b:
+                out.append([s0, s1, c])
+                continue
+            if s0 < a:
+                out.append([s0, a, c])
+            if s1 > b:
+                out.append([b, s1, c])
+        out.append([a, b, cat])
+        out.sort(key=lambda s: s[0])
+        merged: list[list[Any]] = []
+        for s in out:
+            if merged and merged[-1][2] == s[2] and abs(merged[-1][1] - s[0]) < 1e-9:
+                merged[-1][1] = s[1]
+            else:
+                merged.append(s)
+        self.segs = merged
+
+    def spans(self) -> list[Span]:
+        return [Span(round(a, 4), round(b, 4), c) for a, b, c in self.segs if b > a]
+
+    def seconds(self, lo: float, hi: float) -> dict[str, float]:
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for a, b, c in self.segs:
+            out[c] += max(0.0, min(b, hi) - max(a, lo))
+        return out
+
+
+@dataclass
+class _Incarnation:
+    """One worker group (allocation, restart) as rank 0 saw it."""
+
+    alloc: int
+    restart: int
+    events: list[Mapping[str, Any]] = field(default_factory=list)
+
+    def first(self, ev: str) -> Mapping[str, Any] | None:
+        return next((e for e in self.events if e["ev"] == ev), None)
+
+    def all(self, ev: str) -> list[Mapping[str, Any]]:
+        return [e for e in self.events if e["ev"] == ev]
+
+    @property
+    def start(self) -> float:
+        s = self.first("session_start")
+        if s is not None:
+            return float(s.get("t_proc") or s["t"])
+        return float(self.events[0]["t"])
+
+    @property
+    def last_t(self) -> float:
+        return float(self.events[-1]["t"])
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [int(e["last"]) for e in self.all("steps")] + \
+                [int(e["step"]) for e in self.all("restore_end") if e.get("step") is not None]
+        return max(steps) if steps else None
+
+    @property
+    def resume_step(self) -> int | None:
+        e = self.first("restore_end")
+        return int(e["step"]) if e is not None and e.get("step") is not None else None
+
+    @property
+    def work_end(self) -> float | None:
+        """When this group's training ended: its last step window, or the end of its stop."""
+        ends = [float(e["t"]) for e in self.all("steps")] + [float(e["t"]) for e in self.all("stop_end")]
+        return max(ends) if ends else None
+
+    @property
+    def ended_cleanly(self) -> bool:
+        return self.first("session_end") is not None or self.first("crash") is not None
+
+
+def _lost_tail(inc: _Incarnation, keep_upto: int) -> list[tuple[float, float]]:
+    """The time the steps after ``keep_upto`` took in ``inc``'s windows (interpolated)."""
+    out = []
+    for w in inc.all("steps"):
+        first, last, count = int(w["first"]), int(w["last"]), max(1, int(w["count"]))
+        if last <= keep_upto:
+            continue
+        n = min(count, last - max(first - 1, keep_upto))
+        t0, t1 = float(w["t0"]), float(w["t"])
+        out.append((t1 - (t1 - t0) * n / count, t1))
+    return out
+
+
+def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str, Any]] = (),
+          slurm_runs: Mapping[int, Mapping[str, float | None]] | None = None,
+          prior_mtbf_s: float = young_daly.DEFAULT_MTBF_S) -> Ledger:
+    """The ledger of a job (pure).
+
+    Args:
+        events: The job's events (``events.jsonl`` plus ``hang`` events from ``hangs.jsonl``).
+        outcomes: ``outcomes.jsonl`` records (dicts): the kind and last step of each allocation.
+        slurm_runs: Per allocation, Slurm's ``submit``/``start``/``end`` (epoch seconds) when known.
+        prior_mtbf_s: The cluster's prior mean time between interruptions (for the interval).
+    """
+    evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
+    slurm_runs = slurm_runs or {}
+    by_alloc: dict[int, list[Mapping[str, Any]]] = {}
+    for e in evs:
+        by_alloc.setdefault(int(e.get("alloc", 0)), []).append(e)
+    outcome_of = {int(o["allocation"]): o for o in outcomes}
+
+    incs: list[_Incarnation] = []
+    index: dict[tuple[int, int], _Incarnation] = {}
+    for e in evs:
+        if e.get("rank") != 0:
+            continue
+        key = (int(e.get("alloc", 0)), int(e.get("restart", 0)))
+        if key not in index:
+            index[key] = _Incarnation(*key)
+            incs.append(index[key])
+        index[key].events.append(e)
+    # Lost steps: what an incarnation computed beyond the step the next one resumed at.
+    lost_by_inc: dict[tuple[int, int], int] = {}
+    for i, inc in enumerate(incs):
+        nxt = next((n for n in incs[i + 1:] if n.resume_step is not None), None)
+        last = inc.last_step
+        o = outcome_of.get(inc.alloc)
+        if o is not None and o.get("last_step") is not None and \
+                inc is [n for n in incs if n.alloc == inc.alloc][-1]:
+            last = max(last or 0, int(o["last_step"]))   # progress.json may be ahead of the events
+        if nxt is not None and last is not None:
+            lost_by_inc[(inc.alloc, inc.restart)] = max(0, last - nxt.resume_step)
+
+    allocations = []
+    for alloc, aevs in sorted(by_alloc.items()):
+        allocations.append(_allocation(alloc, aevs, [i for i in incs if i.alloc == alloc], incs,
+                                       lost_by_inc, outcome_of.get(alloc), slurm_runs.get(alloc)))
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for a in allocations:
+        for c, v in a.categories.items():
+            totals[c] += v
+    queues = [a.queue_s for a in allocations if a.queue_s is not None]
+    hist = young_daly.history(evs)
+    interval = None
+    if hist.save_cost_s is not None:
+        interval = young_daly.choose(
+            save_cost_s=hist.save_cost_s, save_total_s=hist.save_total_s or hist.save_cost_s,
+            prior_mtbf_s=prior_mtbf_s, observed_s=hist.observed_s,
+            interruptions=hist.interruptions).to_dict()
+    chosen = [e for e in evs if e["ev"] == "ckpt_interval"]
+    if interval is not None and chosen:
+        interval["in_use_s"] = chosen[-1].get("every_s")
+    checkpoints = {"saves": len(hist.block_s), "commits": len(hist.save_s),
+                   "median_block_s": hist.save_cost_s, "median_save_s": hist.save_total_s}
+    return Ledger(allocations, totals, sum(a.node_s for a in allocations),
+                  sum(queues) if queues else None, sum(lost_by_inc.values()),
+                  hist.interruptions, interval, checkpoints)
+
+
+def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnation],
+                all_incs: list[_Incarnation], lost_by_inc: Mapping[tuple[int, int], int],
+                outcome: Mapping[str, Any] | None, slurm: Mapping[str, float | None] | None
+                ) -> AllocationLedger:
+    starts = [e for e in aevs if e["ev"] == "alloc_start"]
+    ends = [e for e in aevs if e["ev"] == "alloc_end"]
+    t_start = min(float(e["t"]) for e in (starts or aevs[:1]))
+    t_end = max(float(e["t"]) for e in (ends or aevs[-1:]))
+    if incs:
+        t_start = min(t_start, min(i.start for i in incs))
+    queue = None
+    if slurm:
+        if slurm.get("start") is not None:
+            t_start = min(t_start, float(slurm["start"]))
+            if slurm.get("submit") is not None:
+                queue = max(0.0, float(slurm["start"]) - float(slurm["submit"]))
+        if slurm.get("end") is not None and ends:
+            t_end = max(t_end, float(slurm["end"]))
+    tl = _Timeline(t_start, t_end)
+    layers: dict[str, list[tuple[float | None, float | None]]] = {c: [] for c in PAINT_ORDER}
+    markers: list[Marker] = []
+    curve: list[tuple[float, int]] = []
+
+    first_start = min((i.start for i in incs), default=t_end)
+    layers["startup"].append((t_start, first_start))
+    for e in aevs:
+        if e["ev"] == "agent_rendezvous":
+            layers["rendezvous"].append((e.get("t0"), e["t"]))
+        elif e["ev"] == "signal":
+            markers.append(Marker(float(e["t"]), "signal", f"{e.get('signal', '')} on {e.get('node', '')}"))
+        elif e["ev"] == "hang":
+            markers.append(Marker(float(e["t"]), "hang", str(e.get("reason", "stall"))[:80]))
+    for k, inc in enumerate(incs):
+        ev = inc.first
+        ss, rdv = ev("session_start"), ev("rendezvous")
+        rb, re_, ls = ev("restore_begin"), ev("restore_end"), ev("loop_start")
+        t = lambda x: float(x["t"]) if x is not None else None  # noqa: E731
+        layers["startup"] += [(inc.start, t(ss)), (t(rdv), t(rb)), (t(re_), t(ls))]
+        layers["rendezvous"].append((t(ss), t(rdv)))
+        layers["restore"].append((t(rb), t(re_)))
+        if inc.restart > 0 or k > 0:
+            markers.append(Marker(inc.start, "restart", f"workers restart {inc.restart}"))
+        windows = inc.all("steps")
+        work_end = inc.work_end
+        if ls is not None and windows:
+            layers["productive"].append((t(ls), max(float(w["t"]) for w in windows)))
+        for w in windows:
+            curve += [(float(w["t0"]), int(w["first"]) - 1), (float(w["t"]), int(w["last"]))]
+        for s in inc.all("ckpt_save"):
+            layers["checkpoint"].append((float(s["t"]) - float(s.get("block_s") or 0), float(s["t"])))
+        for c in inc.all("ckpt_save"):
+            markers.append(Marker(float(c["t"]), "checkpoint", f"save step {c.get('step')}"))
+        for sb in inc.all("stop_begin"):
+            se = next((x for x in inc.all("stop_end") if x["t"] >= sb["t"]), None)
+            layers["preemption"].append((float(sb["t"]), t(se) if se else inc.last_t))
+            markers.append(Marker(float(sb["t"]), "stop", f"{sb.get('kind', '')} ({sb.get('signal', '')})"))
+        crash, end = ev("crash"), ev("session_end")
+        nxt = incs[k + 1] if k + 1 < len(incs) else None
+        if crash is not None:
+            markers.append(Marker(float(crash["t"]), "failure", str(crash.get("error", ""))[:80]))
+            layers["lost"].append((work_end, float(crash["t"])))   # the step in flight
+            layers["rendezvous" if nxt else "teardown"].append(
+                (float(crash["t"]), nxt.start if nxt else t_end))
+        elif not inc.ended_cleanly:
+            # Vanished (killed, node lost): its last sign of life to the next sign of anyone.
+            later = [float(e["t"]) for e in aevs if e["t"] > inc.last_t]
+            gone = min(later) if later else t_end
+            markers.append(Marker(inc.last_t, "failure", "worker group lost (no end recorded)"))
+            layers["lost"].append((inc.last_t, gone))
+            layers["rendezvous" if nxt else "teardown"].append((gone, nxt.start if nxt else t_end))
+        else:
+            layers["teardown"].append((work_end or t(end), t(end)))
+            layers["rendezvous" if nxt else "teardown"].append((t(end), nxt.start if nxt else t_end))
+        lost = lost_by_inc.get((inc.alloc, inc.restart), 0)
+        if lost:
+            nxt_any = next((n for n in all_incs[all_incs.index(inc) + 1:] if n.resume_step is not None))
+            layers["lost"] += _lost_tail(inc, nxt_any.resume_step or 0)
+    for e in aevs:
+        if e["ev"] == "hang":
+            before = [float(w["t"]) for w in aevs if w["ev"] == "steps" and w["t"] <= e["t"]]
+            layers["hang"].append((max(before) if before else None, float(e["t"])))
+    for cat in PAINT_ORDER:
+        for a, b in layers[cat]:
+            tl.paint(a, b, cat)
+
+    node_names = tuple(dict.fromkeys(str(e.get("node", "")) for e in starts)) or \
+        tuple(dict.fromkeys(str(e.get("node", "")) for e in aevs[:1]))
+    node_ends = {n: max((float(e["t"]) for e in ends if e.get("node") == n), default=t_end)
+                 for n in node_names}
+    if slurm and slurm.get("end") is not None and ends:
+        node_ends = {n: max(v, float(slurm["end"])) for n, v in node_ends.items()}
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    for n, n_end in node_ends.items():
+        for c, v in tl.seconds(t_start, n_end).items():
+            cats[c] += v
+    kind = str(outcome["kind"]) if outcome else next((str(e.get("kind")) for e in reversed(ends)), "")
+    if outcome and outcome.get("kind") not in (None, "finished"):
+        markers.append(Marker(t_end, "failure" if outcome["kind"] != "time_limit" else "stop",
+                              f"allocation ended: {outcome['kind']}"))
+    restores = [i.resume_step for i in incs if i.resume_step is not None]
+    lasts = [i.last_step for i in incs if i.last_step is not None]
+    if outcome and outcome.get("last_step") is not None:
+        lasts.append(int(outcome["last_step"]))
+    markers.sort(key=lambda m: m.t)
+    return AllocationLedger(
+        allocation=alloc, start=t_start, end=t_end, nodes=node_names,
+        node_s=sum(e - t_start for e in node_ends.values()), categories=cats, kind=kind,
+        queue_s=queue, start_step=restores[0] if restores else None,
+        last_step=max(lasts) if lasts else None,
+        lost_steps=sum(v for (a, _), v in lost_by_inc.items() if a == alloc),
+        restarts=max((i.restart for i in incs), default=0), spans=tl.spans(),
+        node_ends=node_ends, markers=markers, steps=sorted(curve))

@@ -1,0 +1,72 @@
+"""Reads what a ledger needs from a job directory, and Slurm's queue times when it can.
+
+The job directory alone is enough (``hpc run`` jobs, or a cluster whose accounting is down):
+``events.jsonl``, ``hangs.jsonl`` and ``outcomes.jsonl``. With a Slurm job id, sacct adds each
+allocation's submit and start times (queue wait) and its start and end as Slurm saw them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hpc.contract import jobdir
+from hpc.contract.events import read_events
+from hpc.contract.interval import prior_mtbf_s
+from hpc.report import young_daly
+from hpc.report.ledger import Ledger, build
+
+log = logging.getLogger("hpc.report")
+HANGS = "hangs.jsonl"      # written by runtime.liveness.events
+
+
+def hang_events(job_dir: Path) -> list[dict[str, Any]]:
+    """The watchdogs' stall records as ``hang`` events."""
+    out = []
+    try:
+        lines = (Path(job_dir) / HANGS).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            h = json.loads(line)
+            out.append({"t": float(h["time"]), "ev": "hang", "alloc": int(h.get("allocation", 0)),
+                        "node": h.get("node", ""), "reason": h.get("reason", ""), "step": h.get("step")})
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def slurm_runs(job_id: str) -> dict[int, dict[str, float | None]]:
+    """Per allocation (in order of the runs sacct lists), its submit, start and end times.
+
+    Empty when sacct is unavailable: the report then goes without queue times.
+    """
+    from hpc.contract.slurm import SlurmClient, SlurmError
+
+    try:
+        records = SlurmClient(retry_total_s=10).accounting([job_id])
+    except (SlurmError, OSError) as e:
+        log.warning("no Slurm accounting for job %s (%s): no queue times", job_id, e)
+        return {}
+    runs = [r for r in records if r.step is None and r.job_id == job_id and r.start is not None]
+    runs.sort(key=lambda r: (r.start, r.submit or r.start))
+    ts = lambda d: d.timestamp() if d is not None else None  # noqa: E731
+    return {i: {"submit": ts(r.submit), "start": ts(r.start), "end": ts(r.end)}
+            for i, r in enumerate(runs)}
+
+
+def load(job_dir: Path, job_id: str = "") -> Ledger:
+    """The ledger of the job in ``job_dir`` (Slurm's times added when ``job_id`` is given)."""
+    job_dir = Path(job_dir)
+    events = read_events(job_dir) + hang_events(job_dir)
+    outcomes = [asdict(o) for o in jobdir.read_outcomes(job_dir)]
+    prior = young_daly.DEFAULT_MTBF_S
+    spec = jobdir.read_json(job_dir / jobdir.JOBSPEC) or {}
+    if isinstance(spec.get("checkpoint_interval"), str):
+        prior = prior_mtbf_s(spec["checkpoint_interval"]) or prior
+    runs = slurm_runs(job_id) if job_id else {}
+    return build(events, outcomes=outcomes, slurm_runs=runs, prior_mtbf_s=prior)

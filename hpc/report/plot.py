@@ -1,0 +1,107 @@
+"""The timeline picture of a ledger (PNG): the step curve above, one lane per allocation below.
+
+Each lane is the allocation's wall time painted by category (the same spans the ledger sums);
+a node that left early gets a thin lane of its own under its allocation. Markers: checkpoints
+(ticks), signals and stops (triangles), failures and hangs (crosses). Time runs left to right
+across allocations; queue waits between them are cut out (the x axis is allocated time), and
+each lane is labelled with its allocation, nodes, queue wait and how it ended.
+
+matplotlib is imported here only: ``hpc --help`` and ``hpc render`` never load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc.report.ledger import CATEGORIES, Ledger
+from hpc.report.table import LABELS
+
+COLORS = {
+    "productive": "#2e8b57", "startup": "#6fa8dc", "rendezvous": "#8e7cc3", "restore": "#f6b26b",
+    "checkpoint": "#ffd966", "lost": "#cc0000", "preemption": "#e69138", "hang": "#741b47",
+    "teardown": "#999999", "unaccounted": "#eeeeee",
+}
+MARKERS = {"checkpoint": ("|", "#7f6000"), "signal": ("v", "#e69138"), "stop": ("v", "#b45f06"),
+           "failure": ("x", "#cc0000"), "hang": ("X", "#741b47"), "restart": ("o", "#351c75")}
+
+
+def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) -> Path:
+    """Draws the ledger's timeline to ``path`` (PNG); returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    allocs = ledger.allocations
+    # Allocations back to back on one axis (seconds of allocated time, queue cut out).
+    offsets, x = [], 0.0
+    for a in allocs:
+        offsets.append(x - a.start)
+        x += a.wall_s
+    lanes = []   # (label, allocation, node end or None)
+    for a in allocs:
+        lanes.append((f"alloc {a.allocation}\n{len(a.nodes)} node(s)", a, None))
+        for node, end in a.node_ends.items():
+            if len(a.nodes) > 1 and end < a.end - 1.0:
+                lanes.append((f"  {node}", a, end))
+    fig, (ax_s, ax_t) = plt.subplots(2, 1, figsize=(10, 3.2 + 0.55 * len(lanes)), sharex=True,
+                                     gridspec_kw={"height_ratios": [2, max(1.2, 0.55 * len(lanes))]})
+    for a, off in zip(allocs, offsets):
+        for seg in _runs(a.steps):   # one line per stretch; a resume from an older step breaks it
+            ax_s.plot([t + off for t, _ in seg], [s for _, s in seg], color="#2e8b57", lw=1.5)
+        ax_s.axvline(a.start + off, color="#cccccc", lw=0.8)
+    ax_s.set_ylabel("step")
+    ax_s.set_title(f"{title}  goodput {ledger.goodput * 100:.1f}%, lost steps {ledger.lost_steps}"
+                   .strip(), fontsize=10)
+    used = set()
+    for row, (label, a, node_end) in enumerate(lanes):
+        y = len(lanes) - 1 - row
+        off = offsets[allocs.index(a)]
+        h = 0.8 if node_end is None else 0.35
+        for s in a.spans:
+            t1 = s.t1 if node_end is None else min(s.t1, node_end)
+            if t1 > s.t0:
+                ax_t.broken_barh([(s.t0 + off, t1 - s.t0)], (y - h / 2, h), color=COLORS[s.category],
+                                 linewidth=0)
+                used.add(s.category)
+        if node_end is None:
+            for m in a.markers:
+                sym, col = MARKERS.get(m.kind, ("o", "black"))
+                ax_t.plot([m.t + off], [y + 0.5], marker=sym, color=col, ms=7, mew=1.5, ls="none")
+                if m.kind == "failure":
+                    ax_s.axvline(m.t + off, color=col, lw=0.8, ls=":")
+            ended = f"\n{a.kind}" if a.kind else ""
+            queue = f"\nqueue {a.queue_s:.0f}s" if a.queue_s is not None else ""
+            label = label + queue + ended
+        ax_t.text(-0.01, y, label, transform=ax_t.get_yaxis_transform(), ha="right", va="center",
+                  fontsize=7)
+    ax_t.set_yticks([])
+    ax_t.set_ylim(-0.6, len(lanes) - 0.4 + 0.5)
+    ax_t.set_xlim(0, max(x, 1e-6))
+    ax_t.set_xlabel("allocated time (s; queue waits cut out)")
+    handles = [Patch(color=COLORS[c], label=f"{LABELS[c]} {ledger.categories[c] / max(ledger.allocated_node_s, 1e-9) * 100:.1f}%")
+               for c in CATEGORIES if c in used]
+    handles += [Line2D([], [], marker=MARKERS[k][0], color=MARKERS[k][1], ls="none", label=k)
+                for k in ("checkpoint", "signal", "failure", "restart")]
+    rows = (len(handles) + 4) // 5
+    height = fig.get_figheight()
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.subplots_adjust(left=0.14, right=0.98, top=0.9, hspace=0.08,
+                        bottom=(0.45 + 0.2 * rows) / height)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def _runs(points: list[tuple[float, int]]) -> list[list[tuple[float, int]]]:
+    """Splits a step curve where the step goes back (a resume from an older checkpoint)."""
+    out: list[list[tuple[float, int]]] = []
+    for p in points:
+        if not out or p[1] < out[-1][-1][1]:
+            out.append([])
+        out[-1].append(p)
+    return out

@@ -1,0 +1,128 @@
+"""The checkpoint interval that wastes the least: Young/Daly, from the job's own history (pure).
+
+Saving every ``T`` seconds costs ``C / T`` of the time in stalls, and an interruption loses on
+average ``T / 2`` of work; the sum is smallest at Young's ``T* = sqrt(2 C M)`` (Daly 2006 refines
+it by terms that matter only when ``C`` approaches ``M``). ``C`` is what a save blocks training
+(the measured ``block_s``; small with async saves), ``M`` the mean time between interruptions.
+
+``M`` comes from the job's own interruptions, tempered by a prior for the cluster
+(``--checkpoint-interval auto:6h``): the prior counts as one interruption seen over ``prior``
+seconds, so ``M = (prior + observed run time) / (1 + interruptions)``. A new job gets the prior;
+a job interrupted every ten minutes soon gets ``M`` near ten minutes and saves more often.
+
+Two floors keep the answer sane: never more often than a save takes in total (at most one save
+is in flight) and never below :data:`MIN_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_MTBF_S = 6 * 3600.0
+MIN_INTERVAL_S = 10.0
+MAX_INTERVAL_S = 365 * 86400.0
+# Outcome kinds that interrupt a run unplanned; a time limit is planned (the job saves first).
+INTERRUPTING_KINDS = ("preempted", "node_failure", "app_error", "hang")
+
+
+def young_daly_s(save_cost_s: float, mtbf_s: float) -> float:
+    """``sqrt(2 * C * M)`` in seconds.
+
+    Raises:
+        ValueError: a negative cost or a non-positive MTBF.
+    """
+    if save_cost_s < 0 or not mtbf_s > 0:
+        raise ValueError(f"need save cost >= 0 and MTBF > 0, got {save_cost_s}, {mtbf_s}")
+    return math.sqrt(2.0 * save_cost_s * mtbf_s)
+
+
+def mtbf_s(prior_s: float, observed_s: float, interruptions: int) -> float:
+    """The mean time between interruptions: the prior as one pseudo-interruption plus the job's."""
+    return (prior_s + max(0.0, observed_s)) / (1 + max(0, interruptions))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The chosen interval and every input, for the event log and the report."""
+
+    every_s: float
+    save_cost_s: float        # C: what one save blocks training
+    save_total_s: float       # a save's whole duration (the floor)
+    mtbf_s: float
+    prior_mtbf_s: float
+    observed_s: float         # run time the history covers
+    interruptions: int
+    source: str               # "measured" or "estimated" save cost
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def choose(*, save_cost_s: float, save_total_s: float, prior_mtbf_s: float, observed_s: float,
+           interruptions: int, source: str = "measured") -> Interval:
+    """The Young/Daly interval with its floors (see the module docstring)."""
+    m = mtbf_s(prior_mtbf_s, observed_s, interruptions)
+    every = young_daly_s(save_cost_s, m)
+    every = min(MAX_INTERVAL_S, max(every, save_total_s, MIN_INTERVAL_S))
+    return Interval(every, save_cost_s, save_total_s, m, prior_mtbf_s, observed_s, interruptions,
+                    source)
+
+
+@dataclass(frozen=True)
+class History:
+    """What the events say about a job so far: run time, interruptions, save costs."""
+
+    observed_s: float
+    interruptions: int
+    block_s: tuple[float, ...]
+    save_s: tuple[float, ...]
+
+    @property
+    def save_cost_s(self) -> float | None:
+        return statistics.median(self.block_s) if self.block_s else None
+
+    @property
+    def save_total_s(self) -> float | None:
+        return statistics.median(self.save_s) if self.save_s else None
+
+
+def history(events: Iterable[Mapping[str, Any]], current: tuple[Any, Any] | None = None) -> History:
+    """Run time, interruptions and save costs from an event stream (pure).
+
+    Run time: from each worker group's start to its last event. Interruptions: a crash, a
+    hang, an agreed stop other than a time limit, and a worker group that vanished without an
+    end (killed, its node lost). ``current`` (allocation, restart) is the group asking, alive.
+    """
+    incarnations: dict[tuple[Any, Any], list[float]] = {}
+    ends: set[tuple[Any, Any]] = set()
+    interruptions = 0
+    block, total = [], []
+    for e in events:
+        ev = e.get("ev")
+        if ev == "hang":
+            interruptions += 1
+            continue
+        if e.get("rank") != 0:
+            continue
+        key = (e.get("alloc"), e.get("restart"))
+        span = incarnations.setdefault(key, [e["t"], e["t"]])
+        span[0], span[1] = min(span[0], e["t"]), max(span[1], e["t"])
+        if ev == "crash":
+            interruptions += 1
+            ends.add(key)
+        elif ev == "stop_begin":
+            ends.add(key)
+            interruptions += e.get("kind") != "time_limit"
+        elif ev in ("session_end", "stop_end"):
+            ends.add(key)
+        elif ev == "ckpt_save" and e.get("block_s") is not None:
+            block.append(float(e["block_s"]))
+        elif ev == "ckpt_commit" and e.get("save_s") is not None:
+            total.append(float(e["save_s"]))
+    interruptions += sum(1 for key in incarnations if key not in ends and key != current)
+    observed = sum(b - a for a, b in incarnations.values())
+    return History(observed, interruptions, tuple(block), tuple(total))

@@ -1,0 +1,337 @@
+"""``events.jsonl``: the life of a job as timestamped events, for ``hpc report``.
+
+Each line is one JSON object ``{"t": wall time, "ev": name, "alloc": A, "node": host, ...}``.
+The per-node launchers write the allocation's frame (``alloc_start``, the agent's rendezvous
+rounds and worker starts, the signals it forwarded, ``alloc_end`` with the same kind as
+``outcomes.jsonl``); rank 0's :class:`~runtime.session.Session` writes what the training does
+(``session_start``, ``rendezvous``, ``restore_begin/end``, ``loop_start``, ``first_step``, a
+``steps`` summary every few seconds, ``ckpt_save``/``ckpt_commit``, ``stop_begin/end``,
+``crash``, ``session_end``). :mod:`hpc.report.ledger` turns them into a goodput ledger.
+
+Why it is cheap and still durable: the file is opened once with ``O_APPEND`` and every event is
+a single ``os.write`` of one line (lines from several processes never interleave; a crashed
+process loses nothing it wrote, the kernel has it). Nothing here calls ``fsync`` on the training
+path: a daemon thread ``fdatasync``s the file every :data:`SYNC_EVERY_S` seconds when something
+was written, so a node crash loses at most the last few seconds. Steps are not events: a
+:class:`StepSummary` counts them and emits one ``steps`` event per :data:`SUMMARY_EVERY_S`.
+Bookkeeping never stops training: write errors are logged once and the log goes quiet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc.contract.events import EVENTS
+
+log = logging.getLogger("hpc.events")
+SUMMARY_EVERY_S = 5.0       # one ``steps`` event per this many seconds of training
+SYNC_EVERY_S = 3.0          # the background fdatasync period (crash durability)
+
+
+class NullEventLog:
+    """The recorder on ranks that record nothing (every rank but 0): every call is a no-op."""
+
+    def emit(self, ev: str, t: float | None = None, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EventLog(NullEventLog):
+    """Appends events for one process to ``JOB_DIR/events.jsonl``.
+
+    Args:
+        job_dir: The job directory.
+        allocation: The allocation these events belong to.
+        base: Fields every event carries (``rank``, ``restart``, ``node_rank``...).
+        sync_every_s: fdatasync period in a daemon thread (0: never).
+    """
+
+    def __init__(self, job_dir: str | Path, *, allocation: int, sync_every_s: float = SYNC_EVERY_S,
+                 **base: Any) -> None:
+        self._base = {"alloc": allocation, "node": socket.gethostname(), **base}
+        self._fd: int | None = None
+        self._dirty = False
+        self._stop = threading.Event()
+        try:
+            self._fd = os.open(Path(job_dir) / EVENTS,
+                               os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            log.warning("cannot record events in %s: %s", job_dir, e)
+            return
+        if sync_every_s > 0:
+            threading.Thread(target=self._syncer, args=(sync_every_s,), name="hpc-events-sync",
+                             daemon=True).start()
+
+    def emit(self, ev: str, t: float | None = None, **fields: Any) -> None:
+        """Appends one event (``t`` defaults to now, wall time) in a single write."""
+        if self._fd is None:
+            return
+        record = {"t": round(time.time() if t is None else t, 4), "ev": ev, **self._base, **fields}
+        try:
+            os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+            self._dirty = True
+        except OSError as e:
+            log.warning("cannot record event %s: %s (no more events from this process)", ev, e)
+            self.close()
+
+    def _syncer(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self._sync()
+
+    def _sync(self) -> None:
+        fd = self._fd
+        if fd is not None and self._dirty:
+            self._dirty = False
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Flushes to disk and closes (idempotent)."""
+        self._stop.set()
+        self._sync()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class StepSummary:
+    """Counts finished steps and emits one ``steps`` event per ``every_s`` seconds.
+
+    ``done(step, now)`` is the only call on the training path: a few attribute updates and a
+    comparison. The window ``[t0, t]`` covers the steps ``first..last`` (steps done, as the
+    checkpoint step counts them) back to back, so productive time is the union of windows.
+
+    Args:
+        events: Where to emit.
+        start_step: The step the loop starts at (steps done before it).
+        t0: Wall time the loop started.
+        every_s: Seconds per summary.
+    """
+
+    def __init__(self, events: NullEventLog, start_step: int, t0: float,
+                 every_s: float = SUMMARY_EVERY_S) -> None:
+        self.events, self.every_s = events, every_s
+        self._t0, self._first, self._last, self._count = t0, start_step + 1, start_step, 0
+        self._t_last = t0
+
+    def done(self, step: int, now: float) -> None:
+        """Records that ``step`` steps are done at wall time ``now``."""
+        self._last, self._t_last = step, now
+        self._count += 1
+        if now - self._t0 >= self.every_s:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        """Emits the open window (if it holds steps) and starts the next one.
+
+        Without ``now`` the window ends when its last step did (a stop or a crash comes later).
+        """
+        if self._count:
+            now = self._t_last if now is None else now
+            self.events.emit("steps", t=now, t0=round(self._t0, 4), first=self._first,
+                             last=self._last, count=self._count)
+            self._t0, self._first, self._count = now, self._last + 1, 0
+
+
+def process_start_time() -> float | None:
+    """Wall time this process started (Linux /proc), or None: spawn-to-Session is start-up."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+class AgentEvents(logging.Handler):
+    """Turns torch's elastic-agent events into ours (installed by the launcher on each node).
+
+    The agent records its rendezvous rounds (``RENDEZVOUS`` with ``duration_ms``) and each
+    worker's start (``START``) on the ``torchelastic-events-null`` logger; both mark where a
+    group formed or re-formed, which the workers alone can not tell.
+    """
+
+    LOGGER = "torchelastic-events-null"
+
+    def __init__(self, events: NullEventLog) -> None:
+        super().__init__(level=logging.INFO)
+        self.events = events
+
+    def install(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:  # never raises into the agent
+        try:
+            meta = json.loads(record.getMessage()).get("metadata") or {}
+            inner = json.loads(meta.get("metadata") or "{}")
+            state, now = meta.get("state"), time.time()
+            if state == "RENDEZVOUS" and meta.get("duration_ms") is not None:
+                dur = float(meta["duration_ms"]) / 1e3
+                self.events.emit("agent_rendezvous", t=now, t0=round(now - dur, 4),
+                                 agent_restarts=meta.get("agent_restarts"))
+            elif state == "START" and list(inner.get("local_rank") or [None])[0] == 0:
+                self.events.emit("workers_started", t=now, agent_restarts=meta.get("agent_restarts"),
+                                 nodes=inner.get("group_world_size"))
+        except Exception:  # noqa: BLE001 - bookkeeping only
+            pass
+
+
+
+class SessionRecorder:
+    """What rank 0's :class:`~runtime.session.Session` records; every rank runs the interval.
+
+    The Session calls one method per moment of a worker's life; on other ranks the events go
+    to a :class:`NullEventLog`. ``--checkpoint-interval auto`` is tuned here too (all ranks
+    set a minute interval so the checkpointer's collective decision runs everywhere; rank 0's
+    value decides).
+    """
+
+    def __init__(self, job_dir: Path, *, rank: int, allocation: int, restart: int,
+                 world_size: int) -> None:
+        self.job_dir, self.rank = Path(job_dir), rank
+        self.key = (allocation, restart)
+        self.events: NullEventLog = NullEventLog()
+        if rank == 0:
+            self.events = EventLog(job_dir, allocation=allocation, rank=0, restart=restart)
+        self.events.emit("session_start", t_proc=process_start_time(), world_size=world_size)
+        self._steps: StepSummary | None = None
+        self._committed: int | None = None
+        self._estimated_prior: float | None = None
+        self._first = False
+
+    def emit(self, ev: str, **fields: Any) -> None:
+        self.events.emit(ev, **fields)
+
+    # --- the loop -------------------------------------------------------------------------
+    def loop_start(self, step: int) -> None:
+        self.events.emit("loop_start", step=step)
+        self._steps = StepSummary(self.events, step, time.time())
+        self._first = True
+
+    def step_done(self, step: int) -> None:
+        """After every step (the only per-step call)."""
+        if self._steps is not None:
+            now = time.time()
+            self._steps.done(step, now)
+            if self._first:
+                self._first = False
+                self.events.emit("first_step", t=now, step=step)
+
+    def flush_steps(self) -> None:
+        if self._steps is not None:
+            self._steps.flush()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def saved(self, ckpt: Any, step: int) -> None:
+        """After ``Checkpointer.save``: what it blocked, and any commit it completed."""
+        self.events.emit("ckpt_save", step=step, block_s=round(ckpt.last_block_s or 0.0, 4))
+        self.check_commit(ckpt)
+
+    def check_commit(self, ckpt: Any) -> None:
+        latest = ckpt.latest_step() if ckpt is not None else None
+        if latest is not None and latest != self._committed:
+            self._committed = latest
+            self.events.emit("ckpt_commit", step=latest, save_s=round(ckpt.last_save_s or 0.0, 4))
+            if self._estimated_prior is not None:   # the first measured save: tune again
+                prior, self._estimated_prior = self._estimated_prior, None
+                self._tune(ckpt, prior)
+
+    def restored(self, ckpt: Any, step: int, from_checkpoint: bool, mode: str) -> None:
+        """After the restore; ``--checkpoint-interval auto[:MTBF]`` is tuned here (all ranks)."""
+        from hpc.contract.interval import prior_mtbf_s
+
+        self.events.emit("restore_end", step=step, from_checkpoint=from_checkpoint)
+        self._committed = ckpt.latest_step() if ckpt is not None else None
+        prior = prior_mtbf_s(mode)
+        if prior is not None and ckpt is not None:
+            self._tune(ckpt, prior)
+
+    def _tune(self, ckpt: Any, prior: float) -> None:
+        import dataclasses
+
+        from hpc.contract.events import read_events
+        from hpc.report import young_daly
+
+        hist = young_daly.history(read_events(self.job_dir) if self.rank == 0 else [], current=self.key)
+        cost, total, source = hist.save_cost_s, hist.save_total_s, "measured"
+        if cost is None:
+            cost = total = float(ckpt.estimated_save_s())
+            source, self._estimated_prior = "estimated", prior
+        choice = young_daly.choose(save_cost_s=cost, save_total_s=total or cost, prior_mtbf_s=prior,
+                                   observed_s=hist.observed_s, interruptions=hist.interruptions,
+                                   source=source)
+        ckpt.schedule = dataclasses.replace(ckpt.schedule, every_min=choice.every_s / 60.0)
+        self.events.emit("ckpt_interval", **choice.to_dict())
+        if self.rank == 0:
+            log.info("checkpoint interval auto: every %.0fs = sqrt(2 x save %.3fs (%s) x MTBF %.0fs; "
+                     "%d interruption(s) in %.0fs + prior %.0fs)", choice.every_s, cost, source,
+                     choice.mtbf_s, hist.interruptions, hist.observed_s, prior)
+
+    # --- stops and the end ----------------------------------------------------------------
+    def stop_begin(self, kind: str, signal: str) -> None:
+        self.flush_steps()
+        self.events.emit("stop_begin", kind=kind, signal=signal)
+
+    def closing(self, error: BaseException | None, step: int) -> None:
+        """First thing on every exit path: the last step window, and the crash if any."""
+        self.flush_steps()
+        self._steps = None
+        if error is not None:
+            self.events.emit("crash", step=step, error=f"{type(error).__name__}: {error}"[:300])
+
+    def close(self, ckpt: Any, error: BaseException | None, step: int) -> None:
+        """Last thing: any commit the final wait completed, the end; the file is synced."""
+        self.check_commit(ckpt)
+        self.events.emit("session_end", ok=error is None, step=step)
+        self.events.close()
+
+
+class _NullRecorder:
+    """Before ``Session.start``: every recorder call does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+NULL_RECORDER: Any = _NullRecorder()
+
+
+class LauncherRecorder:
+    """What a node's launcher records: the allocation's frame, the agent's rounds, signals."""
+
+    def __init__(self, job_dir: Path, *, allocation: int, node_rank: int, slurm_job_id: str) -> None:
+        self.job_dir, self.allocation = Path(job_dir), allocation
+        self.events = EventLog(job_dir, allocation=allocation, node_rank=node_rank, sync_every_s=0)
+        # The launcher's own start-up (imports, network checks) is the allocation's too.
+        self.events.emit("alloc_start", t=process_start_time(), slurm_job_id=slurm_job_id)
+        AgentEvents(self.events).install()
+
+    def end(self, code: int, signals: list[tuple[float, str]]) -> None:
+        """After the agent: the signals it forwarded, then ``alloc_end`` with the recorded kind."""
+        from hpc.contract import jobdir
+
+        for t, name in signals:
+            self.events.emit("signal", t=t, signal=name)
+        mine = [o for o in jobdir.read_outcomes(self.job_dir) if o.allocation == self.allocation]
+        kind = mine[-1].kind if mine else ""
+        self.events.emit("alloc_end", kind=kind, exit_code=code)
+        self.events.close()
