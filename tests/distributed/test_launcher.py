@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,206 @@ def test_application_error_is_named_in_the_outcome(tmp_path: Path):
     last = outcomes(job)[-1]
     assert last["kind"] == "app_error"
     assert "boom: injected failure in rank 1" in last["reason"]
+
+
+# --------------------------------------------------------------------------- hpc run owns its job
+
+TRAIN = REPO / "examples" / "train_gpt.py"
+
+
+def marked_env(marker: str) -> dict[str, str]:
+    """The environment for an `hpc run` whose every process (launchers, workers) carries
+    ``marker``: the process table then tells whether any of them survived."""
+    return dict(os.environ, HPC_TEST_MARKER=marker, WANDB_MODE="offline")
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds ``marker``."""
+    needle = f"HPC_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0") and alive(int(entry.name)):
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def start_training(job: Path, marker: str, **popen: object) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--preset", "tiny", "--step-sleep", "0.2"]
+    kwargs: dict = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kwargs.update(popen)
+    return subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), start_new_session=True, **kwargs)
+
+
+def training_started(job: Path) -> bool:
+    return any("start step" in f.read_text(errors="replace")
+               for f in job.glob("logs/alloc-*/restart-*/rank-0.log"))
+
+
+def kill_leftovers(marker: str) -> None:
+    for pid in marked_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_signal_to_hpc_run_saves_stops_and_leaves_no_process(tmp_path: Path, sig: signal.Signals):
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    p = start_training(job, marker)
+    try:
+        wait_for(lambda: training_started(job), timeout=120, what="training to start")
+        time.sleep(1.0)
+        assert len(marked_processes(marker)) >= 5          # hpc run, launcher, agent's workers
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 75, out                     # stopped, resumable
+        assert f"hpc run: {sig.name}: asking the workers to save and stop" in out
+        wait_for(lambda: not marked_processes(marker), timeout=5, what="no process of the job left")
+        last = outcomes(job)[-1]
+        assert last["kind"] == "preempted" and last["step"] and last["step"] > 0, last
+        assert (job / "checkpoints" / "latest").read_text().strip() == f"step-{last['step']:06d}"
+        assert not (job / ".hpc-lock.json").exists()      # the next run may start
+    finally:
+        kill_leftovers(marker)
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_terminal_hangup_stops_the_job_and_leaves_no_process(tmp_path: Path):
+    """The real thing: `hpc run` in a terminal that goes away (ssh dropped, window closed)."""
+    import fcntl
+    import pty
+    import select
+    import termios
+    import threading
+
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    master, slave = pty.openpty()
+
+    def own_terminal() -> None:                             # after setsid: the pty is ours
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    p = start_training(job, marker, stdin=slave, stdout=slave, stderr=slave,
+                       preexec_fn=own_terminal)
+    os.close(slave)
+    seen, hang_up = bytearray(), threading.Event()
+
+    def terminal() -> None:
+        # Only this thread touches the master: a close while another thread reads it would
+        # not release the terminal, and there would be no hangup.
+        while not hang_up.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    seen.extend(os.read(master, 65536))
+                except OSError:
+                    break
+        os.close(master)                                    # the terminal hangs up
+
+    reader = threading.Thread(target=terminal, daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: training_started(job), timeout=120, what="training to start")
+        time.sleep(1.0)
+        hang_up.set()
+        assert p.wait(timeout=120) == 75, bytes(seen).decode(errors="replace")[-3000:]
+        wait_for(lambda: not marked_processes(marker), timeout=5, what="no process of the job left")
+        last = outcomes(job)[-1]
+        assert last["kind"] == "preempted" and last["step"] and last["step"] > 0, last
+    finally:
+        kill_leftovers(marker)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_killed_hpc_run_leaves_no_process_and_the_job_resumes(tmp_path: Path):
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    p = start_training(job, marker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: training_started(job), timeout=120, what="training to start")
+        time.sleep(1.0)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        # The launchers learn of it from the kernel (PR_SET_PDEATHSIG): the workers save and stop.
+        wait_for(lambda: not marked_processes(marker), timeout=20, what="no process of the job left")
+        last = outcomes(job)[-1]
+        assert last["kind"] == "preempted" and last["step"] > 0, last
+        # The dead run's lock does not block the same command, which resumes where it stopped.
+        again = start_training(job, marker)
+        out, _ = again.communicate(timeout=300)
+        assert again.returncode == 0, out
+        assert "checkpoint: resumed from" in out and outcomes(job)[-1]["kind"] == "finished"
+    finally:
+        kill_leftovers(marker)
+
+
+def test_second_run_on_a_job_dir_in_use_is_refused(tmp_path: Path):
+    job = tmp_path / "job"
+    first = hpc_run(job, "--seconds", "6")
+    try:
+        wait_for(lambda: (job / "pid-0-0").exists(), what="the first job's workers")
+        spec_before = (job / "jobspec.json").read_text()
+        second = hpc_run(job, "--seconds", "1", nproc=1)
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 2, out
+        assert str(job) in out and f"pid {first.pid} on host {socket.gethostname()}" in out, out
+        assert "since " in out and f"kill -TERM {first.pid}" in out, out
+        assert (job / "jobspec.json").read_text() == spec_before   # nothing of the first touched
+        out, _ = first.communicate(timeout=120)
+        assert first.returncode == 0, out
+        assert [o["kind"] for o in outcomes(job)] == ["finished"]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mnt = tmp_path / "small disk"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.fail(f"cannot mount a 4 MiB tmpfs for the full-disk test (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_filling_up_ends_with_an_outcome_that_names_the_disk(small_disk: Path, tmp_path: Path):
+    job = small_disk / "job"
+    filler = REPO / "tests" / "distributed" / "scripts" / "disk_filler.py"
+    p = subprocess.run([sys.executable, "-m", "hpc", "run", str(filler), "--nproc-per-node", "2",
+                        "--job-dir", str(job), "--max-restarts", "0"], cwd=REPO, timeout=120,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = "\n".join(x for x in p.stdout.splitlines() if not x.endswith("xxxxxxxxxx"))
+    assert p.returncode == 1, out
+    last = outcomes(job)[-1]                                # recorded, on the full disk itself
+    assert last["kind"] == "app_error"
+    assert "disk full (ENOSPC)" in last["reason"] and str(job) in last["reason"], last
+    assert " free of 4.0 MiB" in last["reason"], last
+    assert "hpc run: app_error (disk full (ENOSPC)" in out, out[-2000:]
+
+
+def test_full_disk_before_start_is_refused(small_disk: Path):
+    (small_disk / "ballast").write_bytes(b"\1" * (3 * 1024 * 1024 + 512 * 1024))
+    job = small_disk / "job"
+    p = hpc_run(job, "--seconds", "1")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2, out
+    assert "no space left on device (ENOSPC)" in out and str(job) in out and " free of " in out, out
+    assert not (job / "jobspec.json").exists()
