@@ -35,6 +35,7 @@ from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from runtime.env import SlurmEnv
+from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.requeue import claim, decide_requeue
@@ -64,7 +65,7 @@ NODE0_OUTCOME_WAIT_S = 15.0
 
 # Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
 EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
-              "node_failure": 76, "cancelled": 130}
+              "node_failure": 76, "cancelled": 130, "hang": 1}
 
 
 def env_defaults(current: Mapping[str, str], wanted: Mapping[str, tuple[str, str]]) -> list[EnvChange]:
@@ -289,6 +290,10 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         log_line_prefix_template="[rank${rank}]: ",
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )
+    # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
+    watchdog = Watchdog.for_job(plan.job_dir, spec.stall_timeout, allocation=plan.allocation,
+                                node_rank=plan.node_rank)
+    watchdog.start()
     started = time.time()
     reason, result = "", "succeeded"
     try:
@@ -310,10 +315,12 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
         log.exception("the elastic agent failed")
         result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
+    watchdog.stop()
     intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
     if intent and intent.get("time", 0) < started:
         intent = None
     kind = classify(result, intent, plan.allocation)
+    kind, reason, hangs = watchdog.amend(kind, reason)   # "hang" when a stall ended it
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))
@@ -351,7 +358,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             node=socket.gethostname(), slurm_job_id=slurm.job_id,
             restarts=int(progress.get("restart", 0)), world_size=int(progress.get("world_size", 0)),
             start_step=progress.get("start_step"), last_step=last,
-            lost_steps=max(0, last - (saved or 0)) if last is not None else None))
+            lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs))
     log.info("requeue: %s", decision.reason)
     if decision.requeue and claim(plan.job_dir, plan.allocation):
         from hpc.contract.slurm import SlurmClient, SlurmError

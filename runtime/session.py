@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from hpc.contract import jobdir
 from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
+from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
@@ -84,6 +86,8 @@ class Session:
         self._poll_every = 1
         self._start_step = 0
         self._owns_group = False
+        self._beat: Any = NullHeartbeat()
+        self._timeout_note = ""
 
     # --- lifecycle -----------------------------------------------------------------------
     @property
@@ -119,6 +123,10 @@ class Session:
 
         import numpy as np
 
+        # The node's stall watchdog reads this from now on (phase start-up, a long budget).
+        self._beat = writer_for(self.env.job.heartbeat_dir, rank=self.rank,
+                                local_rank=self.env.local_rank, restart=self.restart_count)
+        self.timeout = self._collective_timeout()
         if torch.cuda.is_available():
             self.device = torch.device("cuda", self.env.local_rank)
             torch.cuda.set_device(self.device)
@@ -150,9 +158,12 @@ class Session:
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
                      self.world_size, backend, self.device, self.restart_count, self.env.allocation)
+            log.info("session: %s", self._timeout_note or
+                     f"collective timeout {self.timeout.total_seconds():.0f}s")
 
     def close(self, error: BaseException | None = None) -> None:
         """Flushes any save in flight, closes sinks and the process group (every exit path)."""
+        self._beat.enter("exit")
         try:
             if self._checkpointer is not None and error is None:
                 self._checkpointer.wait()
@@ -167,6 +178,49 @@ class Session:
                 if error is None:
                     dist.barrier(group=self.cpu_group)
                 dist.destroy_process_group()
+            self._beat.close()
+
+    @contextmanager
+    def phase(self, name: str, *, budget_s: float | None = None) -> Iterator[None]:
+        """Marks a long stretch of the loop (evaluation, a data reload...) for the stall watch.
+
+        Inside it, this rank may go without progress for the phase's budget instead of the
+        deadline of an ordinary step: ``eval`` and ``save`` have their own budgets
+        (:data:`runtime.liveness.deadline.PHASE_BUDGETS_S`), another name gets 30 minutes
+        unless ``budget_s`` says otherwise. Ranks waiting for this one (here or on other
+        nodes) are not declared stuck while it lasts. Phases nest; no collective is involved.
+
+        Args:
+            name: The phase, e.g. ``"eval"``.
+            budget_s: Seconds this phase may take on this rank.
+        """
+        self._beat.enter(name, budget_s)
+        try:
+            yield
+        finally:
+            self._beat.leave()
+
+    def _collective_timeout(self) -> timedelta:
+        """The process groups' timeout, coherent with the stall watch.
+
+        When the launcher's stall watch is on, it notices a stall long before any collective
+        timeout, and the timeout is only the backstop: it must then outlast the longest phase
+        a peer may legitimately be in while others wait (a rank-0 evaluation), or a healthy
+        run would fail in a barrier. Without the watch the given ``timeout_s`` stands.
+        """
+        from runtime.liveness.deadline import policy_from_spec
+
+        policy = policy_from_spec(self.spec.stall_timeout) if self.spec is not None else None
+        if isinstance(self._beat, NullHeartbeat) or policy is None:
+            return self.timeout
+        wanted = timedelta(seconds=policy.longest_s + 60)
+        if wanted > self.timeout:
+            self._timeout_note = (f"collective timeout {wanted.total_seconds():.0f}s (asked "
+                                  f"{self.timeout.total_seconds():.0f}s): it must outlast the longest "
+                                  f"phase budget ({policy.longest_s:.0f}s); the stall watch catches "
+                                  "stalls first")
+            return wanted
+        return self.timeout
 
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
@@ -229,7 +283,8 @@ class Session:
             every_steps=(spec.checkpoint_every_steps or None) if spec else None,
             every_min=(spec.checkpoint_every_min or None) if spec else None, seed=self.seed,
         )
-        manifest = self._checkpointer.load_latest(self._app_state)
+        with self.phase("restore"):
+            manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0
         meta = dict(manifest.metadata) if manifest else {}
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"))
@@ -242,7 +297,8 @@ class Session:
     def save(self, *, blocking: bool = True) -> None:
         """Saves a checkpoint of the registered state at the current step (all ranks)."""
         assert self._checkpointer is not None, "call restore() before save()"
-        self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
+        with self.phase("save"):
+            self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
 
     def _metadata(self) -> dict[str, Any]:
         return {"wandb_run_id": getattr(self._sink, "run_id", None), "world_size": self.world_size,
@@ -262,12 +318,15 @@ class Session:
             from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
         step_times: list[float] = []
+        self._beat.set_base("step")
         tick = time.perf_counter()
         for step in range(start, stop):
             yield step
             self.step = step + 1
             now = time.perf_counter()
             step_times.append(now - tick)
+            # The first step (compilation, warm-up) is no sample of an ordinary one.
+            self._beat.step_done(self.step, now - tick if len(step_times) > 1 else None)
             tick = now
             self._end_of_step(last=self.step == stop)
             done = self.step - start

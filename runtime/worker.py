@@ -61,6 +61,10 @@ def main(argv: list[str]) -> None:
     job = JobEnvironment.from_env(os.environ)
     bind_to_parent(job.agent_pid)
     record_early_warning()
+    if job.heartbeat_dir:   # the launcher's stall watchdog can ask for this process's stacks
+        from runtime.liveness.stacks import install
+
+        install(job.heartbeat_dir)
     if job.merge_stderr:
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())

@@ -25,6 +25,7 @@ MERGE_STDERR = "HPC_MERGE_STDERR"        # "1": workers write stderr into their 
 JOB_END_TIME = "HPC_JOB_END_TIME"        # wall time of the job's time limit (from Slurm)
 GRACE_S = "HPC_GRACE_S"                  # the partition's preemption GraceTime
 PROGRESS_EVERY_S = "HPC_PROGRESS_EVERY_S"  # how often rank 0 writes progress.json (tests)
+HEARTBEAT_DIR = "HPC_HEARTBEAT_DIR"      # node-local directory of the workers' heartbeats
 
 
 def _float(env: Mapping[str, str], name: str) -> float | None:
@@ -54,6 +55,7 @@ class JobEnvironment:
     job_end_time: float | None = None
     grace_s: float | None = None
     progress_every_s: float | None = None
+    heartbeat_dir: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobEnvironment:
@@ -67,7 +69,8 @@ class JobEnvironment:
             rdzv_host=env.get(RDZV_HOST, ""), warning_signal=env.get(WARNING_SIGNAL, ""),
             pending_warning=env.get(PENDING_WARNING, ""), agent_pid=_int(env, AGENT_PID),
             merge_stderr=env.get(MERGE_STDERR, "") == "1", job_end_time=_float(env, JOB_END_TIME),
-            grace_s=_float(env, GRACE_S), progress_every_s=_float(env, PROGRESS_EVERY_S))
+            grace_s=_float(env, GRACE_S), progress_every_s=_float(env, PROGRESS_EVERY_S),
+            heartbeat_dir=env.get(HEARTBEAT_DIR, ""))
 
     def to_env(self) -> dict[str, str]:
         """The variables to set (fields left empty are not set)."""
@@ -75,7 +78,7 @@ class JobEnvironment:
                  "warning_signal": WARNING_SIGNAL, "pending_warning": PENDING_WARNING,
                  "agent_pid": AGENT_PID, "merge_stderr": MERGE_STDERR,
                  "job_end_time": JOB_END_TIME, "grace_s": GRACE_S,
-                 "progress_every_s": PROGRESS_EVERY_S}
+                 "progress_every_s": PROGRESS_EVERY_S, "heartbeat_dir": HEARTBEAT_DIR}
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

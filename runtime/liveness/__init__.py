@@ -1,0 +1,26 @@
+"""Liveness: notice a job that stops making progress while every process is still alive.
+
+torch's elastic agent watches process exits only. A frozen worker, a rank stuck in its data
+loading, a node whose link was cut (its processes live on, nothing closes a socket) leave every
+rank blocked in a collective until the process group's timeout (600 s by default). This
+package turns such silent stalls into an ordinary worker failure within seconds, with the
+evidence kept:
+
+- :mod:`.heartbeat`: each worker's Session writes a tiny per-rank record (step, phase, time,
+  recent p99 step time) into a node-local directory, at most about once a second, without
+  fsync and without any collective.
+- :mod:`.deadline`: the pure stall deadline ``max(floor, k x recent p99 step time)``, with
+  phases known to be long (start-up, restore, the first steps, a save, evaluation) given
+  their own budgets; ``--stall-timeout auto|off|SECONDS``.
+- :mod:`.verdict`: pure: from the records, the processes' states and the clock, is this node
+  stalled, and which rank is the suspect.
+- :mod:`.stacks`: the worker side registers ``faulthandler`` on :data:`.stacks.DUMP_SIGNAL`;
+  the launcher side asks for and collects the dumps into one file in the job directory.
+- :mod:`.watchdog`: the launcher's thread that ties these together: on a stall it dumps the
+  stacks, records a ``hang`` event, and SIGKILLs the node's workers so the elastic agents
+  re-form the group (without a node that cannot reach the rendezvous any more) and the
+  workers resume from the last checkpoint.
+- :mod:`.events`: the ``hangs.jsonl`` event log in the job directory (any node appends).
+
+Nothing here imports torch: the launcher's thread and ``hpc status`` use it too.
+"""

@@ -1,0 +1,108 @@
+"""How long a rank may go without progress before it counts as stalled (pure).
+
+An ordinary step gets ``max(floor_s, k x p99)`` of the recent step times: adaptive, so a job
+with 50-ms steps is caught in seconds and one with 40-s steps is not killed for a slow step,
+and based on a high quantile with a wide factor, so heavy jitter does not trip it. Phases that
+are known to be long and rare get their own budget instead: start-up (imports, process-group
+init, rendezvous), restore, the first steps after a (re)start (compilation, warm-up, allocator
+growth), a checkpoint save, evaluation, and any phase a user marks with ``session.phase(...)``.
+Every function here is pure: the tests feed recorded step-time series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hpc.contract.stall import AUTO, OFF, stall_seconds
+
+STEP = "step"
+# Budgets of the phases known to be long, in seconds.
+PHASE_BUDGETS_S: Mapping[str, float] = {
+    "startup": 900.0,   # imports, process-group init, rendezvous; the PG init has its own timeout
+    "restore": 900.0,   # loading (and resharding) a checkpoint
+    "save": 900.0,      # a blocking checkpoint save
+    "eval": 1800.0,
+    "exit": 600.0,      # flushing saves, the final barrier
+}
+USER_PHASE_S = 1800.0   # a phase a user named without a budget
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """The knobs of the stall deadline.
+
+    Args:
+        floor_s: The least deadline of an ordinary step (auto mode).
+        k: Multiple of the recent p99 step time (auto mode).
+        fixed_s: A fixed ordinary-step deadline (``--stall-timeout SECONDS``); None: auto.
+        first_steps: Steps after a (re)start that get ``first_steps_s`` (compilation, warm-up).
+        first_steps_s: Budget of each of those first steps.
+        phase_budgets_s: Budgets of the named long phases.
+        min_samples: Step times needed before the p99 counts; fewer: the floor alone.
+    """
+
+    floor_s: float = 20.0
+    k: float = 10.0
+    fixed_s: float | None = None
+    first_steps: int = 3
+    first_steps_s: float = 900.0
+    phase_budgets_s: Mapping[str, float] = field(default_factory=lambda: dict(PHASE_BUDGETS_S))
+    min_samples: int = 5
+
+    def __post_init__(self) -> None:
+        assert self.floor_s > 0 and self.k > 0 and self.first_steps >= 0
+        assert self.fixed_s is None or self.fixed_s > 0
+
+    @property
+    def longest_s(self) -> float:
+        """The longest any rank may legitimately wait (the collective timeout must exceed it)."""
+        return max([self.first_steps_s, USER_PHASE_S, *self.phase_budgets_s.values()])
+
+
+def policy_from_spec(stall_timeout: str) -> StallPolicy | None:
+    """The policy for a JobSpec's ``stall_timeout`` (``auto``, ``off``, seconds); None: off."""
+    if stall_timeout == OFF:
+        return None
+    if stall_timeout == AUTO:
+        return StallPolicy()
+    return StallPolicy(fixed_s=stall_seconds(stall_timeout))
+
+
+def p99(times: Sequence[float]) -> float | None:
+    """The 99th percentile (nearest rank) of ``times``, or None when empty."""
+    if not times:
+        return None
+    ordered = sorted(times)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def step_deadline_s(policy: StallPolicy, p99_s: float | None, samples: int) -> float:
+    """The deadline of an ordinary step after the first ones."""
+    if policy.fixed_s is not None:
+        return policy.fixed_s
+    if p99_s is None or samples < policy.min_samples:
+        return policy.floor_s
+    return max(policy.floor_s, policy.k * p99_s)
+
+
+def deadline_s(policy: StallPolicy, *, phase: str, steps_done: int, p99_s: float | None,
+               samples: int, budget_s: float | None = None) -> float:
+    """Seconds a rank in ``phase`` may go without a new heartbeat.
+
+    Args:
+        policy: The knobs.
+        phase: ``step`` (training) or a long phase (``save``, ``eval``, a user's name).
+        steps_done: Steps this worker completed since it (re)started.
+        p99_s: Its recent p99 step time, if measured.
+        samples: How many step times that p99 is over.
+        budget_s: The budget the phase was opened with (``session.phase(name, budget_s=)``).
+    """
+    ordinary = step_deadline_s(policy, p99_s, samples)
+    if phase == STEP:
+        if steps_done < policy.first_steps:
+            return max(ordinary, policy.first_steps_s)
+        return ordinary
+    budget = budget_s if budget_s is not None else policy.phase_budgets_s.get(phase, USER_PHASE_S)
+    return max(ordinary, budget)

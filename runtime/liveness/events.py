@@ -1,0 +1,67 @@
+"""``hangs.jsonl``: one line per stall a node's watchdog acted on (any node appends).
+
+A stall ends one worker group, not the allocation: the agents re-form and the job goes on,
+so it is not an outcome of its own in ``outcomes.jsonl`` (one line per allocation). The
+detail lives here, written when the watchdog acts; the allocation's outcome then sums it up
+(kind ``hang`` when the allocation ended because of one, a note when it recovered).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HANGS = "hangs.jsonl"
+
+
+@dataclass(frozen=True)
+class HangEvent:
+    """One stall a watchdog detected and acted on."""
+
+    allocation: int
+    node: str
+    node_rank: int
+    reason: str                      # the verdict: who and why
+    suspect_rank: int | None
+    stacks: str                      # the stack file, relative to the job directory
+    step: int | None = None          # the lowest step among the node's ranks
+    time: float = 0.0
+    ranks: tuple[str, ...] = field(default_factory=tuple)   # one line per local rank
+
+    def summary(self) -> str:
+        """One line for outcomes and ``hpc status``."""
+        who = f"rank {self.suspect_rank}" if self.suspect_rank is not None else "a peer off this node"
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"stall on {self.node}{at}, suspect {who}: {self.reason} (stacks {self.stacks})"
+
+
+def append(job_dir: Path, event: HangEvent) -> None:
+    data = asdict(event)
+    data["time"] = data["time"] or time.time()
+    fd = os.open(Path(job_dir) / HANGS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(data, sort_keys=True) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read(job_dir: Path, allocation: int | None = None) -> list[HangEvent]:
+    """The recorded stalls (of one allocation when given); unreadable lines are skipped."""
+    try:
+        lines = (Path(job_dir) / HANGS).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            data = json.loads(line)
+            data["ranks"] = tuple(data.get("ranks", ()))
+            event = HangEvent(**{k: v for k, v in data.items() if k in HangEvent.__dataclass_fields__})
+        except (ValueError, TypeError):
+            continue
+        if allocation is None or event.allocation == allocation:
+            out.append(event)
+    return out

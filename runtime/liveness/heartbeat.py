@@ -1,0 +1,177 @@
+"""Per-rank heartbeats: what each worker last did, and when, for its node's launcher to read.
+
+A worker's Session notes every completed step and every phase change (start-up, restore,
+save, eval, a user's own); at most about once a second (and at once on a phase change) it
+writes one small JSON record, ``hb-<pid>.json``, into the node-local directory the launcher
+names in ``HPC_HEARTBEAT_DIR`` (``/dev/shm`` when the node has it). The write is a temp file
+and a rename, without fsync: a reader sees the old or the new record, never a torn one, and
+the training loop never waits on a disk or a peer. The record's ``time`` is when the worker
+last made progress; the launcher compares it with the deadline of the record's phase.
+
+Without ``HPC_HEARTBEAT_DIR`` (a plain ``torchrun``), :class:`NullHeartbeat` stands in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runtime.liveness.deadline import STEP, p99
+
+WRITE_EVERY_S = 1.0
+WINDOW = 200  # step times kept for the p99
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One worker's last known progress."""
+
+    pid: int
+    rank: int
+    local_rank: int
+    restart: int
+    phase: str
+    step: int
+    steps_done: int       # steps completed since this worker started
+    time: float           # wall time of the last progress (a step or a phase change)
+    p99_s: float | None   # recent p99 step time
+    samples: int          # step times the p99 is over
+    budget_s: float | None = None   # the phase's own budget, when its opener gave one
+
+
+def path_for(directory: Path, pid: int) -> Path:
+    return Path(directory) / f"hb-{pid}.json"
+
+
+def stacks_path(directory: Path, pid: int) -> Path:
+    """Where worker ``pid``'s faulthandler writes its stacks (see :mod:`.stacks`)."""
+    return Path(directory) / f"stacks-{pid}.txt"
+
+
+def read_all(directory: Path) -> list[Heartbeat]:
+    """Every readable record in ``directory`` (a record being replaced is skipped)."""
+    out = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        if not (entry.name.startswith("hb-") and entry.name.endswith(".json")):
+            continue
+        try:
+            data = json.loads(Path(entry.path).read_text())
+            out.append(Heartbeat(**{k: data[k] for k in Heartbeat.__dataclass_fields__ if k in data}))
+        except (OSError, ValueError, TypeError):
+            continue
+    return out
+
+
+class HeartbeatWriter:
+    """The worker side: notes steps and phases, writes the record at most every ``every_s``.
+
+    Args:
+        directory: The node-local heartbeat directory.
+        rank: Global rank.
+        local_rank: Rank on this node.
+        restart: The agent's restart count of this worker.
+        every_s: Least seconds between two writes of ordinary steps.
+        clock: Wall clock (injected for tests).
+    """
+
+    def __init__(self, directory: Path, *, rank: int, local_rank: int, restart: int,
+                 every_s: float = WRITE_EVERY_S, clock: Callable[[], float] = time.time) -> None:
+        self.path = path_for(directory, os.getpid())
+        self.rank, self.local_rank, self.restart = rank, local_rank, restart
+        self.every_s = every_s
+        self.clock = clock
+        self.step = 0
+        self.steps_done = 0
+        self.phases: list[tuple[str, float | None]] = [("startup", None)]
+        self.times: deque[float] = deque(maxlen=WINDOW)
+        self._progress = clock()
+        self._written = float("-inf")
+        self.written: Heartbeat | None = None   # the record on disk now (what the watchdog reads)
+
+    @property
+    def phase(self) -> str:
+        return self.phases[-1][0]
+
+    def record(self) -> Heartbeat:
+        name, budget = self.phases[-1]
+        return Heartbeat(pid=os.getpid(), rank=self.rank, local_rank=self.local_rank,
+                         restart=self.restart, phase=name, step=self.step,
+                         steps_done=self.steps_done, time=self._progress,
+                         p99_s=p99(self.times), samples=len(self.times), budget_s=budget)
+
+    def step_done(self, step: int, seconds: float | None) -> None:
+        """Step ``step`` finished after ``seconds`` (None: the first one, not a fair sample)."""
+        self.step = step
+        self.steps_done += 1
+        if seconds is not None and self.phase == STEP:
+            self.times.append(seconds)
+        self._progress = self.clock()
+        self._write(force=False)
+
+    def enter(self, phase: str, budget_s: float | None = None) -> None:
+        """Opens ``phase`` (written at once: a long phase must be known before it runs)."""
+        self.phases.append((phase, budget_s))
+        self._progress = self.clock()
+        self._write(force=True)
+
+    def leave(self) -> None:
+        """Closes the innermost phase."""
+        if len(self.phases) > 1:
+            self.phases.pop()
+        self._progress = self.clock()
+        self._write(force=True)
+
+    def set_base(self, phase: str) -> None:
+        """Replaces the outermost phase (``startup`` -> ``step`` once the loop runs)."""
+        self.phases[0] = (phase, None)
+        self._progress = self.clock()
+        self._write(force=True)
+
+    def close(self) -> None:
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def _write(self, *, force: bool) -> None:
+        now = self.clock()
+        if not force and now - self._written < self.every_s:
+            return
+        self._written = now
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        record = self.record()
+        try:
+            tmp.write_text(json.dumps(asdict(record)))
+            os.replace(tmp, self.path)
+            self.written = record
+        except OSError:   # bookkeeping never stops training; the watchdog then sees no progress
+            pass
+
+
+class NullHeartbeat:
+    """Stands in where no launcher watches (plain torchrun, tests): every call does nothing."""
+
+    phase = STEP
+
+    def step_done(self, step: int, seconds: float | None) -> None: ...
+    def enter(self, phase: str, budget_s: float | None = None) -> None: ...
+    def leave(self) -> None: ...
+    def set_base(self, phase: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def writer_for(directory: str, *, rank: int, local_rank: int,
+               restart: int) -> HeartbeatWriter | NullHeartbeat:
+    """A writer into ``directory`` (``HPC_HEARTBEAT_DIR``), or the null one without it."""
+    if not directory or not Path(directory).is_dir():
+        return NullHeartbeat()
+    return HeartbeatWriter(Path(directory), rank=rank, local_rank=local_rank, restart=restart)

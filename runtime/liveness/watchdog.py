@@ -1,0 +1,248 @@
+"""The launcher's stall watchdog: a thread beside torch's elastic agent on every node.
+
+Twice a second it reads the local workers' heartbeats (:mod:`.heartbeat`), judges them
+against their phase's deadline (:mod:`.verdict`), and publishes a one-line summary of its node
+into the job directory (``liveness/alloc-A/node-N.json``): the latest progress of its ranks
+(a step, or a phase entered or left, e.g. a rank-0 evaluation). While any node progresses,
+ranks elsewhere that wait for it in a collective are not stuck.
+
+On a stall it:
+
+1. asks every local worker for its Python stacks (:mod:`.stacks`) and writes them, with the
+   verdict and a table of the ranks, to ``logs/alloc-A/hang-<host>-<n>.txt``;
+2. names the suspect (a stopped process, a rank outside the collective its peers wait in, or
+   "a peer on another node" when all local ranks wait in one);
+3. appends a :class:`.events.HangEvent` to ``hangs.jsonl``;
+4. SIGKILLs the node's workers. torch's agent sees a failed worker group and restarts it
+   through the rendezvous; the other nodes' agents follow (their workers' sockets to the
+   killed ones close). A node that cannot reach the rendezvous store any more (a cut link)
+   cannot join, so the survivors form a smaller world when ``--nodes MIN:MAX`` allows, and
+   resume from the last checkpoint. SIGKILL, not SIGTERM: a worker blocked in a collective
+   with the Session's SIGTERM handler (which only records) would otherwise sit out the
+   agent's 30-s grace period.
+
+The launcher touches it through three calls: :meth:`Watchdog.start` before the agent,
+:meth:`Watchdog.stop` after it, :meth:`Watchdog.amend` when it classifies the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from hpc.contract import environment as job_env
+from hpc.contract import jobdir
+from runtime.liveness import events, proc, stacks
+from runtime.liveness.deadline import StallPolicy, policy_from_spec
+from runtime.liveness.heartbeat import read_all
+from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
+
+log = logging.getLogger("hpc.liveness")
+POLL_S = 0.5
+PUBLISH_EVERY_S = 2.0
+PEER_RECORD_FRESH_S = 15.0   # a node record older than this says nothing about now
+
+
+def heartbeat_root() -> Path:
+    """Node-local and memory-backed when possible: heartbeats must never wait on a disk."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class Watchdog:
+    """Watches one node's workers; see the module docstring.
+
+    Args:
+        job_dir: The job directory (shared between nodes under Slurm).
+        allocation: The allocation index.
+        node_rank: This node's index.
+        policy: The stall policy; None disables the watch (``--stall-timeout off``).
+        agent_pid: The process whose children are the workers (the launcher: the agent
+            runs in it).
+        poll_s: Seconds between two looks.
+    """
+
+    def __init__(self, job_dir: Path, *, allocation: int, node_rank: int, policy: StallPolicy | None,
+                 agent_pid: int | None = None, poll_s: float = POLL_S) -> None:
+        self.job_dir = Path(job_dir)
+        self.allocation, self.node_rank = allocation, node_rank
+        self.policy = policy
+        self.agent_pid = agent_pid or os.getpid()
+        self.poll_s = poll_s
+        self.host = socket.gethostname()
+        self.directory = heartbeat_root() / f"hpc-liveness-{os.getuid()}-{self.agent_pid}"
+        self.hangs: list[events.HangEvent] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._published = 0.0
+        self._acted_on: set[int] = set()
+
+    @classmethod
+    def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int) -> Watchdog:
+        return cls(job_dir, allocation=allocation, node_rank=node_rank,
+                   policy=policy_from_spec(stall_timeout))
+
+    @property
+    def node_dir(self) -> Path:
+        return self.job_dir / "liveness" / f"alloc-{self.allocation}"
+
+    # --- the launcher's three calls ---------------------------------------------------
+    def start(self) -> None:
+        """Creates the heartbeat directory, names it to the workers, starts the thread."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        old = os.environ.get(job_env.HEARTBEAT_DIR)
+        os.environ[job_env.HEARTBEAT_DIR] = str(self.directory)
+        log.info("env %s=%s (was %s): node-local worker heartbeats", job_env.HEARTBEAT_DIR,
+                 self.directory, old or "unset")
+        if self.policy is None:
+            log.info("stall watch: off (--stall-timeout off): a stalled job waits for the "
+                     "collective timeout")
+            return
+        p = self.policy
+        step = f"{p.fixed_s:g}s" if p.fixed_s else f"max({p.floor_s:g}s, {p.k:g} x p99 step time)"
+        log.info("stall watch: an ordinary step may take %s; first %d steps %gs; phases %s; "
+                 "other named phases %gs", step, p.first_steps, p.first_steps_s,
+                 ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s)
+        self._thread = threading.Thread(target=self._run, name="hpc-stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def amend(self, kind: str, reason: str) -> tuple[str, str, tuple[str, ...]]:
+        """The allocation's outcome with this allocation's stalls (from every node) folded in.
+
+        Returns:
+            (kind, reason, one summary line per stall). An allocation whose workers failed
+            after a stall was acted on ends as ``hang``; one that finished keeps its kind.
+        """
+        hangs = events.read(self.job_dir, self.allocation)
+        lines = tuple(h.summary() for h in hangs)
+        if hangs and kind == "app_error":
+            return "hang", f"{lines[-1]}; then {reason}" if reason else lines[-1], lines
+        return kind, reason, lines
+
+    # --- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.check()
+            except Exception:   # the watchdog must never take the launcher down
+                log.exception("stall watch: check failed")
+
+    def check(self, now: float | None = None) -> Verdict | None:
+        """One look at the node; acts on a stall. Returns the verdict (None: no workers)."""
+        assert self.policy is not None
+        pids = set(proc.workers(self.agent_pid))
+        beats = [b for b in read_all(self.directory) if b.pid in pids and b.pid not in self._acted_on]
+        self._forget_dead(pids)
+        if not beats:
+            return None
+        now = time.time() if now is None else now
+        ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy)
+        self._publish(ranks, now)
+        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(now))
+        if verdict.stalled:
+            self._act(verdict, sorted(pids))
+        return verdict
+
+    def _act(self, verdict: Verdict, pids: list[int]) -> None:
+        log.error("stall detected: %s", verdict.reason)
+        dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
+        verdict = blame(verdict, dumps)
+        n = len(self.hangs) + 1
+        path = jobdir.alloc_log_dir(self.job_dir, self.allocation) / f"hang-{self.host}-{n}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(stack_report(verdict, dumps, host=self.host, node_rank=self.node_rank))
+        event = events.HangEvent(
+            allocation=self.allocation, node=self.host, node_rank=self.node_rank,
+            reason=verdict.reason, suspect_rank=verdict.suspect_rank,
+            stacks=str(path.relative_to(self.job_dir)), step=min(r.beat.step for r in verdict.ranks),
+            time=time.time(), ranks=tuple(r.describe() for r in verdict.ranks))
+        self.hangs.append(event)
+        try:
+            events.append(self.job_dir, event)
+        except OSError as e:
+            log.error("cannot record the stall in %s: %s", events.HANGS, e)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._acted_on.update(pids)
+        log.error("stall: suspect %s: %s; stacks in %s; killed workers %s so the agents re-form "
+                  "and resume from the last checkpoint",
+                  f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None else "off this node",
+                  verdict.reason, path, pids)
+
+    def _forget_dead(self, live: set[int]) -> None:
+        self._acted_on &= live
+        for p in self.directory.glob("*-*.*"):
+            try:
+                pid = int(p.stem.split("-", 1)[1])
+            except ValueError:
+                continue
+            if pid not in live and not Path(f"/proc/{pid}").exists():
+                p.unlink(missing_ok=True)
+
+    # --- across nodes -----------------------------------------------------------------------
+    def _publish(self, ranks: tuple[RankState, ...], now: float) -> None:
+        if now - self._published < PUBLISH_EVERY_S:
+            return
+        self._published = now
+        record = {"node": self.host, "node_rank": self.node_rank, "time": now,
+                  "progress": max(r.beat.time for r in ranks),
+                  "ranks": [r.describe() for r in ranks]}
+        try:
+            self.node_dir.mkdir(parents=True, exist_ok=True)
+            jobdir.write_atomic(self.node_dir / f"node-{self.node_rank}.json",
+                                json.dumps(record), durable=False)
+        except OSError as e:
+            log.warning("cannot publish this node's liveness: %s", e)
+
+    def _peer_progress_age(self, now: float) -> float | None:
+        """Seconds since the latest progress another node published (fresh records only).
+
+        A node that cannot write any more (crashed, or its link to the shared filesystem is
+        cut) stops counting after :data:`PEER_RECORD_FRESH_S`.
+        """
+        latest = None
+        for path in self.node_dir.glob("node-*.json"):
+            if path.name == f"node-{self.node_rank}.json":
+                continue
+            record = jobdir.read_json(path) or {}
+            try:
+                fresh = now - float(record["time"]) < PEER_RECORD_FRESH_S
+                progress = float(record["progress"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if fresh and (latest is None or progress > latest):
+                latest = progress
+        return None if latest is None else max(0.0, now - latest)
+
+
+def stack_report(verdict: Verdict, dumps: dict[int, str], *, host: str, node_rank: int) -> str:
+    """The stack file: the verdict, a table of the node's ranks, then each rank's stacks."""
+    suspect = f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None else "a peer on another node"
+    lines = [f"hpc-elastic stall report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+             f"node {host} (node rank {node_rank})", f"suspect: {suspect}", f"why: {verdict.reason}",
+             "", "ranks on this node:"]
+    lines += [f"  {r.describe()}" for r in verdict.ranks]
+    for r in verdict.ranks:
+        mark = "   <== SUSPECT" if r.beat.rank == verdict.suspect_rank else ""
+        lines += ["", f"=== rank {r.beat.rank} (pid {r.beat.pid}){mark} ==="]
+        text = dumps.get(r.beat.rank, "").rstrip()
+        lines.append(text or "(no stack: the process did not answer the dump signal in time; "
+                             "it may sit in uninterruptible sleep, e.g. a driver call)")
+    return "\n".join(lines) + "\n"

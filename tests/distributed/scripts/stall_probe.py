@@ -1,0 +1,83 @@
+"""A small Session training loop for the liveness tests: it can hang, pause and jitter on cue.
+
+Every rank records its pid (``pid-<rank>-<restart>``) so a test can freeze one. At the end
+rank 0 writes ``result.json`` with the final step and each step's world size. Injections
+happen only in the first run (restart 0) so that the restarted workers can finish:
+
+- ``--hang-in-data STEP``: rank 1 sleeps forever inside ``load_batch`` at STEP;
+- ``--slow-first-step S``: every rank's first step takes S seconds longer;
+- ``--eval-every N --eval-s S``: rank 0 evaluates for S seconds (``session.phase("eval")``)
+  every N steps while the others wait for it in the next all-reduce;
+- ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter).
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.session import Session
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=60)
+p.add_argument("--step-s", type=float, default=0.1)
+p.add_argument("--hang-in-data", type=int, default=None)
+p.add_argument("--slow-first-step", type=float, default=0.0)
+p.add_argument("--eval-every", type=int, default=0)
+p.add_argument("--eval-s", type=float, default=0.0)
+p.add_argument("--jitter", type=float, default=0.0)
+args = p.parse_args()
+out = Path(args.out)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.worlds: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"worlds": list(self.worlds)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worlds = list(state["worlds"])
+
+
+def load_batch(step: int, rank: int, first_run: bool) -> torch.Tensor:
+    if first_run and rank == 1 and step == args.hang_in_data:
+        while True:          # a data loader that never returns (a dead NFS mount, a deadlock)
+            time.sleep(3600)
+    return torch.full((4, 8), float(step))
+
+
+with Session(seed=0, log_every=5) as s:
+    first_run = s.restart_count == 0
+    (out / f"pid-{s.rank}-{s.restart_count}").write_text(str(os.getpid()))
+    model = s.wrap(torch.nn.Linear(8, 1))
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    counter = Counter()
+    start = s.restore(model=model, optim=optim, counter=counter)
+    rng = random.Random(s.rank)
+    for step in s.steps(start, args.steps):
+        if first_run and step == start and args.slow_first_step:
+            time.sleep(args.slow_first_step)
+        x = load_batch(step, s.rank, first_run)
+        loss = model(x).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        counter.worlds.append(s.world_size)
+        time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
+        if args.eval_every and (step + 1) % args.eval_every == 0 and s.rank == 0:
+            with s.phase("eval"):
+                time.sleep(args.eval_s)
+        s.log(loss=loss.item())
+    if s.is_rank0 and s.stopped is None:
+        (s.job_dir / "result.json").write_text(json.dumps(
+            {"final_step": s.step, "steps": len(counter.worlds), "worlds": counter.worlds}))
+    s.finish()
+print(f"stall probe rank {s.rank} done at step {s.step}", file=sys.stderr, flush=True)

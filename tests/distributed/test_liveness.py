@@ -1,0 +1,125 @@
+"""Liveness for real: `hpc run` with two gloo workers, a stall injected, the watchdog's answer.
+
+A worker frozen with SIGSTOP and a rank that sleeps forever in its data loading must be
+noticed within the stall deadline, their node's stacks written with the right rank named, the
+workers restarted, and the job must finish at the right step from its last checkpoint. A
+healthy run with a slow first step, saves, an evaluation pause on one rank and heavy jitter
+must never be declared stuck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.distributed
+PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
+
+
+def hpc_run(job: Path, *probe_args: str, stall: str = "5", every: int = 5) -> subprocess.Popen:
+    job.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir", str(job),
+           "--stall-timeout", stall, "--checkpoint-every-steps", str(every),
+           "--env", "HPC_PROGRESS_EVERY_S=0", "--", "--out", str(job), *probe_args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 180) -> str:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError("the job did not finish:\n" + out[-6000:]) from None
+    assert p.returncode == 0, out[-6000:]
+    return out
+
+
+def progress(job: Path) -> dict:
+    try:
+        return json.loads((job / "progress.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(pred, timeout: float, what: str) -> float:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return time.time()
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def hangs(job: Path) -> list[dict]:
+    path = job / "hangs.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def rank_section(report: str, rank: int) -> str:
+    """The part of a stall report with ``rank``'s stacks."""
+    start = report.index(f"=== rank {rank} ")
+    nxt = report.find("\n=== rank ", start + 1)
+    return report[start:nxt if nxt > 0 else None]
+
+
+def test_frozen_worker_is_named_dumped_and_the_job_resumes(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "80", "--step-s", "0.1")
+    wait_for(lambda: progress(job).get("step", 0) >= 15, 120, "step 15")
+    frozen = int((job / "pid-1-0").read_text())
+    os.kill(frozen, signal.SIGSTOP)
+    t = time.time()
+    resumed = wait_for(lambda: progress(job).get("restart", 0) >= 1
+                       and progress(job)["step"] > progress(job)["start_step"], 60, "training to resume")
+    out = finish(p)
+    [event] = hangs(job)
+    assert event["suspect_rank"] == 1 and "stopped" in event["reason"], event
+    assert event["time"] - t < 5 + 3, "detected within the 5-s deadline and a poll or two"
+    report = (job / event["stacks"]).read_text()
+    assert "suspect: rank 1" in report
+    assert "<== SUSPECT" in rank_section(report, 1)
+    assert "stall_probe.py" in rank_section(report, 1), "the frozen rank dumped where it froze"
+    assert "stall_probe.py" in rank_section(report, 0)
+    result = json.loads((job / "result.json").read_text())
+    assert result["final_step"] == 80 and result["steps"] == 80, result
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 1
+    assert "suspect rank 1" in outcome["hangs"][0]
+    print(f"worker freeze -> resumed in {resumed - t:.1f}s")
+    assert "stall detected" in out
+
+
+def test_rank_stuck_in_its_data_loading_is_named_from_its_stack(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "40", "--step-s", "0.1", "--hang-in-data", "12")
+    finish(p)
+    [event] = hangs(job)
+    report = (job / event["stacks"]).read_text()
+    mine = rank_section(report, 1)
+    assert "in load_batch" in mine, mine
+    assert event["suspect_rank"] == 1 and "outside any collective" in event["reason"], event
+    assert "in load_batch" not in rank_section(report, 0)
+    assert json.loads((job / "result.json").read_text())["final_step"] == 40
+
+
+def test_healthy_run_with_long_phases_and_jitter_is_never_stuck(tmp_path: Path) -> None:
+    """Deadline 5 s; a 9-s first step, saves, 8-s evaluations on rank 0 only, 0-0.6 s jitter."""
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "40", "--step-s", "0.05", "--slow-first-step", "9",
+                "--eval-every", "15", "--eval-s", "8", "--jitter", "0.6", every=4)
+    finish(p, timeout=240)
+    assert hangs(job) == []
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 0 and not outcome.get("hangs")
+    assert json.loads((job / "result.json").read_text())["final_step"] == 40
