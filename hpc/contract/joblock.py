@@ -17,9 +17,9 @@ A lock is *stale*, and is broken by the next taker, when:
 
 - ``hpc run`` on this host: neither its pid nor any process it registered (its launchers)
   is alive, or this host has rebooted since;
-- ``hpc submit``: the submitting process has exited and the Slurm job it submitted (the id
-  in ``JOB_DIR/slurm_job_id``, written after the lock) is no longer queued or running, or no
-  job was submitted at all.
+- ``hpc submit`` (and ``hpc sweep``): the submitting process has exited and the Slurm job
+  (or job array) it submitted, whose id is in ``JOB_DIR/slurm_job_id`` (written after the
+  lock), is no longer queued or running, or no job was submitted at all.
 
 A holder on another host cannot be checked (its pids mean nothing here): the lock is then
 respected, and the message says how to remove it once that job is known to be gone.
@@ -133,15 +133,16 @@ def me(command: str) -> Holder:
 
 
 def slurm_job_active(job_id: str) -> bool | None:
-    """True while Slurm has the job queued or running, False once it ended or is forgotten,
-    None when Slurm cannot be asked."""
+    """True while Slurm has the job (or a task of the job array) queued or running, False
+    once it ended or is forgotten, None when Slurm cannot be asked."""
     try:
         from hpc.contract.slurm import SlurmClient
 
-        entry = SlurmClient(retry_total_s=5, command_timeout_s=10).queue([job_id]).get(job_id)
+        entries = SlurmClient(retry_total_s=5, command_timeout_s=10).queue([job_id])
     except Exception:
         return None
-    return entry is not None and not entry.state.is_terminal
+    return any(not e.state.is_terminal for jid, e in entries.items()
+               if jid == job_id or jid.startswith(job_id + "_"))
 
 
 def why_held(job_dir: Path, holder: Holder, *, here: Holder,
@@ -157,15 +158,16 @@ def why_held(job_dir: Path, holder: Holder, *, here: Holder,
                     f"or, once it is gone, remove {lock} and run again")
     running = [pid for pid, ticks in ((holder.pid, holder.start_ticks), *holder.processes)
                if process_alive(pid, ticks)]
-    if running and holder.command == "hpc submit" and holder.pid in running:
+    if running and holder.command != "hpc run" and holder.pid in running:
         return ("", "It is submitting the job now; wait for it to finish")
     if running:
         alive = ", ".join(map(str, running))
         return ("", f"Wait for it to end, stop it (`kill -TERM {holder.pid}`: the workers save a "
                     f"checkpoint and stop; processes still running: {alive}), or use another "
                     "--job-dir")
-    if holder.command != "hpc submit":
+    if holder.command == "hpc run":
         return None
+    # `hpc submit`, `hpc sweep`: the Slurm job they submitted holds the directory now.
     id_file = job_dir / SLURM_JOB_ID
     try:
         if id_file.stat().st_mtime < holder.since - 1:

@@ -134,3 +134,22 @@ def test_parallel_takers_exactly_one_wins(tmp_path: Path, stale: bool) -> None:
                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
     results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert results == ["refused"] * 5 + ["won"], results
+
+
+def test_a_swept_array_holds_the_lock_while_any_task_is_queued(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.contract import slurm
+    from hpc.contract.slurm_parse import JobState, QueueEntry
+
+    def queue(self: object, ids: list[str]) -> dict[str, QueueEntry]:
+        return {f"4242_{i}": QueueEntry(job_id=f"4242_{i}", state=state, raw_state=state.value,
+                                        reason=None, nodes=(), partition="gpu", time_limit_s=None,
+                                        elapsed_s=0, num_nodes=1, name="sweep", comment=None)
+                for i, state in enumerate((JobState.COMPLETED, JobState.PENDING))}
+
+    monkeypatch.setattr(slurm.SlurmClient, "queue", queue)
+    holder = replace(joblock.me("hpc sweep"), pid=dead_pid(), start_ticks=None)
+    plant(tmp_path, holder)
+    (tmp_path / joblock.SLURM_JOB_ID).write_text("4242\n")
+    with pytest.raises(JobDirInUse, match="held by Slurm job 4242"):
+        joblock.acquire(tmp_path, "hpc run")
