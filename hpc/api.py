@@ -53,7 +53,7 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
             use by another job; nothing was submitted.
     """
     from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.submit import check_partition, explain_rejection, notes
+    from hpc.submission import check_partition, explain_rejection, notes
 
     chosen = backends.get(backend)
     plan = chosen.plan(spec)  # renders and refuses secrets before anything is created
@@ -98,7 +98,7 @@ def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0
     """
     from hpc import sweeps
     from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.submit import check_partition, explain_rejection, notes
+    from hpc.submission import check_partition, explain_rejection, notes
 
     plan = sweeps.plan(spec, arg_sets, throttle=throttle)
     client = SlurmClient()

@@ -161,7 +161,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return local.run(build_spec(args))
     if args.command in ("submit", "render"):
         spec = build_spec(args)
-        from hpc import submit
+        from hpc import submission as submit
         if args.command == "render" or args.dry_run:
             return submit.dry_run(spec, args.backend)
         return submit.submit(spec, args.backend)
@@ -187,7 +187,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     """``hpc sweep``: the argument sets, then one job array (or its dry run)."""
     from hpc import api, sweeps
-    from hpc.submit import _print_notes
+    from hpc.submission import _print_notes
 
     spec = build_spec(args)
     if bool(args.grid) == bool(args.grid_file):

@@ -109,17 +109,18 @@ def test_bad_requests_fail_before_submission(env, tmp_path: Path, args, words) -
     assert not job_dir.exists()
 
 
-def test_sbatch_rejection_is_explained(env, tmp_path: Path, monkeypatch) -> None:
+def test_sbatch_rejection_is_explained(env, tmp_path: Path, monkeypatch, capsys) -> None:
     """Skip our own check: sbatch itself refuses, and the user gets the same kind of message."""
-    from hpc import submit
-    from hpc.contract.jobspec import JobSpec
+    from hpc import cli, submission
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(submit, "check_partition", lambda spec, parts: None)
-    spec = JobSpec(script=str(CHECK), job_name="t", job_dir=str(tmp_path / "job"), nodes=(9, 9))
-    assert submit.submit(spec, "sbatch") == 2
-    assert not (tmp_path / "job").exists()
+    monkeypatch.setattr(submission, "check_partition", lambda spec, parts: None)
+    job_dir = tmp_path / "job"
+    assert cli.main(["submit", str(CHECK), "--job-name", "t", "--job-dir", str(job_dir),
+                     "--nodes", "9"]) == 2
+    assert "hpc submit: error: Slurm refused the job" in capsys.readouterr().err
+    assert not job_dir.exists()
 
 
 def test_dry_run_creates_nothing(env, tmp_path: Path) -> None:

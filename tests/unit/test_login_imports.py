@@ -1,5 +1,6 @@
 """Login-node speed: importing hpc and running `hpc --help` / `hpc render` never imports torch,
-wandb or torchx (each costs 0.4-1.5 s, and torch may not even be installed on a login node)."""
+wandb, torchx or matplotlib (each costs 0.2-1.5 s, and torch may not even be installed on a login
+node); `hpc report` loads matplotlib only to draw a picture."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ BLOCK_HEAVY = textwrap.dedent("""
     import sys
     class Block:
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("torch", "wandb", "torchx", "submitit"):
+            if name.split(".")[0] in ("torch", "wandb", "torchx", "submitit", "matplotlib"):
                 raise ImportError("login node must not import " + name)
     sys.meta_path.insert(0, Block())
 """)
@@ -37,7 +38,7 @@ def test_no_heavy_module_loaded_by_help():
     r = subprocess.run([sys.executable, "-c", "import sys\nfrom hpc.cli import build_parser\n"
                         "build_parser().format_help()\n"
                         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-                        "('torch','wandb','torchx','submitit')))"], capture_output=True, text=True)
+                        "('torch','wandb','torchx','submitit','matplotlib')))"], capture_output=True, text=True)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
@@ -56,3 +57,24 @@ def test_no_module_of_hpc_imports_runtime() -> None:
             offenders += [f"{path.relative_to(root.parent)}: {n}" for n in names
                           if n == "runtime" or n.startswith("runtime.")]
     assert offenders == []
+
+
+def test_hpc_report_table_and_json_without_torch_or_matplotlib(tmp_path):
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "events" / "worker_fail.jsonl"
+    (tmp_path / "events.jsonl").write_text(fixture.read_text())
+    (tmp_path / "outcomes.jsonl").write_text("")
+    for extra in ([], ["--json"]):
+        r = _run(f"import sys; sys.argv=['hpc','report',{str(tmp_path)!r},*{extra!r}]\n"
+                 "from hpc.cli import main\nsys.exit(main())")
+        assert r.returncode == 0, r.stderr
+        assert "goodput" in r.stdout
+
+
+def test_api_names_are_not_shadowed_by_modules():
+    """``hpc.submit`` is the API function in every import order (no module of that name)."""
+    r = _run("import hpc, hpc.cli, hpc.submission, hpc.sweeps, hpc.status\n"
+             "assert hpc.submit.__module__ == 'hpc.api' and hpc.sweep.__module__ == 'hpc.api'\n"
+             "from hpc.cli import main\nimport sys\nsys.exit(main(['render', 'README.md']))")
+    assert "invalid" not in r.stderr and "AttributeError" not in r.stderr, r.stderr

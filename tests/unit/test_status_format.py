@@ -12,7 +12,7 @@ from hpc.logs import Follower, follow, log_files, rank_logs
 from hpc.contract.slurm_parse import parse_sacct, parse_squeue
 from hpc.status import Poller, build_views, format_table, to_json
 from hpc.index import JobRecord
-from hpc.submit import check_partition, explain_rejection
+from hpc.submission import check_partition, explain_rejection
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.errors import SpecError
 from hpc.contract.slurm_parse import parse_show_partitions
@@ -188,7 +188,7 @@ def test_outcome_line_tells_steps_and_work_lost():
 
 
 def test_notes_on_valid_but_probably_unmeant_requests() -> None:
-    from hpc.submit import notes
+    from hpc.submission import notes
 
     spec = JobSpec(script="t.py", job_dir="/j", nodes=(2, 5), nproc_per_node=4)
     part = parse_show_partitions((FIX / "scontrol_show_partition_debug.txt").read_text())[0]
