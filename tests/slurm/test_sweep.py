@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,84 @@ def test_a_3x2_grid_is_one_array_of_six_jobs(slurm_cluster, tmp_path: Path) -> N
     assert f"{array_id}_5" in status.stdout
     logs = hpc(env, "logs", f"{array_id}_2")
     assert logs.returncode == 0 and "train_gpt: done at step 6" in logs.stdout, logs.stderr
+
+
+def _outcomes(task: Path) -> list[dict]:
+    path = task / "outcomes.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_until(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _latest(task: Path) -> int:
+    try:
+        return int((task / "checkpoints" / "latest").read_text().strip().split("-")[-1])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def test_a_preempted_task_requeues_and_resumes_alone(slurm_cluster, tmp_path: Path) -> None:
+    """A real higher-priority job preempts the node of task 1: task 1 saves, is requeued and
+    resumes at its checkpoint; tasks 0 and 2 run on untouched in their first allocation."""
+    env = {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
+    root = tmp_path / "sweep"
+    steps = 30
+    r = hpc(env, "sweep", str(REPO / "examples" / "train_gpt.py"), "--job-dir", str(root),
+            "--nodes", "1", "--nproc-per-node", "1", "--cpus-per-task", "4",  # one task per node
+            "--time", "10", "--checkpoint-every-steps", "2", "--grid", "seed=1,2,3",
+            "--", "--preset", "tiny", "--max-steps", str(steps), "--step-sleep", "0.3")
+    assert r.returncode == 0, r.stderr
+    array_id = (root / "slurm_job_id").read_text().strip()
+    tasks = [root / f"task-{i}" for i in range(3)]
+    _wait_until(lambda: all(_latest(t) >= 2 for t in tasks), 180, "every task's first checkpoint")
+    node = subprocess.run(["squeue", "-h", "-j", f"{array_id}_1", "-o", "%N"], env=env,
+                          capture_output=True, text=True).stdout.strip()
+    assert node.startswith("node"), node
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "1", "-w", node,
+                           "-t", "2", "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"],
+                          env=env, capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+
+    out = subprocess.run([sys.executable, "-c", COLLECT, array_id], env=env, capture_output=True,
+                         text=True, timeout=700, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["states"] == ["COMPLETED"] * 3
+    assert all(row["final_step"] == steps for row in got["rows"])
+    kinds = [[o["kind"] for o in _outcomes(t)] for t in tasks]
+    assert kinds[1] == ["preempted", "finished"], kinds
+    assert kinds[0] == kinds[2] == ["finished"], kinds          # untouched, one allocation each
+    resumed = _outcomes(tasks[1])[1]
+    assert resumed["start_step"] == _outcomes(tasks[1])[0]["step"]   # resumed at its checkpoint
+
+
+def test_cancel_one_task_leaves_the_others_running(slurm_cluster, tmp_path: Path) -> None:
+    env = {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home")}
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(300)\n")
+    root = tmp_path / "sweep"
+    r = hpc(env, "sweep", str(script), "--job-dir", str(root), "--nodes", "1", "--time", "5",
+            "--grid", "x=1,2")
+    assert r.returncode == 0, r.stderr
+    array_id = (root / "slurm_job_id").read_text().strip()
+
+    def states() -> dict[str, str]:
+        out = subprocess.run(["squeue", "-h", "--array", "-j", array_id, "-o", "%i %T"], env=env,
+                             capture_output=True, text=True).stdout.split()
+        return dict(zip(out[::2], out[1::2]))
+
+    _wait_until(lambda: states().get(f"{array_id}_0") == states().get(f"{array_id}_1") == "RUNNING",
+                60, "both tasks running")
+    c = hpc(env, "cancel", f"{array_id}_1")
+    assert c.returncode == 0 and f"Cancelled job {array_id}_1" in c.stdout, c.stderr
+    _wait_until(lambda: f"{array_id}_1" not in states(), 60, "task 1 gone")
+    assert states().get(f"{array_id}_0") == "RUNNING"
+    assert hpc(env, "cancel", array_id).returncode == 0
+    _wait_until(lambda: not states(), 60, "the whole array gone")
