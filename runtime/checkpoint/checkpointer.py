@@ -39,7 +39,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,10 +54,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from runtime import rng
 from runtime.checkpoint.manifest import (
-    LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir,
-    parse_step, retry_transient, step_dirname, steps_to_prune, verify, write_atomic)
+    LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir, parse_step,
+    quarantine_name, quarantined_to_prune, read_latest, retry_transient, step_dirname, steps_to_prune,
+    verify, write_atomic)
 from runtime.checkpoint.storage import (
-    ChecksummedWriter, RetryingReader, ReusedStaging, kill_point, local_name)
+    ChecksummedWriter, RetryingReader, ReusedStaging, SafeLoadPlanner, kill_point, load_pickled,
+    local_name, unpickling_problem)
 
 log = logging.getLogger("hpc.checkpoint")
 
@@ -65,6 +67,7 @@ log = logging.getLogger("hpc.checkpoint")
 ASSUMED_WRITE_BYTES_S = 100e6
 _RNG_KEY = "_rng"
 _FAILED = (Exception, CheckpointException)
+_write_atomic = retry_transient(write_atomic)
 
 
 class CheckpointError(RuntimeError):
@@ -173,18 +176,25 @@ class Checkpointer:
         thread_count: DCP writer threads per rank.
         reuse_staging: Keep the async staging buffers between saves (faster ``save()``, one
             extra copy of the local state in CPU memory).
+        safe_globals: Types your own state objects hold besides tensors and plain data (their
+            non-tensor values are unpickled with ``torch.load(weights_only=True)``); add only
+            types whose unpickling runs no code (see docs/security.md).
+
+    Raises:
+        CheckpointError: On every rank, when ``directory`` is not a directory or cannot be created.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_every: int | None = None,
                  every_steps: int | None = None, every_min: float | None = None, async_save: bool = True,
                  verify_checksums: bool = True, save_rng: bool = True, seed: int = 0,
-                 thread_count: int = 1, reuse_staging: bool = True) -> None:
+                 thread_count: int = 1, reuse_staging: bool = True, safe_globals: Sequence[Any] = ()) -> None:
         steps_to_prune([], keep_last=keep_last, keep_every=keep_every)  # validates
         self.directory = Path(directory).absolute()
         self.keep_last, self.keep_every = keep_last, keep_every
         self.schedule = SaveSchedule(every_steps, every_min)
         self.async_save, self.verify_checksums = async_save, verify_checksums
         self.thread_count = thread_count
+        self.safe_globals = tuple(safe_globals)
         self._rng = rng.RNGState(seed) if save_rng else None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -203,8 +213,9 @@ class Checkpointer:
         self.last_block_s: float | None = None
         """How long the last ``save()`` call blocked the caller."""
         self.loaded_manifest: Manifest | None = None
-        if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        err = _prepare_directory(self.directory) if self.rank == 0 else None
+        if (err := self._broadcast(err)) is not None:
+            raise CheckpointError(err)
 
     # --- collectives ---------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -324,25 +335,52 @@ class Checkpointer:
         the ones that fail; its choice is broadcast. Ranks beyond the saved world size, which have
         no saved RNG state, are re-seeded from ``(seed, step, rank)``.
 
+        Every pickle in the checkpoint is loaded without running code (``weights_only``, an
+        allow-list for DCP's metadata); one that would need anything else fails verification
+        and is quarantined like a corrupt file (see docs/security.md).
+
         Returns:
             The loaded checkpoint's manifest, or None when there is none (nothing is changed).
+
+        Raises:
+            CheckpointError: On every rank, when the chosen checkpoint cannot be loaded after all.
         """
         self.wait()
-        choice = self._choose() if self.rank == 0 else None
-        choice = self._broadcast(choice)
+        choice, err = None, None
+        if self.rank == 0:
+            try:
+                choice = self._choose()
+            except OSError as e:  # every rank must hear it, or they wait at the broadcast
+                err = f"cannot pick a checkpoint in {self.directory}: {e}"
+        choice, err = self._broadcast((choice, err))
+        if err is not None:
+            raise CheckpointError(err)
         sharded, local = split_state(app_state)
         if choice is None:
             self._estimate_bytes = self._state_bytes_estimate(sharded)
             return None
         manifest = Manifest.from_json(choice)
         step_dir = self.directory / step_dirname(manifest.step)
-        dcp.load(sharded, storage_reader=RetryingReader(step_dir), process_group=self._ctl,
-                 no_dist=not self.distributed)
         if self._rng is not None:
             local[_RNG_KEY] = self._rng
-        saved: dict[str, Any] = {}
+        # Rank-local state first: a refused file must fail every rank before any state changes.
+        saved: Any = {}
+        err = None
         if self.rank < manifest.world_size and local:
-            saved = torch.load(step_dir / local_name(self.rank), weights_only=False)
+            try:
+                saved = load_pickled(step_dir / local_name(self.rank), what=local_name(self.rank),
+                                     extra_globals=self.safe_globals)
+                if not isinstance(saved, dict):
+                    err = f"{local_name(self.rank)} holds a {type(saved).__name__}, not a state dict"
+            except _FAILED as e:
+                err = f"rank {self.rank}: {e}"
+        if (err := self._gather_errors(err)) is not None:
+            raise CheckpointError(f"cannot resume from {step_dir}: {err}")
+        try:
+            dcp.load(sharded, storage_reader=RetryingReader(step_dir), planner=SafeLoadPlanner(self.safe_globals),
+                     process_group=self._ctl, no_dist=not self.distributed)
+        except CheckpointException as e:  # DCP raises it on every rank
+            raise CheckpointError(f"cannot resume from {step_dir}: {_summary(e)}") from e
         for key, obj in local.items():
             if key in saved:
                 obj.load_state_dict(saved[key])
@@ -365,8 +403,11 @@ class Checkpointer:
         final = self.directory / step_dirname(step)
         if final.exists():
             return f"checkpoint {final} already exists; a step is saved once (never overwritten)"
-        if tmp.exists():
+        if tmp.is_symlink():
+            tmp.unlink()
+        elif tmp.exists():
             shutil.rmtree(tmp)
+        tmp.mkdir(mode=0o700)  # fresh: DCP writes into this one, not into anything planted
         return None
 
     def _commit_async(self, flight: _InFlight) -> None:
@@ -385,13 +426,13 @@ class Checkpointer:
         manifest = Manifest(step=flight.step, world_size=self.world_size, files=flight.writer.files,
                             metadata=flight.metadata, torch_version=torch.__version__,
                             created_time=time.time(), save_s=round(flight.save_s, 4))
-        write_atomic(flight.tmp / MANIFEST_NAME, manifest.to_json())
+        _write_atomic(flight.tmp / MANIFEST_NAME, manifest.to_json())
         kill_point("before_rename", self.rank)
         final = self.directory / step_dirname(flight.step)
         retry_transient(os.rename)(flight.tmp, final)
         fsync_dir(self.directory)
         kill_point("before_latest", self.rank)
-        write_atomic(self.directory / LATEST_NAME, final.name + "\n")
+        _write_atomic(self.directory / LATEST_NAME, final.name + "\n")
         size = sum(f.size for f in manifest.files)
         log.info("checkpoint: saved %s (%.1f MB, %d files) in %.2fs", final.name, size / 1e6,
                  len(manifest.files), flight.save_s)
@@ -425,17 +466,24 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         protect = {newest}
-        latest = self.directory / LATEST_NAME
-        if latest.exists() and (pointed := parse_step(latest.read_text().strip())) is not None:
-            protect.add(pointed)
+        pointed, _ = read_latest(self.directory)
+        if pointed is not None and (pointed_step := parse_step(pointed)) is not None:
+            protect.add(pointed_step)
+        names = [self.directory / step_dirname(step) for step in steps_to_prune(
+            self._committed_steps(), keep_last=self.keep_last, keep_every=self.keep_every, protect=protect)]
+        self._delete_later(names)
+
+    def _delete_later(self, paths: list[Path]) -> None:
+        """Renames ``paths`` (and all but the newest quarantined) aside; deletes them on a thread."""
+        paths = paths + [self.directory / n for n in quarantined_to_prune(d.name for d in self.directory.iterdir())]
         doomed = []
-        for step in steps_to_prune(self._committed_steps(), keep_last=self.keep_last,
-                                   keep_every=self.keep_every, protect=protect):
-            path = self.directory / step_dirname(step)
+        for path in paths:
             trash = path.with_name(f"{path.name}.deleting")
             os.rename(path, trash)  # never leave a half-deleted step-NNNNNN behind
             doomed.append(trash)
             log.info("checkpoint: pruned %s", path.name)
+        if not doomed:
+            return
         # deleting gigabytes takes a while on ext4/Lustre: off the save's critical path
         self._join_pruner()
         self._pruner = threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
@@ -455,20 +503,50 @@ class Checkpointer:
         for d in self.directory.iterdir():
             if is_tmp_dir(d.name) or d.name.endswith(".deleting"):
                 log.warning("checkpoint: removing unfinished %s", d.name)
-                shutil.rmtree(d, ignore_errors=True)
+                d.unlink() if d.is_symlink() else shutil.rmtree(d, ignore_errors=True)
+        latest, problem = read_latest(self.directory)
+        if problem is not None:  # advisory: the newest step that verifies is used either way
+            log.warning("checkpoint: ignoring the latest pointer: %s; resuming from the newest step that verifies",
+                        problem)
+        quarantined: list[str] = []
+        chosen: Manifest | None = None
         for step in reversed(self._committed_steps()):
             step_dir = self.directory / step_dirname(step)
             manifest, reason = verify(step_dir, checksums=self.verify_checksums)
             if reason is None and manifest is not None:
-                latest = self.directory / LATEST_NAME
-                if not latest.exists() or latest.read_text().strip() != step_dir.name:
-                    write_atomic(latest, step_dir.name + "\n")
-                return manifest.to_json()
-            bad = step_dir.with_name(f"{step_dir.name}.corrupt-{int(time.time())}")
+                reason = unpickling_problem(step_dir, manifest, self.safe_globals)
+            if reason is None and manifest is not None:
+                chosen = manifest
+                break
+            bad = quarantine_name(step_dir, time.time())
             os.rename(step_dir, bad)
-            log.error("checkpoint: %s failed verification (%s); quarantined as %s, using the previous one",
-                      step_dir.name, reason, bad.name)
-        return None
+            quarantined.append(bad.name)
+            log.error("checkpoint: %s failed verification (%s); quarantined as %s", step_dir.name, reason, bad.name)
+        if chosen is not None:
+            name = step_dirname(chosen.step)
+            if quarantined:
+                log.warning("checkpoint: resuming from the earlier %s instead", name)
+            if latest != name:
+                self._point_latest(name)
+        else:
+            if quarantined:
+                log.error("checkpoint: no checkpoint verified (quarantined: %s); starting from step 0",
+                          ", ".join(quarantined))
+            if latest is not None or problem is not None:
+                self._point_latest(None)  # it names nothing that can be resumed
+        self._delete_later([])
+        return chosen.to_json() if chosen is not None else None
+
+    def _point_latest(self, name: str | None) -> None:
+        """Rank 0, on resume: repoints (or removes) the advisory ``latest`` pointer; never fatal."""
+        path = self.directory / LATEST_NAME
+        try:
+            if name is not None:
+                _write_atomic(path, name + "\n")
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("checkpoint: cannot update %s: %s", path, e.strerror or e)
 
     def _state_bytes_estimate(self, sharded: Mapping[str, Any]) -> int:
         local = sum(p.numel() * p.element_size() for v in sharded.values() if isinstance(v, _ModuleState)
@@ -479,3 +557,45 @@ class Checkpointer:
         total = torch.tensor([local], dtype=torch.int64)
         dist.all_reduce(total, group=self._ctl)
         return int(total.item())
+
+
+def _prepare_directory(directory: Path) -> str | None:
+    """Rank 0: makes sure ``directory`` is a directory, creating it and its missing parents private.
+
+    Directories the runtime creates get mode 0700, like the job directory: a checkpoint
+    decides what every rank loads, so nobody else may write there. An existing directory keeps
+    its mode; a warning says when others can write to it.
+
+    Returns:
+        None, or one line saying what is wrong (the caller raises it on every rank).
+    """
+    try:
+        if directory.is_symlink() and not directory.exists():
+            return f"checkpoint directory {directory} is a dangling symlink; remove it or choose another directory"
+        if directory.exists():
+            if not directory.is_dir():
+                return (f"checkpoint directory {directory} exists and is not a directory; move it away or "
+                        "choose another checkpoint directory")
+            mode = directory.stat().st_mode
+            if mode & 0o022:
+                who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if mode & bit)
+                log.warning("checkpoint: %s is writable by %s, who can choose what this job resumes from "
+                            "(chmod go-w it; see docs/security.md)", directory, who)
+            return None
+        missing = []
+        parent = directory
+        while not parent.exists() and not parent.is_symlink():
+            missing.append(parent)
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"cannot create checkpoint directory {directory}: {parent} is not a directory"
+        for path in reversed(missing):
+            try:
+                path.mkdir(mode=0o700)
+            except FileExistsError:  # made by someone else meanwhile: checked below
+                pass
+        if not directory.is_dir():
+            return f"cannot create checkpoint directory {directory}: it is not a directory"
+    except OSError as e:
+        return f"cannot create checkpoint directory {directory}: {e.strerror or e}"
+    return None

@@ -10,6 +10,15 @@ files, not against an adversary, and zlib's CRC-32 runs at ~4 GB/s on one core h
 ~1.7 GB/s for sha256 and ~0.9 GB/s for blake2b, while the disk writes ~0.3 GB/s. It is computed
 while the bytes are written (no re-read), so saving costs almost nothing extra.
 
+The checksum is not authentication either: whoever can write a file can write a manifest
+that matches it. Trust in a checkpoint directory comes from its permissions, and loading runs
+no code from it (docs/security.md, ``runtime.checkpoint.storage``).
+
+The ``latest`` pointer is advisory (:func:`read_latest`): resume takes the newest step that
+verifies whatever it says. A step that fails verification is renamed
+``step-NNNNNN.corrupt-<time>``; the newest :data:`KEEP_QUARANTINED` of those are kept for a
+post-mortem and older ones are pruned (:func:`quarantined_to_prune`).
+
 Everything here is free of torch and of collectives so that it can be unit tested directly.
 """
 

@@ -6,6 +6,15 @@ sent to rank 0 inside DCP's own gather of write results (no extra collective); t
 file (RNG states) written next to the shards; and retries of transient filesystem errors.
 :class:`RetryingReader` retries reads. :class:`ReusedStaging` keeps async-save staging buffers
 between saves.
+
+Loading never runs code from the checkpoint directory. Three things in a checkpoint are
+pickles: DCP's ``.metadata`` (torch 2.13 reads it with a plain ``pickle.load``), the non-tensor
+values inside the shards (DCP's default planner reads them with ``torch.load(weights_only=False)``)
+and each rank-local file. :class:`RetryingReader` unpickles ``.metadata`` with an allow-list of
+DCP's own metadata types, :class:`SafeLoadPlanner` and :func:`load_pickled` use
+``torch.load(weights_only=True)`` with only the numpy types of an RNG state added, and
+:func:`unpickling_problem` tries all three on rank 0 before anything is loaded, so a refused
+file quarantines its checkpoint like a corrupt one. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -13,21 +22,24 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
+import re
 import signal
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
-from runtime.checkpoint.manifest import Crc32Stream, FileEntry, retry_transient
+from runtime.checkpoint.manifest import Crc32Stream, FileEntry, Manifest, retry_transient
 
 log = logging.getLogger("hpc.checkpoint")
 
@@ -50,6 +62,9 @@ def local_name(rank: int) -> str:
     return f"rank-{rank:05d}.local.pt"
 
 
+_LOCAL_RE = re.compile(r"^rank-\d+\.local\.pt$")
+
+
 class Crc32FileSystem(FileSystem):
     """DCP's local filesystem, recording size and CRC-32 of every file as it is written."""
 
@@ -63,7 +78,10 @@ class Crc32FileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with Path(path).open(mode) as raw:
+        assert mode == "wb", mode
+        # O_NOFOLLOW: a symlink planted in the step directory can not redirect a shard elsewhere
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as raw:
             stream = Crc32Stream(raw)
             try:
                 yield stream  # type: ignore[misc]
@@ -139,12 +157,160 @@ def _without_zip_crc32() -> Generator[None, None, None]:
         config.save.compute_crc32 = previous
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file needs a type to unpickle that checkpoints never hold (tampered or foreign)."""
+
+
+#: What every checkpoint pickle may hold besides tensors and plain data: DCP's metadata types.
+_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+def runtime_safe_globals() -> list[Any]:
+    """The non-tensor types the runtime's own rank-local state holds: numpy's RNG state (an array)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved it
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _refusal(exc: BaseException) -> str:
+    """The one useful line of torch's weights-only refusal ("Unsupported global: GLOBAL posix.system")."""
+    if m := re.search(r"Unsupported global: GLOBAL (\S+)", str(exc)):
+        return f"global {m.group(1)}"
+    m = re.search(r"WeightsUnpickler error: (.+?)(?:\. Please|\n|$)", str(exc))
+    return m.group(1).strip() if m else str(exc).strip().splitlines()[-1]
+
+
+def _refused_message(what: str, detail: str) -> str:
+    return (f"{what}: refused to unpickle ({detail}); checkpoints written by hpc-elastic hold only "
+            "tensors and plain data, so this file was tampered with or written by something else")
+
+
+def load_pickled(source: str | os.PathLike | io.BytesIO, *, what: str,
+                 extra_globals: Iterable[Any] = ()) -> Any:
+    """``torch.load(weights_only=True)`` with the runtime's own types (and ``extra_globals``) allowed.
+
+    Args:
+        source: A file path or an in-memory stream.
+        what: Names the file (or value) in the error.
+        extra_globals: Types the user's own state holds (``Checkpointer(safe_globals=...)``).
+
+    Raises:
+        UnsafeCheckpointError: When unpickling would need any other global (nothing is run).
+    """
+    with torch.serialization.safe_globals([*runtime_safe_globals(), *extra_globals]):
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(_refused_message(what, _refusal(e))) from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` with an allow-list: its own dataclasses, torch dtypes, paths."""
+
+    def __init__(self, file: Any, what: str) -> None:
+        super().__init__(file)
+        self.what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(_refused_message(self.what, f"global {module}.{name}"))
+
+
+def read_metadata_file(stream: Any, what: str) -> Metadata:
+    """DCP's metadata from ``stream``, unpickled with the allow-list (no code runs)."""
+    metadata = _MetadataUnpickler(stream, what).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{what}: holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
 class RetryingReader(FileSystemReader):
-    """DCP reader whose per-rank reads retry transient filesystem errors."""
+    """DCP reader whose per-rank reads retry transient errors and whose metadata runs no code."""
 
     @retry_transient
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         return super().read_data(plan, planner)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # same signature: DCP inspects it
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = read_metadata_file(stream, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values are loaded with ``weights_only=True``.
+
+    Args:
+        extra_globals: Types the user's own state holds (``Checkpointer(safe_globals=...)``).
+    """
+
+    def __init__(self, extra_globals: Iterable[Any] = ()) -> None:
+        super().__init__()
+        self.extra_globals = tuple(extra_globals)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = load_pickled(value, what=f"value {fqn!r} in the shards", extra_globals=self.extra_globals)
+        if self.flatten_state_dict:  # what DefaultLoadPlanner.load_bytes does with the object
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def unpickling_problem(step_dir: Path, manifest: Manifest, extra_globals: Iterable[Any] = ()) -> str | None:
+    """Rank 0, before a resume: whether any pickle of the checkpoint would be refused at load.
+
+    Tries the same restricted loads the ranks will do (nothing from the files is run):
+    ``.metadata``, every non-tensor value in the shards, every rank-local file. Costs reading
+    ``.metadata``, the small non-tensor records and the rank-local files.
+
+    Returns:
+        None when all load, else one line naming the file and what was refused.
+    """
+    extra = tuple(extra_globals)
+    try:
+        with open(step_dir / ".metadata", "rb") as f:
+            metadata = read_metadata_file(f, ".metadata")
+        by_file: dict[str, list[tuple[str, Any]]] = {}
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+                by_file.setdefault(str(info.relative_path), []).append((index.fqn, info))
+        for name, items in sorted(by_file.items()):
+            if Path(name).name != name:
+                return f".metadata: shard file name {name!r} is not a plain file name"
+            with open(step_dir / name, "rb") as f:
+                for fqn, info in items:
+                    if info.transform_descriptors:
+                        return f"{name}: value {fqn!r} uses storage transforms {info.transform_descriptors}"
+                    f.seek(info.offset)
+                    load_pickled(io.BytesIO(f.read(info.length)), what=f"{name} (value {fqn!r})",
+                                 extra_globals=extra)
+        for entry in manifest.files:
+            if _LOCAL_RE.match(entry.name):
+                load_pickled(step_dir / entry.name, what=entry.name, extra_globals=extra)
+    except UnsafeCheckpointError as e:
+        return str(e)
+    except Exception as e:  # a damaged pickle: the same verdict as a bad checksum
+        return f"unreadable: {e!r}".splitlines()[0]
+    return None
 
 
 class ReusedStaging(BlockingAsyncStager):

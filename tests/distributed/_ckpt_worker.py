@@ -8,6 +8,7 @@ also writes the full (gathered) model and optimizer state where a scenario compa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -74,8 +75,22 @@ class Blob:
         self.t = state["t"]
 
 
+class _Lines(logging.Handler):
+    """Keeps the checkpoint log lines, so tests can read what a user would be told."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
 def main() -> None:
     scenario, ckpt_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    lines = _Lines()
+    logging.getLogger("hpc.checkpoint").addHandler(lines)
+    logging.getLogger("hpc.checkpoint").setLevel(logging.INFO)
     arg = sys.argv[4] if len(sys.argv) > 4 else ""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -167,8 +182,15 @@ def main() -> None:
             ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
         result["draw"] = [random.random(), torch.rand(1).item()]
         ckpt.close()
+    elif scenario == "ctor":  # the checkpoint directory is unusable: every rank must hear it
+        try:
+            Checkpointer(ckpt_dir)
+            result["error"] = None
+        except CheckpointError as e:
+            result["error"] = str(e)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+    result["log"] = lines.lines
     (out_dir / f"{scenario}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -188,3 +188,90 @@ def test_per_rank_rng_restored_and_new_ranks_reseeded(tmp_path: Path) -> None:
     grown_again = run_ranks(3, "rng", ckpt, tmp_path / "d", "ddp")
     assert [r["draw"] for r in grown[:2]] == [r["draw"] for r in first]
     assert grown[2]["draw"] == grown_again[2]["draw"] and grown[2]["draw"] not in [r["draw"] for r in first]
+
+
+# --- checkpoints that cannot run code (docs/security.md) ------------------------------------
+
+class _Payload:
+    """Unpickling this runs code: it writes ``marker`` (what a planted checkpoint file would do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"open({str(self.marker)!r}, 'w').write('code from the checkpoint ran')",)
+
+
+def _plant(step_dir: Path, name: str, data: bytes) -> None:
+    """Replaces a checkpoint file and fixes its manifest entry: the CRC is not authentication."""
+    import zlib
+
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == name:
+            entry["size"], entry["crc32"] = len(data), zlib.crc32(data)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _armed(payload: bytes, tmp_path: Path) -> bytes:
+    """Checks that the payload does run code when unpickled the old way (in a child process)."""
+    probe = tmp_path / "probe.pt"
+    probe.write_bytes(payload)
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(probe)!r}, weights_only=False)"],
+                   capture_output=True, check=False)
+    return payload
+
+
+def test_planted_rank_local_pickle_runs_no_code_and_resume_falls_back(tmp_path: Path) -> None:
+    import io
+
+    import torch
+
+    ckpt, out, marker = tmp_path / "ck", tmp_path / "out", tmp_path / "pwned"
+    run_ranks(2, "crash", ckpt, out, "ddp:none:sync")  # commits steps 1 and 2; ref.pt is step 1
+    buf = io.BytesIO()
+    torch.save({"_rng": _Payload(marker)}, buf)
+    _armed(buf.getvalue(), tmp_path)
+    assert marker.exists(), "the payload must be live for this test to mean anything"
+    marker.unlink()
+    _plant(ckpt / "step-000002", "rank-00001.local.pt", buf.getvalue())
+
+    results = run_ranks(2, "load", ckpt, out, "ddp")
+    assert not marker.exists(), "code from the checkpoint directory ran"
+    assert [r["step"] for r in results] == [1, 1] and results[0]["mismatch"] == []
+    names = _dirs(ckpt)
+    assert "step-000002" not in names and any(n.startswith("step-000002.corrupt-") for n in names)
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    refused = [line for line in results[0]["log"] if "rank-00001.local.pt: refused to unpickle" in line]
+    assert len(refused) == 1 and "(global exec)" in refused[0] and "quarantined as step-000002.corrupt-" in refused[0]
+    assert any("resuming from the earlier step-000001" in line for line in results[0]["log"])
+
+
+def test_planted_dcp_metadata_runs_no_code_and_a_run_with_nothing_left_starts_at_0(tmp_path: Path) -> None:
+    import pickle
+
+    ckpt, out, marker = tmp_path / "ck", tmp_path / "out", tmp_path / "pwned"
+    run_ranks(2, "save", ckpt, out, "ddp")  # the only checkpoint: step 2
+    os.remove(out / "ref.pt")
+    _plant(ckpt / "step-000002", ".metadata", pickle.dumps(_Payload(marker)))
+
+    results = run_ranks(2, "load", ckpt, out, "ddp")
+    assert not marker.exists(), "code from the checkpoint directory ran"
+    assert [r["step"] for r in results] == [None, None]
+    log = results[0]["log"]
+    assert any(".metadata: refused to unpickle (global builtins.exec)" in line for line in log), log
+    assert any("no checkpoint verified (quarantined: step-000002.corrupt-" in line
+               and "starting from step 0" in line for line in log), log
+    assert not any("previous" in line for line in log), log
+    assert [n for n in _dirs(ckpt) if not n.startswith("step-000002.corrupt-")] == [], "no stale latest pointer"
+
+
+def test_checkpoint_path_that_is_a_file_is_one_clear_error_on_every_rank(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoints"
+    ckpt.write_text("not a directory\n")
+    results = run_ranks(2, "ctor", ckpt, tmp_path / "out", timeout_s=60)
+    for r in results:
+        assert r["error"] == (f"checkpoint directory {ckpt} exists and is not a directory; move it away or "
+                              "choose another checkpoint directory"), r
+    assert ckpt.read_text() == "not a directory\n"

@@ -117,3 +117,40 @@ def test_transient_errors_are_retried_enospc_is_not() -> None:
     with pytest.raises(OSError) as info:
         flaky(errno.ENOSPC)
     assert info.value.errno == errno.ENOSPC and len(calls) == 1
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b"step-000007\n", ("step-000007", None)),
+    (b"\xff\xfe\x80", (None, "is not UTF-8 text")),
+    (b"../../etc\n", (None, "does not name a step directory")),
+])
+def test_latest_pointer_is_advisory(tmp_path: Path, content: bytes, expected: tuple[str | None, str | None]) -> None:
+    (tmp_path / cm.LATEST_NAME).write_bytes(content)
+    name, problem = cm.read_latest(tmp_path)
+    assert name == expected[0]
+    assert (problem is None) if expected[1] is None else (expected[1] in str(problem))
+    assert cm.read_latest(tmp_path / "missing") == (None, None)
+
+
+def test_quarantine_retention_keeps_the_newest_two() -> None:
+    names = ["latest", "step-000009", "step-000001.corrupt-100", "step-000003.corrupt-300",
+             "step-000002.corrupt-300", "step-000002.corrupt-300-1", "step-000004.corrupt-50.deleting"]
+    assert cm.KEEP_QUARANTINED == 2
+    assert cm.quarantined_to_prune(names) == ["step-000001.corrupt-100", "step-000002.corrupt-300"]
+    assert cm.quarantined_to_prune(names, keep=0) == [
+        "step-000001.corrupt-100", "step-000002.corrupt-300", "step-000002.corrupt-300-1", "step-000003.corrupt-300"]
+
+
+def test_quarantine_names_never_collide(tmp_path: Path) -> None:
+    first = cm.quarantine_name(tmp_path / "step-000002", 1000.0)
+    first.mkdir()
+    assert first.name == "step-000002.corrupt-1000"
+    assert cm.quarantine_name(tmp_path / "step-000002", 1000.0).name == "step-000002.corrupt-1000-1"
+
+
+def test_verify_rejects_file_names_outside_the_step_directory(tmp_path: Path) -> None:
+    d = _make_step(tmp_path, 4, {"a.distcp": b"x"})
+    (tmp_path / "outside").write_bytes(b"y")
+    m = Manifest(4, 1, (FileEntry("../outside", 1, zlib.crc32(b"y")),))
+    cm.write_atomic(d / cm.MANIFEST_NAME, m.to_json())
+    assert "not a plain file name" in str(verify(d)[1])
