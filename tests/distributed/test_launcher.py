@@ -175,7 +175,8 @@ def kill_leftovers(marker: str) -> None:
             pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGHUP", "SIGTERM", "SIGINT"])
 def test_signal_to_hpc_run_saves_stops_and_leaves_no_process(tmp_path: Path, sig: signal.Signals):
     job, marker = tmp_path / "job", uuid.uuid4().hex
     p = start_training(job, marker)
@@ -186,7 +187,8 @@ def test_signal_to_hpc_run_saves_stops_and_leaves_no_process(tmp_path: Path, sig
         p.send_signal(sig)
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 75, out                     # stopped, resumable
-        assert f"hpc run: {sig.name}: asking the workers to save and stop" in out
+        said = "interrupted" if sig == signal.SIGINT else sig.name
+        assert f"hpc run: {said}: asking the workers to save and stop" in out
         wait_for(lambda: not marked_processes(marker), timeout=5, what="no process of the job left")
         last = outcomes(job)[-1]
         assert last["kind"] == "preempted" and last["step"] and last["step"] > 0, last
@@ -263,6 +265,28 @@ def test_killed_hpc_run_leaves_no_process_and_the_job_resumes(tmp_path: Path):
         out, _ = again.communicate(timeout=300)
         assert again.returncode == 0, out
         assert "checkpoint: resumed from" in out and outcomes(job)[-1]["kind"] == "finished"
+    finally:
+        kill_leftovers(marker)
+
+
+def test_killed_hpc_run_stops_workers_that_ignore_the_warning(tmp_path: Path):
+    """Nobody is left to press Ctrl-C twice: the launcher stops them after the grace period."""
+    from runtime.lifeline import GRACE_S
+
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--out", str(job), "--seconds", "600"]   # records SIGTERM, carries on
+    p = subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (job / "pid-0-0").exists() and (job / "pid-1-0").exists(), what="workers")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        time.sleep(GRACE_S / 2)
+        assert len(marked_processes(marker)) >= 3, "the workers were not given time to save"
+        wait_for(lambda: not marked_processes(marker), timeout=GRACE_S / 2 + 20,
+                 what="no process of the job left")
+        assert outcomes(job)[-1]["kind"] == "cancelled"
     finally:
         kill_leftovers(marker)
 

@@ -107,3 +107,38 @@ def test_outcome_is_recorded_on_a_full_disk_from_the_reserve(tmp_path: Path,
     monkeypatch.setattr(os, "write", real_write)
     assert [o.reason for o in jobdir.read_outcomes(tmp_path)] == ["disk full"]
     assert not (tmp_path / diskspace.RESERVE).exists() and len(calls) == 2
+
+
+LAUNCH = """
+import sys, time
+from hpc.backends import local
+from hpc.cli import build_parser, build_spec
+args = build_parser().parse_args(["run", sys.argv[1]])
+args.script_args = []
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))
+job_dir, lock = local.prepare(build_spec(args))     # what `hpc run` does before its launchers
+print(job_dir)
+"""
+
+
+def test_parallel_launches_with_default_names_get_their_own_directories(tmp_path: Path,
+                                                                         script: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    start = time.time() + 2.0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", LAUNCH, str(script), str(start)], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    dirs = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        dirs.append(Path(out.strip()))
+    assert len(set(dirs)) == 4, dirs
+    assert all(d.parent == tmp_path / "jobs" and (d / jobdir.JOBSPEC).exists() for d in dirs)
