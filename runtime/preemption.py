@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpc.contract import components
+from hpc.contract.components import PreemptionConfig
 from hpc.contract.environment import JobEnvironment
 
 DEFAULT_GRACE_S = 30.0          # SIGTERM -> SIGKILL on a preemption (Slurm's GraceTime/KillWait)
@@ -90,7 +92,7 @@ class PreemptionWatcher:
     """
 
     def __init__(self, signals: Iterable[str], group: Any = None, *, job_end_time: float | None = None,
-                 lead_s: float = 120.0, grace_s: float = DEFAULT_GRACE_S,
+                 lead_s: float = components.PREEMPTION.lead_s, grace_s: float = DEFAULT_GRACE_S,
                  clock: Callable[[], float] = time.time) -> None:
         self.signal_names = tuple(dict.fromkeys(signals))
         self.group = group
@@ -102,6 +104,14 @@ class PreemptionWatcher:
         self._pending: Any = None
         self._tensor: Any = None
         self._previous: dict[int, Any] = {}
+
+    @classmethod
+    def from_config(cls, config: PreemptionConfig, group: Any = None, *,
+                    job_end_time: float | None = None,
+                    grace_s: float = DEFAULT_GRACE_S) -> PreemptionWatcher:
+        """The watcher for the job's preemption settings (``JobSpec.preemption``)."""
+        return cls(config.signal_names, group, job_end_time=job_end_time, lead_s=config.lead_s,
+                   grace_s=grace_s)
 
     # -- recording (signal context: no I/O, no collectives) -------------------------------
     def install(self, environ: Mapping[str, str] | None = None) -> None:

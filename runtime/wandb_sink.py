@@ -39,7 +39,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc.contract import jobdir
+from hpc.contract import components, jobdir
+from hpc.contract.components import WandbConfig
 from hpc.contract.jobspec import WANDB_MODES
 from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
@@ -69,7 +70,7 @@ class WandbSettings:
         console: wandb console capture ("off": the launcher already keeps per-rank logs).
     """
 
-    mode: str = "offline"
+    mode: str = components.WANDB.mode
     project: str = ""
     entity: str = ""
     name: str = ""
@@ -320,9 +321,7 @@ def make_sink(
     rank: int,
     *,
     job_dir: Path | str,
-    mode: str = "offline",
-    project: str = "",
-    entity: str = "",
+    config: WandbConfig = components.WANDB,
     name: str = "",
     metadata: Mapping[str, Any] | None = None,
     resume_step: int | None = None,
@@ -335,9 +334,9 @@ def make_sink(
         rank: this process's global rank.
         job_dir: the job directory (holds `wandb_run_id`, `wandb_state.json`, `wandb/`,
             `metrics.jsonl`).
-        mode: "offline" (default), "online" or "disabled" (then rank 0 writes only the JSONL file).
-        project: W&B project (empty: `hpc-elastic`).
-        entity: W&B entity (empty: the default for the API key).
+        config: the job's W&B settings (`JobSpec.wandb`): mode ("offline" by default, "online",
+            or "disabled": rank 0 then writes only the JSONL file), project (empty:
+            `hpc-elastic`) and entity (empty: the default for the API key).
         name: display name of the run (empty: W&B's choice).
         metadata: Slurm and job facts for the run config (job id, node list, restart count, world
             size, ...).
@@ -351,7 +350,7 @@ def make_sink(
     """
     if rank != 0:
         return NullSink()
-    settings = WandbSettings(mode=mode, project=project, entity=entity, name=name,
-                             init_timeout_s=init_timeout_s)
+    settings = WandbSettings(mode=config.mode, project=config.project, entity=config.entity,
+                             name=name, init_timeout_s=init_timeout_s)
     return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
                      run_id=run_id)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics
+from hpc.contract.components import WandbConfig
 from runtime.wandb_sink import make_sink
 from runtime.wandb_sink import (
     FALLBACK_FILE,
@@ -47,7 +48,7 @@ def test_null_sink_is_a_sink_and_does_nothing() -> None:
 
 def test_make_sink_gives_null_sink_off_rank_zero(tmp_path: Path) -> None:
     assert isinstance(make_sink(1, job_dir=tmp_path), NullSink)
-    assert isinstance(make_sink(7, job_dir=tmp_path, mode="online"), NullSink)
+    assert isinstance(make_sink(7, job_dir=tmp_path, config=WandbConfig(mode="online")), NullSink)
     assert not (tmp_path / RUN_ID_FILE).exists()  # non-zero ranks touch nothing
 
 
