@@ -46,6 +46,8 @@ SLURM_JOB_ID = jobdir.SLURM_JOB_ID
 _WRITING_GRACE_S = 10.0
 # A breaker that died while breaking a stale lock leaves this marker; it expires.
 _BREAK_EXPIRY_S = 30.0
+# A submission from another host that recorded no job id within this long has failed.
+_SUBMIT_WINDOW_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -148,40 +150,49 @@ def slurm_job_active(job_id: str) -> bool | None:
 def why_held(job_dir: Path, holder: Holder, *, here: Holder,
              slurm_active: Callable[[str], bool | None] = slurm_job_active) -> tuple[str, str] | None:
     """(why the lock still holds, what the user can do), or None when it is stale."""
-    lock = job_dir / LOCK
-    same_host = holder.host == here.host and (not holder.boot_id or not here.boot_id
-                                              or holder.boot_id == here.boot_id)
-    if holder.host == here.host and not same_host:
-        return None                                      # this host rebooted since
+    rebooted = (holder.host == here.host and bool(holder.boot_id) and bool(here.boot_id)
+                and holder.boot_id != here.boot_id)
+    if holder.command != "hpc run":
+        return _submission_held(job_dir, holder, here, rebooted, slurm_active)
+    if rebooted:
+        return None
     if holder.host != here.host:
         return ("", f"It runs on another host, which cannot be checked from here: stop it there, "
-                    f"or, once it is gone, remove {lock} and run again")
+                    f"or, once it is gone, remove {job_dir / LOCK} and run again")
     running = [pid for pid, ticks in ((holder.pid, holder.start_ticks), *holder.processes)
                if process_alive(pid, ticks)]
-    if running and holder.command != "hpc run" and holder.pid in running:
-        return ("", "It is submitting the job now; wait for it to finish")
-    if running:
-        alive = ", ".join(map(str, running))
-        return ("", f"Wait for it to end, stop it (`kill -TERM {holder.pid}`: the workers save a "
-                    f"checkpoint and stop; processes still running: {alive}), or use another "
-                    "--job-dir")
-    if holder.command == "hpc run":
+    if not running:
         return None
-    # `hpc submit`, `hpc sweep`: the Slurm job they submitted holds the directory now.
-    id_file = job_dir / SLURM_JOB_ID
+    return ("", f"Wait for it to end, stop it (`kill -TERM {holder.pid}`: the workers save a "
+                f"checkpoint and stop; processes still running: {', '.join(map(str, running))}), "
+                "or use another --job-dir")
+
+
+def _submission_held(job_dir: Path, holder: Holder, here: Holder, rebooted: bool,
+                     slurm_active: Callable[[str], bool | None]) -> tuple[str, str] | None:
+    """``hpc submit``, ``hpc sweep``: the Slurm job they submitted holds the directory, whatever
+    became of the submitting process (a notebook lives on) and wherever it ran."""
+    job_id = None
     try:
-        if id_file.stat().st_mtime < holder.since - 1:
-            return None                                  # an older job's id: nothing was submitted
-        job_id = id_file.read_text().strip()
+        id_file = job_dir / SLURM_JOB_ID
+        if id_file.stat().st_mtime >= holder.since - 1:   # else an older job's id
+            job_id = id_file.read_text().strip() or None
     except OSError:
-        return None
+        pass
+    if job_id is None:                                   # not submitted (yet)
+        local = holder.host == here.host and not rebooted
+        if local and not process_alive(holder.pid, holder.start_ticks):
+            return None
+        if not local and time.time() - holder.since > _SUBMIT_WINDOW_S:
+            return None
+        return ("", "It is submitting the job now; wait for it to finish")
     active = slurm_active(job_id)
     if active is False:
         return None
     if active is None:
         return (f", held by Slurm job {job_id}",
                 f"Slurm cannot be asked from here whether job {job_id} still runs; if it has "
-                f"ended (`sacct -j {job_id}`), remove {lock} and run again")
+                f"ended (`sacct -j {job_id}`), remove {job_dir / LOCK} and run again")
     return (f", held by Slurm job {job_id} (queued or running)",
             f"Wait for it to end or cancel it (`hpc cancel {job_id}`), or use another --job-dir")
 
@@ -238,8 +249,9 @@ def _publish_excl(lock: Path, text: str) -> bool:
     return True
 
 
-def _break_stale(lock: Path, stale_text: str) -> None:
-    """Removes ``lock`` if it still holds ``stale_text``; one breaker at a time.
+def _break_stale(lock: Path, stale_text: str) -> bool:
+    """Removes ``lock`` if it still holds ``stale_text``; one breaker at a time. False when
+    another taker is breaking it.
 
     Without the breaker's own lock, two takers that both found the same stale lock could
     each delete it, the second deleting the fresh lock the first had just made.
@@ -251,7 +263,7 @@ def _break_stale(lock: Path, stale_text: str) -> None:
     except FileNotFoundError:
         pass
     if not _publish(breaker, f"{socket.gethostname()} {os.getpid()}\n"):
-        return                                            # another taker is breaking it
+        return False
     try:
         try:
             if lock.read_text() == stale_text:
@@ -260,6 +272,7 @@ def _break_stale(lock: Path, stale_text: str) -> None:
             pass
     finally:
         breaker.unlink(missing_ok=True)
+    return True
 
 
 @dataclass
@@ -320,16 +333,20 @@ def acquire(job_dir: Path, command: str, *,
         except FileNotFoundError:
             continue                                      # released meanwhile: try again
         except (OSError, ValueError, TypeError, KeyError):
-            age = time.time() - lock.stat().st_mtime if lock.exists() else 0.0
-            if age < _WRITING_GRACE_S:
-                time.sleep(0.2)
+            try:
+                age = time.time() - lock.stat().st_mtime
+                if age < _WRITING_GRACE_S:
+                    time.sleep(0.2)
+                    continue
+                current_text, current = lock.read_text(), None
+            except FileNotFoundError:
                 continue
-            current_text, current = lock.read_text(), None
         if current is not None:
             held = why_held(job_dir, current, here=holder, slurm_active=slurm_active)
             if held is not None:
                 raise JobDirInUse(job_dir, current, *held)
-        _break_stale(lock, current_text)
+        if not _break_stale(lock, current_text):
+            time.sleep(0.05)                              # another taker is breaking it
     raise JobDirInUse(job_dir, read_holder(job_dir) or holder, "",
                       f"Several jobs are starting in it at once; try again, or remove {lock} "
                       "if none is running")

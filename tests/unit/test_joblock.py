@@ -153,3 +153,20 @@ def test_a_swept_array_holds_the_lock_while_any_task_is_queued(tmp_path: Path,
     (tmp_path / joblock.SLURM_JOB_ID).write_text("4242\n")
     with pytest.raises(JobDirInUse, match="held by Slurm job 4242"):
         joblock.acquire(tmp_path, "hpc run")
+
+
+def test_a_submitter_that_lives_on_does_not_hold_the_lock_once_its_job_ended(tmp_path: Path) -> None:
+    """hpc.api.submit() from a notebook: the process stays, the Slurm job decides."""
+    plant(tmp_path, joblock.me("hpc submit"))            # this very (live) process submitted
+    (tmp_path / joblock.SLURM_JOB_ID).write_text("4242\n")
+    with pytest.raises(JobDirInUse, match="held by Slurm job 4242"):
+        joblock.acquire(tmp_path, "hpc run", slurm_active=lambda job: True)
+    joblock.acquire(tmp_path, "hpc run", slurm_active=lambda job: False).release()
+
+
+def test_a_job_submitted_from_another_login_node_is_checked_with_slurm(tmp_path: Path) -> None:
+    plant(tmp_path, replace(joblock.me("hpc submit"), host="login2", pid=dead_pid()))
+    (tmp_path / joblock.SLURM_JOB_ID).write_text("4242\n")
+    with pytest.raises(JobDirInUse, match="held by Slurm job 4242"):
+        joblock.acquire(tmp_path, "hpc submit", slurm_active=lambda job: True)
+    joblock.acquire(tmp_path, "hpc submit", slurm_active=lambda job: False).release()
