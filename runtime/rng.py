@@ -10,6 +10,11 @@ When the world size changes, a rank that has no saved state (a new rank, or a ra
 did not exist before) is re-seeded deterministically with :func:`derived_seed` of
 ``(base seed, step, rank)``: reproducible, different per rank and per resume step, but of course
 not a continuation of any earlier stream.
+
+A captured state is plain data, tensors and one numpy ``uint32`` array (numpy's state), so a
+checkpoint loads it with ``torch.load(weights_only=True)``; the numpy types are exactly those
+``runtime.checkpoint.storage.runtime_safe_globals`` allows. Anything added here that is not
+a tensor or plain data must be added there too, or resumes will refuse the file.
 """
 
 from __future__ import annotations

@@ -479,7 +479,11 @@ class Checkpointer:
         doomed = []
         for path in paths:
             trash = path.with_name(f"{path.name}.deleting")
-            os.rename(path, trash)  # never leave a half-deleted step-NNNNNN behind
+            try:
+                os.rename(path, trash)  # never leave a half-deleted step-NNNNNN behind
+            except OSError as e:  # retention is housekeeping: the save itself is committed
+                log.warning("checkpoint: cannot prune %s: %s", path.name, e.strerror or e)
+                continue
             doomed.append(trash)
             log.info("checkpoint: pruned %s", path.name)
         if not doomed:
