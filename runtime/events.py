@@ -148,14 +148,18 @@ class StepSummary:
 
 
 def process_start_time() -> float | None:
-    """Wall time this process started (Linux /proc), or None: spawn-to-Session is start-up."""
+    """Wall time this process started (Linux /proc), or None: spawn-to-Session is start-up.
+
+    The start is read in ticks since boot and set against ``/proc/uptime`` (the same clock)
+    rather than the whole-second ``btime``, so it is right to about 10 ms.
+    """
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -217,6 +221,7 @@ class SessionRecorder:
         self._committed: int | None = None
         self._estimated_prior: float | None = None
         self._first = False
+        self._pending: list[int] = []
 
     def emit(self, ev: str, **fields: Any) -> None:
         self.events.emit(ev, **fields)
@@ -244,12 +249,17 @@ class SessionRecorder:
     def saved(self, ckpt: Any, step: int) -> None:
         """After ``Checkpointer.save``: what it blocked, and any commit it completed."""
         self.events.emit("ckpt_save", step=step, block_s=round(ckpt.last_block_s or 0.0, 4))
+        self._pending.append(step)
         self.check_commit(ckpt)
 
     def check_commit(self, ckpt: Any) -> None:
+        """Records the saves committed since the last look (the newest with its duration)."""
         latest = ckpt.latest_step() if ckpt is not None else None
         if latest is not None and latest != self._committed:
             self._committed = latest
+            for step in [s for s in self._pending if s < latest]:   # committed inside a later save
+                self.events.emit("ckpt_commit", step=step)
+            self._pending = [s for s in self._pending if s > latest]
             self.events.emit("ckpt_commit", step=latest, save_s=round(ckpt.last_save_s or 0.0, 4))
             if self._estimated_prior is not None:   # the first measured save: tune again
                 prior, self._estimated_prior = self._estimated_prior, None

@@ -35,6 +35,7 @@ from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from runtime.env import SlurmEnv
+from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
@@ -486,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure
     if plan.is_rdzv_host and not diskspace.reserve(job_dir):
         log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
-    return run(plan, forwarder)
+    events = LauncherRecorder(job_dir, allocation=plan.allocation, node_rank=node_rank,
+                              slurm_job_id=slurm.job_id)   # events.jsonl: the allocation's frame
+    code = run(plan, forwarder)
+    events.end(code, forwarder.received)
+    return code
 
 
 if __name__ == "__main__":

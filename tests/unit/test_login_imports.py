@@ -62,9 +62,9 @@ def test_no_module_of_hpc_imports_runtime() -> None:
 def test_hpc_report_table_and_json_without_torch_or_matplotlib(tmp_path):
     from pathlib import Path
 
-    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "events" / "worker_fail.jsonl"
-    (tmp_path / "events.jsonl").write_text(fixture.read_text())
-    (tmp_path / "outcomes.jsonl").write_text("")
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "events" / "worker_fail_resume"
+    for name in ("events.jsonl", "outcomes.jsonl"):
+        (tmp_path / name).write_text((fixture / name).read_text())
     for extra in ([], ["--json"]):
         r = _run(f"import sys; sys.argv=['hpc','report',{str(tmp_path)!r},*{extra!r}]\n"
                  "from hpc.cli import main\nsys.exit(main())")

@@ -1,0 +1,176 @@
+"""The goodput ledger on event streams: hand-built ones with known answers and one recorded
+from a real ``hpc run`` (tests/fixtures/events/worker_fail_resume: a worker failure in step 25,
+one elastic restart that fails again, a second run that resumes at 20 and finishes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc.contract.events import read_events
+from hpc.report.ledger import CATEGORIES, build
+from hpc.report.table import format_table, to_json
+
+pytestmark = pytest.mark.unit
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "events" / "worker_fail_resume"
+
+
+def ev(t, name, alloc=0, rank=0, restart=0, node="n1", **kw):
+    e = {"t": t, "ev": name, "alloc": alloc, "node": node, **kw}
+    if rank is not None:
+        e.update(rank=rank, restart=restart)
+    return e
+
+
+def launcher(t, name, alloc=0, node="n1", **kw):
+    return ev(t, name, alloc=alloc, rank=None, node=node, **kw)
+
+
+def clean_run(alloc=0, t=0.0, start_step=0, steps=100, restart=0):
+    """100 s allocation: 10 s start-up, 2 s rendezvous, 3 s restore, 80 s of steps with a
+    1 s blocking save at t+50, a 5 s teardown."""
+    return [
+        launcher(t + 0, "alloc_start", alloc),
+        launcher(t + 4, "agent_rendezvous", alloc, t0=t + 3),
+        ev(t + 8, "session_start", alloc, restart=restart, t_proc=t + 5),
+        ev(t + 10, "rendezvous", alloc, restart=restart),
+        ev(t + 11, "restore_begin", alloc, restart=restart),
+        ev(t + 14, "restore_end", alloc, restart=restart, step=start_step),
+        ev(t + 15, "loop_start", alloc, restart=restart, step=start_step),
+        ev(t + 50, "ckpt_save", alloc, restart=restart, step=start_step + steps // 2, block_s=1.0),
+        ev(t + 55, "steps", alloc, restart=restart, t0=t + 15, first=start_step + 1,
+           last=start_step + steps // 2, count=steps // 2),
+        ev(t + 95, "steps", alloc, restart=restart, t0=t + 55, first=start_step + steps // 2 + 1,
+           last=start_step + steps, count=steps // 2),
+        ev(t + 97, "session_end", alloc, restart=restart, ok=True),
+        launcher(t + 100, "alloc_end", alloc, kind="finished", exit_code=0),
+    ]
+
+
+def test_clean_run_by_hand():
+    led = build(clean_run())
+    c = led.categories
+    # start-up: [0,3] + [4,8] (launcher, agent, spawn, imports) + [10,11] + [14,15]
+    assert c["startup"] == pytest.approx(3 + 4 + 1 + 1)
+    assert c["rendezvous"] == pytest.approx(1 + 2)       # the agent's round + the process group
+    assert c["restore"] == pytest.approx(3)
+    assert c["checkpoint"] == pytest.approx(1)
+    assert c["productive"] == pytest.approx(80 - 1)
+    assert c["teardown"] == pytest.approx(5)
+    assert c["unaccounted"] == pytest.approx(0)
+    assert sum(c.values()) == pytest.approx(100) == led.allocated_node_s
+    assert led.goodput == pytest.approx(0.79)
+    assert led.lost_steps == 0 and led.interruptions == 0
+
+
+def test_preemption_then_resume_loses_nothing_and_queue_comes_from_slurm():
+    first = clean_run()[:-3] + [
+        ev(96, "stop_begin", kind="preempted", signal="SIGTERM"),
+        ev(98, "stop_end", kind="preempted", saved_step=100),
+        ev(99, "session_end", ok=True),
+        launcher(90.5, "signal", signal="SIGTERM"),
+        launcher(100, "alloc_end", kind="preempted", exit_code=75),
+    ]
+    first = [e for e in first if not (e["ev"] == "steps" and e["t"] == 95)] + [
+        ev(96, "steps", t0=55, first=51, last=100, count=50)]
+    second = clean_run(alloc=1, t=200, start_step=100)
+    runs = {0: {"submit": -30.0, "start": 0.0, "end": 100.0}, 1: {"submit": 100.0, "start": 200.0, "end": 300.0}}
+    led = build(first + second, slurm_runs=runs)
+    a0, a1 = led.allocations
+    assert a0.categories["preemption"] == pytest.approx(2)
+    assert a0.categories["teardown"] == pytest.approx(1 + 1)    # [98,99] + [99,100]
+    assert led.lost_steps == 0 and a1.start_step == 100
+    assert (a0.queue_s, a1.queue_s, led.queue_s) == (30.0, 100.0, 130.0)
+    assert led.interruptions == 1
+    assert [m.kind for m in a0.markers].count("signal") == 1
+    assert sum(led.categories.values()) == pytest.approx(200)
+
+
+def test_crash_and_restart_count_lost_steps_and_their_time():
+    # Steps 1..60 in [15, 75] (1 s each), checkpoint at 50; crash in step 61 at 75.5;
+    # the restart resumes at 50: steps 51..60 (10 s) and the step in flight (0.5 s) are lost.
+    evs = clean_run()[:7] + [
+        ev(75, "steps", t0=15, first=1, last=60, count=60),
+        ev(75.5, "crash", step=60, error="RuntimeError: boom"),
+        ev(76, "session_end", ok=False),
+        launcher(78, "agent_rendezvous", t0=77),
+        ev(80, "session_start", restart=1, t_proc=79),
+        ev(81, "rendezvous", restart=1),
+        ev(81, "restore_begin", restart=1),
+        ev(82, "restore_end", restart=1, step=50),
+        ev(82, "loop_start", restart=1, step=50),
+        ev(132, "steps", restart=1, t0=82, first=51, last=100, count=50),
+        ev(133, "session_end", restart=1, ok=True),
+        launcher(135, "alloc_end", kind="finished", exit_code=0),
+    ]
+    led = build(evs)
+    (a,) = led.allocations
+    assert led.lost_steps == 10 == a.lost_steps and a.restarts == 1
+    assert a.categories["lost"] == pytest.approx(10 + 0.5)
+    # re-form: from the crash to the restarted worker's process start, then its PG set-up
+    assert a.categories["rendezvous"] == pytest.approx((79 - 75.5) + 1 + (1 + 2))
+    assert a.categories["productive"] == pytest.approx(60 - 10 + 50)
+    assert sum(a.categories.values()) == pytest.approx(135)
+    assert led.interruptions == 1
+    assert any(m.kind == "failure" and "boom" in m.label for m in a.markers)
+
+
+def test_a_worker_group_that_vanished_is_lost_time_and_an_interruption():
+    evs = clean_run()[:7] + [ev(40, "steps", t0=15, first=1, last=25, count=25),
+                             launcher(60, "alloc_end", kind="node_failure", exit_code=76)]
+    led = build(evs, outcomes=[{"allocation": 0, "kind": "node_failure", "last_step": 27}])
+    (a,) = led.allocations
+    assert a.categories["lost"] == pytest.approx(20)          # last sign of life 40 -> end 60
+    assert led.interruptions == 1 and a.kind == "node_failure" and a.last_step == 27
+
+
+def test_node_seconds_weight_nodes_and_a_node_that_left_early():
+    evs = clean_run() + [launcher(0, "alloc_start", node="n2"), launcher(40, "alloc_end", node="n2")]
+    led = build(evs)
+    (a,) = led.allocations
+    assert a.nodes == ("n1", "n2") and a.node_s == pytest.approx(140)
+    assert sum(a.categories.values()) == pytest.approx(140)
+    assert a.categories["teardown"] == pytest.approx(5)       # only n1 was still there
+
+
+def test_hang_from_the_watchdog_record():
+    evs = clean_run()[:7] + [ev(30, "steps", t0=15, first=1, last=15, count=15),
+                             {"t": 50, "ev": "hang", "alloc": 0, "node": "n1", "reason": "rank 1 stuck"},
+                             ev(50.5, "crash", step=15, error="killed"), ev(51, "session_end", ok=False),
+                             launcher(55, "alloc_end", kind="hang", exit_code=1)]
+    (a,) = build(evs).allocations
+    assert a.categories["hang"] == pytest.approx(20)
+    assert any(m.kind == "hang" for m in a.markers)
+
+
+def test_an_allocation_without_a_launcher_end_ends_at_its_last_event():
+    evs = clean_run()[:-1]
+    (a,) = build(evs).allocations
+    assert a.end == 97 and sum(a.categories.values()) == pytest.approx(97)
+
+
+def test_recorded_stream_worker_failure_and_resume():
+    evs = read_events(FIXTURE)
+    outcomes = [json.loads(x) for x in (FIXTURE / "outcomes.jsonl").read_text().splitlines()]
+    led = build(evs, outcomes=outcomes)
+    a0, a1 = led.allocations
+    assert led.lost_steps == 10 and a0.restarts == 1 and a1.start_step == 20 and a1.last_step == 40
+    for a in led.allocations:
+        assert sum(a.categories.values()) == pytest.approx(a.wall_s, rel=1e-9)
+        assert a.categories["unaccounted"] < 0.01 * a.wall_s
+    assert (a0.kind, a1.kind) == ("app_error", "finished")
+    assert [c for c in CATEGORIES if led.categories[c] > 0] == [
+        "productive", "startup", "rendezvous", "restore", "checkpoint", "lost", "teardown"]
+
+
+def test_json_and_table():
+    led = build(read_events(FIXTURE))
+    data = json.loads(to_json(led))
+    assert set(data["categories"]) == set(CATEGORIES)
+    assert data["allocated_node_s"] == pytest.approx(sum(data["categories"].values()))
+    assert data["allocations"][0]["spans"][0][2] == "startup"
+    assert data["checkpoint_interval"]["every_s"] > 0
+    text = format_table(led, "job")
+    assert "goodput" in text and "lost work (recomputed)" in text and "Young/Daly" in text
