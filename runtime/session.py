@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hpc.contract import jobdir
 from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
+from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
@@ -86,6 +87,7 @@ class Session:
         self._poll_every = 1
         self._start_step = 0
         self._owns_group = False
+        self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
         self._beat: Any = NullHeartbeat()
         self._timeout_note = ""
 
@@ -123,6 +125,8 @@ class Session:
 
         import numpy as np
 
+        self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
+                                    restart=self.restart_count, world_size=self.world_size)
         # The node's stall watchdog reads this from now on (phase start-up, a long budget).
         self._beat = writer_for(self.env.job.heartbeat_dir, rank=self.rank,
                                 local_rank=self.env.local_rank, restart=self.restart_count)
@@ -140,6 +144,7 @@ class Session:
             self._owns_group = True
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
             else dist.group.WORLD
+        self._rec.emit("rendezvous", world_size=self.world_size)
         _show_hpc_logs(self.is_rank0)
         random.seed(self.seed)
         np.random.seed(self.seed % 2**32)
@@ -163,6 +168,9 @@ class Session:
 
     def close(self, error: BaseException | None = None) -> None:
         """Flushes any save in flight, closes sinks and the process group (every exit path)."""
+        self._rec.closing(error, self.step)
+        if error is not None:
+            self._write_progress(force=True)   # the crash's last step, for outcomes.jsonl
         self._beat.enter("exit")
         try:
             if self._checkpointer is not None and error is None:
@@ -178,6 +186,7 @@ class Session:
                 if error is None:
                     dist.barrier(group=self.cpu_group)
                 dist.destroy_process_group()
+            self._rec.close(self._checkpointer, error, self.step)
             self._beat.close()
 
     @contextmanager
@@ -283,9 +292,12 @@ class Session:
             every_steps=(spec.checkpoint_every_steps or None) if spec else None,
             every_min=(spec.checkpoint_every_min or None) if spec else None, seed=self.seed,
         )
+        self._rec.emit("restore_begin")
         with self.phase("restore"):
             manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0
+        self._rec.restored(self._checkpointer, self.step, manifest is not None,
+                           spec.checkpoint_interval if spec else "fixed")
         meta = dict(manifest.metadata) if manifest else {}
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"))
         if manifest:
@@ -299,6 +311,7 @@ class Session:
         assert self._checkpointer is not None, "call restore() before save()"
         with self.phase("save"):
             self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
+        self._rec.saved(self._checkpointer, self.step)
 
     def _metadata(self) -> dict[str, Any]:
         return {"wandb_run_id": getattr(self._sink, "run_id", None), "world_size": self.world_size,
@@ -314,6 +327,7 @@ class Session:
         ends; :attr:`stopped` then says why.
         """
         self._start_step = start
+        self._rec.loop_start(start)
         if self.is_rank0:
             from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
@@ -328,6 +342,7 @@ class Session:
             # The first step (compilation, warm-up) is no sample of an ordinary one.
             self._beat.step_done(self.step, now - tick if len(step_times) > 1 else None)
             tick = now
+            self._rec.step_done(self.step)
             self._end_of_step(last=self.step == stop)
             done = self.step - start
             if done == CALIBRATE_AFTER_STEPS:
@@ -343,6 +358,7 @@ class Session:
             if self._checkpointer is not None and self.step < stop \
                     and self._checkpointer.should_save(self.step):
                 self.save(blocking=False)
+        self._rec.flush_steps()
         if self._checkpointer is not None:
             self._checkpointer.wait()
             if self._checkpointer.latest_step() != self.step:
@@ -369,6 +385,7 @@ class Session:
 
     def _stop(self, request: StopRequest) -> None:
         self.stopped = request
+        self._rec.stop_begin(request.kind, request.signal_name)
         est = self._checkpointer.estimated_save_s() if self._checkpointer else 0.0
         decision = decide(time.time(), request.deadline, est)
         if self._checkpointer is not None:
@@ -381,6 +398,7 @@ class Session:
         saved = self._checkpointer.latest_step() if self._checkpointer else None
         self._write_progress(force=True)
         reason = f"{request.signal_name} ({request.kind}); {decision.reason}; saved step {saved}"
+        self._rec.emit("stop_end", kind=request.kind, saved_step=saved, save=decision.save)
         self.event(request.kind, step=self.step, signal=request.signal_name, saved_step=saved)
         if self.is_rank0:
             log.warning("stopping at step %d: %s", self.step, reason)
