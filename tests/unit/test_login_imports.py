@@ -78,3 +78,12 @@ def test_api_names_are_not_shadowed_by_modules():
              "assert hpc.submit.__module__ == 'hpc.api' and hpc.sweep.__module__ == 'hpc.api'\n"
              "from hpc.cli import main\nimport sys\nsys.exit(main(['render', 'README.md']))")
     assert "invalid" not in r.stderr and "AttributeError" not in r.stderr, r.stderr
+
+
+def test_hpc_render_without_torch_or_matplotlib(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = _run(f"import sys; sys.argv=['hpc','render',{str(script)!r},'--nodes','2','--job-dir',"
+             f"{str(tmp_path / 'job')!r}]\nfrom hpc.cli import main\nsys.exit(main())")
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH" in r.stdout
