@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
+from hpc.contract.components import CHECKPOINT, CheckpointConfig
 from runtime import rng
 from runtime.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir, parse_step,
@@ -184,7 +185,8 @@ class Checkpointer:
         CheckpointError: On every rank, when ``directory`` is not a directory or cannot be created.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last: int = 3, keep_every: int | None = None,
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int = CHECKPOINT.keep_last,
+                 keep_every: int | None = None,
                  every_steps: int | None = None, every_min: float | None = None, async_save: bool = True,
                  verify_checksums: bool = True, save_rng: bool = True, seed: int = 0,
                  thread_count: int = 1, reuse_staging: bool = True, safe_globals: Sequence[Any] = ()) -> None:
@@ -216,6 +218,21 @@ class Checkpointer:
         err = _prepare_directory(self.directory) if self.rank == 0 else None
         if (err := self._broadcast(err)) is not None:
             raise CheckpointError(err)
+
+    @classmethod
+    def from_config(cls, config: CheckpointConfig, **options: Any) -> Checkpointer:
+        """The checkpointer for the job's checkpoint settings (``JobSpec.checkpoint``).
+
+        The config says "off" with 0, as the JobSpec and its flags do; the retention and
+        schedule rules below it say None. This is the one place that translates.
+
+        Args:
+            config: Directory, save intervals and retention.
+            options: The constructor's other arguments (``seed``, ``async_save``...).
+        """
+        return cls(config.directory, keep_last=config.keep_last, keep_every=config.keep_every or None,
+                   every_steps=config.every_steps or None, every_min=config.every_min or None,
+                   **options)
 
     # --- collectives ---------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
