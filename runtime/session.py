@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc.contract import jobdir
+from hpc.contract import components, jobdir
+from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
@@ -149,16 +150,14 @@ class Session:
         random.seed(self.seed)
         np.random.seed(self.seed % 2**32)
         torch.manual_seed(self.seed)
-        spec = self.spec
-        signals = (f"SIG{spec.signal}" if spec else "SIGUSR2", "SIGTERM")
         end = self.env.job.job_end_time or None
         grace = self.env.job.grace_s or DEFAULT_GRACE_S
         # The agreement runs on its own gloo group: on the training group its all-reduce
         # would queue behind (and delay) the model's gradient all-reduces.
         control = dist.new_group(backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
-        self._watcher = PreemptionWatcher(signals, control,
-                                          job_end_time=end, lead_s=spec.signal_lead_s if spec else 120,
-                                          grace_s=grace)
+        self._watcher = PreemptionWatcher.from_config(
+            self.spec.preemption if self.spec else components.PREEMPTION, control,
+            job_end_time=end, grace_s=grace)
         self._watcher.install()
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
@@ -285,13 +284,9 @@ class Session:
 
         spec = self.spec
         self._app_state = _app_state(state)
-        self._checkpointer = Checkpointer(
-            spec.resolved_checkpoint_dir if spec else self.job_dir / jobdir.CHECKPOINTS,
-            keep_last=spec.keep_last if spec else 3,
-            keep_every=(spec.keep_every or None) if spec else None,
-            every_steps=(spec.checkpoint_every_steps or None) if spec else None,
-            every_min=(spec.checkpoint_every_min or None) if spec else None, seed=self.seed,
-        )
+        self._checkpointer = Checkpointer.from_config(
+            spec.checkpoint if spec
+            else CheckpointConfig(directory=str(self.job_dir / jobdir.CHECKPOINTS)), seed=self.seed)
         self._rec.emit("restore_begin")
         with self.phase("restore"):
             manifest = self._checkpointer.load_latest(self._app_state)
@@ -463,15 +458,12 @@ class Session:
             from runtime.wandb_sink import make_sink
             from runtime.wandb_sink import run_metadata
 
-            spec = self.spec
-            mode = wandb_mode(spec, os.environ)
+            config = self.spec.wandb if self.spec else WandbConfig(mode=wandb_mode(None, os.environ))
             self._sink = make_sink(
-                self.rank, job_dir=self.job_dir, mode=mode,
-                project=(spec.wandb_project or spec.job_name) if spec else "",
-                entity=spec.wandb_entity if spec else "", metadata=run_metadata(self.env),
+                self.rank, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
                 resume_step=resume_step, run_id=run_id,
                 # Offline init touches no network: a long bound only guards a starved node.
-                init_timeout_s=30.0 if mode == "online" else 120.0)
+                init_timeout_s=30.0 if config.mode == "online" else 120.0)
         return self._sink
 
     def finish(self) -> None:

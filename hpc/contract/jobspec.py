@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import interval, stall, values
+from hpc.contract import components, interval, jobdir, stall, values
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -234,9 +234,11 @@ class JobSpec:
                             _name("--exclude node[3-4]", "[],", " and [ ] , of a hostlist"),
                             "--exclude node[3-4]")
     # --- keeping it alive ----------------------------------------------------------------
-    signal: str = _opt("USR2", "Warning signal Slurm sends before the time limit.",
+    signal: str = _opt(components.PREEMPTION.signal,
+                       "Warning signal Slurm sends before the time limit.",
                        values.parse_signal, check=_in(values.SIGNALS), example="--signal USR2")
-    signal_lead_s: int = _int_opt(120, "Seconds before the time limit that the warning arrives "
+    signal_lead_s: int = _int_opt(components.PREEMPTION.lead_s,
+                                  "Seconds before the time limit that the warning arrives "
                                   "(0: no warning signal; a preemption then sends only SIGTERM; "
                                   f"at most {MAX_SIGNAL_LEAD_S}).", 0, MAX_SIGNAL_LEAD_S,
                                   "--signal-lead 120")
@@ -261,10 +263,11 @@ class JobSpec:
     checkpoint_dir: str = _str_opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).",
                                    _path("--checkpoint-dir /scratch/me/ckpt"),
                                    "--checkpoint-dir /scratch/me/ckpt")
-    checkpoint_every_steps: int = _int_opt(0, "Save every N steps (0: off).", 0, MAX_STEPS,
+    checkpoint_every_steps: int = _int_opt(components.CHECKPOINT.every_steps,
+                                           "Save every N steps (0: off).", 0, MAX_STEPS,
                                            "--checkpoint-every-steps 500")
     checkpoint_every_min: float = _opt(
-        0.0, "Save every M minutes (0: off; at most 365 days).",
+        components.CHECKPOINT.every_min, "Save every M minutes (0: off; at most 365 days).",
         lambda v, f: values.parse_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
                                         example="--checkpoint-every-min 30"),
         check=lambda v, f: values.check_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
@@ -277,9 +280,11 @@ class JobSpec:
         "(auto:2h sets another; see docs/goodput.md).", interval.parse_checkpoint_interval,
         check=interval.check_checkpoint_interval, example="--checkpoint-interval auto",
         metavar="fixed|auto|auto:MTBF")
-    keep_last: int = _int_opt(3, f"Checkpoints to keep (the newest k, 1 to {MAX_KEEP}).", 1,
+    keep_last: int = _int_opt(components.CHECKPOINT.keep_last,
+                              f"Checkpoints to keep (the newest k, 1 to {MAX_KEEP}).", 1,
                               MAX_KEEP, "--keep-last 3")
-    keep_every: int = _int_opt(0, "Also keep every n-th step forever (0: off).", 0, MAX_STEPS,
+    keep_every: int = _int_opt(components.CHECKPOINT.keep_every,
+                               "Also keep every n-th step forever (0: off).", 0, MAX_STEPS,
                                "--keep-every 10000")
     # --- logging ---------------------------------------------------------------------------
     wandb_project: str = _str_opt("", "W&B project (empty: the job name).",
@@ -288,7 +293,7 @@ class JobSpec:
     wandb_entity: str = _str_opt("", "W&B entity.",
                                  _text("--wandb-entity my-team", 128, _WANDB_FORBIDDEN),
                                  "--wandb-entity my-team")
-    wandb_mode: str = _opt("offline", "W&B mode: offline (default), online or disabled.",
+    wandb_mode: str = _opt(components.WANDB.mode, "W&B mode: offline (default), online or disabled.",
                            _choice(WANDB_MODES), check=_in(WANDB_MODES),
                            example="--wandb-mode online")
     env: tuple[tuple[str, str], ...] = _opt((), "Extra environment for the workers, NAME=VALUE "
@@ -341,7 +346,23 @@ class JobSpec:
 
     @property
     def resolved_checkpoint_dir(self) -> str:
-        return self.checkpoint_dir or str(Path(self.job_dir) / "checkpoints")
+        return self.checkpoint_dir or str(Path(self.job_dir) / jobdir.CHECKPOINTS)
+
+    # --- what each component gets, whole ---------------------------------------------------
+    @property
+    def checkpoint(self) -> components.CheckpointConfig:
+        return components.CheckpointConfig(
+            directory=self.resolved_checkpoint_dir, every_steps=self.checkpoint_every_steps,
+            every_min=self.checkpoint_every_min, keep_last=self.keep_last, keep_every=self.keep_every)
+
+    @property
+    def preemption(self) -> components.PreemptionConfig:
+        return components.PreemptionConfig(signal=self.signal, lead_s=self.signal_lead_s)
+
+    @property
+    def wandb(self) -> components.WandbConfig:
+        return components.WandbConfig(project=self.wandb_project or self.job_name,
+                                      entity=self.wandb_entity, mode=self.wandb_mode)
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
