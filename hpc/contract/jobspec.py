@@ -424,7 +424,7 @@ class JobSpec:
             SpecError: for a file that is not a readable jobspec (see :meth:`from_json`).
             HpcError: for a file that cannot be read at all (missing, no permission).
         """
-        path = Path(job_dir) / "jobspec.json"
+        path = Path(job_dir) / jobdir.JOBSPEC
         try:
             raw = path.read_bytes()
         except OSError as e:
