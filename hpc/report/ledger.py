@@ -213,14 +213,15 @@ def _lost_tail(inc: _Incarnation, keep_upto: int) -> list[tuple[float, float]]:
 
 
 def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str, Any]] = (),
-          slurm_runs: Mapping[int, Mapping[str, float | None]] | None = None,
+          slurm_runs: Mapping[int, Mapping[str, Any]] | None = None,
           prior_mtbf_s: float = young_daly.DEFAULT_MTBF_S) -> Ledger:
     """The ledger of a job (pure).
 
     Args:
         events: The job's events (``events.jsonl`` plus ``hang`` events from ``hangs.jsonl``).
         outcomes: ``outcomes.jsonl`` records (dicts): the kind and last step of each allocation.
-        slurm_runs: Per allocation, Slurm's ``submit``/``start``/``end`` (epoch seconds) when known.
+        slurm_runs: Per allocation, Slurm's ``submit``/``start``/``end`` (epoch seconds) and
+            ``node_ends`` (node -> when it left the allocation), when known.
         prior_mtbf_s: The cluster's prior mean time between interruptions (for the interval).
     """
     evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
@@ -280,7 +281,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
 
 def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnation],
                 all_incs: list[_Incarnation], lost_by_inc: Mapping[tuple[int, int], int],
-                outcome: Mapping[str, Any] | None, slurm: Mapping[str, float | None] | None
+                outcome: Mapping[str, Any] | None, slurm: Mapping[str, Any] | None
                 ) -> AllocationLedger:
     starts = [e for e in aevs if e["ev"] == "alloc_start"]
     ends = [e for e in aevs if e["ev"] == "alloc_end"]
@@ -369,13 +370,18 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
                  for n in node_names}
     if slurm and slurm.get("end") is not None and ends:
         node_ends = {n: max(v, float(slurm["end"])) for n, v in node_ends.items()}
+    left = (slurm or {}).get("node_ends") or {}
+    for n in node_ends:   # a node that died without a word: allocated until Slurm dropped it
+        if left.get(n) is not None and not any(e.get("node") == n for e in ends):
+            node_ends[n] = min(t_end, max(t_start, float(left[n])))
     cats = dict.fromkeys(CATEGORIES, 0.0)
     for n, n_end in node_ends.items():
         for c, v in tl.seconds(t_start, n_end).items():
             cats[c] += v
     kind = str(outcome["kind"]) if outcome else next((str(e.get("kind")) for e in reversed(ends)), "")
     if outcome and outcome.get("kind") not in (None, "finished"):
-        markers.append(Marker(t_end, "failure" if outcome["kind"] != "time_limit" else "stop",
+        planned = outcome["kind"] in ("preempted", "time_limit", "cancelled")
+        markers.append(Marker(t_end, "stop" if planned else "failure",
                               f"allocation ended: {outcome['kind']}"))
     restores = [i.resume_step for i in incs if i.resume_step is not None]
     lasts = [i.last_step for i in incs if i.last_step is not None]

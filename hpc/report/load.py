@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from hpc.contract import jobdir
 from hpc.contract.events import read_events
 from hpc.contract.interval import prior_mtbf_s
+from hpc.contract.slurm_parse import AccountingRecord
 from hpc.report import young_daly
 from hpc.report.ledger import Ledger, build
 
@@ -40,11 +42,34 @@ def hang_events(job_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def slurm_runs(job_id: str) -> dict[int, dict[str, float | None]]:
-    """Per allocation (in order of the runs sacct lists), its submit, start and end times.
+def runs_from_accounting(records: Sequence[AccountingRecord], job_id: str
+                         ) -> dict[int, dict[str, Any]]:
+    """Per allocation, Slurm's submit, start and end times and when each node left it (pure).
 
-    Empty when sacct is unavailable: the report then goes without queue times.
+    Allocations are the job's allocation records in order of start. A ``--no-kill`` job that
+    loses a node is *resized*: sacct then shows a ``RESIZING`` record up to the loss and a new
+    record for the survivors; both are one allocation, and the lost node's time ends at the
+    resize.
     """
+    allocs = sorted((r for r in records if r.step is None and r.job_id == job_id and r.start),
+                    key=lambda r: r.start)
+    ts = lambda d: d.timestamp() if d is not None else None  # noqa: E731
+    runs: list[dict[str, Any]] = []
+    resizing = False
+    for r in allocs:
+        if not (runs and resizing):
+            runs.append({"submit": ts(r.submit), "start": ts(r.start), "end": None, "node_ends": {}})
+        run = runs[-1]
+        run["end"] = ts(r.end)
+        for node in r.nodes:
+            run["node_ends"][node] = ts(r.end)
+        resizing = r.raw_state.upper().startswith("RESIZING")
+    return dict(enumerate(runs))
+
+
+def slurm_runs(job_id: str) -> dict[int, dict[str, Any]]:
+    """:func:`runs_from_accounting` from sacct; empty when sacct is unavailable (the report then
+    goes without queue times)."""
     from hpc.contract.slurm import SlurmClient, SlurmError
 
     try:
@@ -52,11 +77,7 @@ def slurm_runs(job_id: str) -> dict[int, dict[str, float | None]]:
     except (SlurmError, OSError) as e:
         log.warning("no Slurm accounting for job %s (%s): no queue times", job_id, e)
         return {}
-    runs = [r for r in records if r.step is None and r.job_id == job_id and r.start is not None]
-    runs.sort(key=lambda r: (r.start, r.submit or r.start))
-    ts = lambda d: d.timestamp() if d is not None else None  # noqa: E731
-    return {i: {"submit": ts(r.submit), "start": ts(r.start), "end": ts(r.end)}
-            for i, r in enumerate(runs)}
+    return runs_from_accounting(records, job_id)
 
 
 def load(job_dir: Path, job_id: str = "") -> Ledger:

@@ -42,11 +42,11 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
         x += a.wall_s
     lanes = []   # (label, allocation, node end or None)
     for a in allocs:
-        lanes.append((f"alloc {a.allocation}\n{len(a.nodes)} node(s)", a, None))
+        lanes.append((f"alloc {a.allocation}: {len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}", a, None))
         for node, end in a.node_ends.items():
             if len(a.nodes) > 1 and end < a.end - 1.0:
-                lanes.append((f"  {node}", a, end))
-    fig, (ax_s, ax_t) = plt.subplots(2, 1, figsize=(10, 3.2 + 0.55 * len(lanes)), sharex=True,
+                lanes.append((f"{node} (left)", a, end))
+    fig, (ax_s, ax_t) = plt.subplots(2, 1, figsize=(10, 3.2 + 0.6 * len(lanes)), sharex=True,
                                      gridspec_kw={"height_ratios": [2, max(1.2, 0.55 * len(lanes))]})
     for a, off in zip(allocs, offsets):
         for seg in _runs(a.steps):   # one line per stretch; a resume from an older step breaks it
@@ -72,9 +72,9 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
                 ax_t.plot([m.t + off], [y + 0.5], marker=sym, color=col, ms=7, mew=1.5, ls="none")
                 if m.kind == "failure":
                     ax_s.axvline(m.t + off, color=col, lw=0.8, ls=":")
-            ended = f"\n{a.kind}" if a.kind else ""
-            queue = f"\nqueue {a.queue_s:.0f}s" if a.queue_s is not None else ""
-            label = label + queue + ended
+            extra = [f"queue {a.queue_s:.0f}s"] if a.queue_s is not None else []
+            extra += [a.kind] if a.kind else []
+            label = label + ("\n" + ", ".join(extra) if extra else "")
         ax_t.text(-0.01, y, label, transform=ax_t.get_yaxis_transform(), ha="right", va="center",
                   fontsize=7)
     ax_t.set_yticks([])

@@ -174,3 +174,29 @@ def test_json_and_table():
     assert data["checkpoint_interval"]["every_s"] > 0
     text = format_table(led, "job")
     assert "goodput" in text and "lost work (recomputed)" in text and "Young/Daly" in text
+
+
+def test_sacct_runs_merge_a_resized_allocation_and_date_the_lost_node():
+    from datetime import datetime
+
+    from hpc.contract.slurm_parse import parse_sacct
+    from hpc.report.load import runs_from_accounting
+
+    text = (Path(__file__).resolve().parents[1] / "fixtures" / "slurm" /
+            "sacct_preempted_then_resized.txt").read_text()
+    runs = runs_from_accounting(parse_sacct(text), "45")
+    ts = lambda s: datetime.fromisoformat(s).timestamp()  # noqa: E731
+    assert list(runs) == [0, 1]
+    assert runs[0]["start"] - runs[0]["submit"] == 1.0
+    assert (runs[1]["submit"], runs[1]["start"], runs[1]["end"]) == (
+        ts("2026-11-24T22:16:26"), ts("2026-11-24T22:16:32"), ts("2026-11-24T22:17:22"))
+    assert runs[1]["node_ends"] == {"node1": ts("2026-11-24T22:17:22"), "node2": ts("2026-11-24T22:17:22"),
+                                    "node3": ts("2026-11-24T22:17:04")}
+
+
+def test_a_node_that_died_silently_counts_until_slurm_dropped_it():
+    evs = clean_run() + [launcher(0, "alloc_start", node="n2")]          # n2 never ends
+    runs = {0: {"submit": 0.0, "start": 0.0, "end": 100.0, "node_ends": {"n1": 100.0, "n2": 30.0}}}
+    (a,) = build(evs, slurm_runs=runs).allocations
+    assert a.node_ends == {"n1": 100.0, "n2": 30.0} and a.node_s == pytest.approx(130)
+    assert sum(a.categories.values()) == pytest.approx(130)
