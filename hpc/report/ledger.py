@@ -18,8 +18,9 @@ where two claims overlap the more specific wins, in the order of :data:`PAINT_OR
 - ``unaccounted``: whatever no event explains; it is shown, never spread over the others.
 
 Node-seconds: every node of an allocation counts from the allocation's start to its own end
-(its launcher's ``alloc_end``, else the allocation's end: a lost node stays allocated until
-Slurm drops it). Categories are the job's timeline (rank 0's view) weighted by the nodes alive,
+(its launcher's ``alloc_end``; else when Slurm dropped it from the job, when known; else the
+allocation's end). A node that ended without its launcher's record died: from the first
+failure after its last record until its end, its time is ``lost``. Categories are the job's timeline (rank 0's view) weighted by the nodes alive,
 so they add up exactly to the allocated node-seconds. Queue wait comes from Slurm and is
 reported beside the allocated time, not inside it.
 """
@@ -70,6 +71,7 @@ class AllocationLedger:
     restarts: int = 0
     spans: list[Span] = field(default_factory=list)
     node_ends: dict[str, float] = field(default_factory=dict)
+    node_dead: dict[str, float] = field(default_factory=dict)   # node -> when it was found dead
     markers: list[Marker] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
 
@@ -374,10 +376,20 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
     for n in node_ends:   # a node that died without a word: allocated until Slurm dropped it
         if left.get(n) is not None and not any(e.get("node") == n for e in ends):
             node_ends[n] = min(t_end, max(t_start, float(left[n])))
+    # A node that ended without its launcher's record died: from the first failure after its
+    # last own record until Slurm dropped it, its time is lost whatever the others did.
+    dead: dict[str, float] = {}
+    for n in node_names:
+        if not any(e.get("node") == n for e in ends):
+            own = max((float(e["t"]) for e in aevs if e.get("node") == n), default=t_start)
+            fails = [m.t for m in markers if m.kind == "failure" and m.t >= own]
+            if fails and min(fails) < node_ends[n]:
+                dead[n] = min(fails)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     for n, n_end in node_ends.items():
-        for c, v in tl.seconds(t_start, n_end).items():
+        for c, v in tl.seconds(t_start, dead.get(n, n_end)).items():
             cats[c] += v
+        cats["lost"] += n_end - dead.get(n, n_end)
     kind = str(outcome["kind"]) if outcome else next((str(e.get("kind")) for e in reversed(ends)), "")
     if outcome and outcome.get("kind") not in (None, "finished"):
         planned = outcome["kind"] in ("preempted", "time_limit", "cancelled")
@@ -395,4 +407,4 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         last_step=max(lasts) if lasts else None,
         lost_steps=sum(v for (a, _), v in lost_by_inc.items() if a == alloc),
         restarts=max((i.restart for i in incs), default=0), spans=tl.spans(),
-        node_ends=node_ends, markers=markers, steps=sorted(curve))
+        node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve))

@@ -60,12 +60,17 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
         y = len(lanes) - 1 - row
         off = offsets[allocs.index(a)]
         h = 0.8 if node_end is None else 0.35
+        node = label.split(" ")[0] if node_end is not None else None
+        cut = node_end if node is None else min(node_end, a.node_dead.get(node, node_end))
         for s in a.spans:
-            t1 = s.t1 if node_end is None else min(s.t1, node_end)
+            t1 = s.t1 if node_end is None else min(s.t1, cut)
             if t1 > s.t0:
                 ax_t.broken_barh([(s.t0 + off, t1 - s.t0)], (y - h / 2, h), color=COLORS[s.category],
                                  linewidth=0)
                 used.add(s.category)
+        if node_end is not None and cut < node_end:   # dead, still allocated
+            ax_t.broken_barh([(cut + off, node_end - cut)], (y - h / 2, h), color=COLORS["lost"],
+                             linewidth=0)
         if node_end is None:
             for m in a.markers:
                 sym, col = MARKERS.get(m.kind, ("o", "black"))

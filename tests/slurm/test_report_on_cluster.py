@@ -74,6 +74,8 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
         assert abs(a["wall_s"] - e) <= max(2.0, 0.01 * e), (a["wall_s"], e)
     # node3 counts until Slurm dropped it from the job (the resize), not to the end.
     assert a1["node_ends"]["node3"] < a1["end"] - 1.0
+    # ... and from the failure the survivors saw until then, its time is lost.
+    assert a1["node_dead"]["node3"] <= a1["node_ends"]["node3"]
     # The preemption: handled in its own category, nothing lost, resumed at the saved step.
     assert a0["categories"]["preemption"] > 0 and a0["lost_steps"] == 0
     assert a1["start_step"] == saved == a0["last_step"]

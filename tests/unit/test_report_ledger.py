@@ -200,3 +200,19 @@ def test_a_node_that_died_silently_counts_until_slurm_dropped_it():
     (a,) = build(evs, slurm_runs=runs).allocations
     assert a.node_ends == {"n1": 100.0, "n2": 30.0} and a.node_s == pytest.approx(130)
     assert sum(a.categories.values()) == pytest.approx(130)
+    assert a.node_dead == {}                  # no failure was seen: n2 just counts to 30
+
+
+def test_a_dead_node_is_lost_from_the_failure_until_slurm_dropped_it():
+    evs = clean_run()[:-3] + [launcher(0, "alloc_start", node="n2"),
+                              ev(60, "crash", step=40, error="gloo: connection closed"),
+                              ev(61, "session_end", ok=False),
+                              launcher(100, "alloc_end", kind="app_error", exit_code=1)]
+    runs = {0: {"submit": 0.0, "start": 0.0, "end": 100.0, "node_ends": {"n1": 100.0, "n2": 80.0}}}
+    (a,) = build(evs, slurm_runs=runs).allocations
+    assert a.node_dead == {"n2": 60.0} and a.node_s == pytest.approx(180)
+    assert sum(a.categories.values()) == pytest.approx(180)
+    # n2: [60, 80] lost on top of n1's share of the same time (the step in flight, then teardown)
+    only_n1 = build([e for e in evs if e.get("node") != "n2"]).allocations[0].categories["lost"]
+    assert only_n1 == pytest.approx(60 - 55)
+    assert a.categories["lost"] == pytest.approx(2 * only_n1 + 20)
