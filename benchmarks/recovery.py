@@ -9,13 +9,17 @@ trainer (tiny preset, 2 nodes x 2 processes, a checkpoint every 4 steps) is hit 
 - a node crash (everything in its namespace killed, ``--nodes 2:3``): crash -> the survivors
   completed a step at the smaller world size;
 - a requeue (``scontrol requeue``): requeue -> the next allocation completed a step;
+- a worker frozen with SIGSTOP (nothing exits): freeze -> the stall watch dumped the stacks,
+  restarted the workers and a step completed (``--stall-timeout auto``: a 20-s floor);
+- a node's link cut (``ip link set <veth> down``; its processes live on, ``--nodes 2:3``):
+  cut -> the survivors completed a step at the smaller world size;
 
 and for each it reports seconds and the steps lost (steps done after the last committed
 checkpoint, redone after the resume). The baseline, measured in the same run, is a cold
 start: submit -> first completed step. Ratios say how much of a recovery is more than
 starting from scratch. Times come from rank 0's ``progress.json`` (written every step here).
 
-    python benchmarks/recovery.py [--json PATH]
+    python benchmarks/recovery.py [--json PATH] [--only liveness]
 """
 
 from __future__ import annotations
@@ -105,9 +109,40 @@ def worker_pids(ns: str) -> list[int]:
     return pids
 
 
+def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
+    """The two stalls that kill no process (issue 11): a frozen worker, a cut link."""
+    # 5. Worker SIGSTOP -> the stall watch kills the node's workers -> a step completes.
+    job_id, job, _ = b.submit("--nodes", "2", "--max-restarts", "3")
+    wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
+    before = progress(job)["step"]
+    t = time.time()
+    os.kill(worker_pids("hpc-node2")[0], signal.SIGSTOP)
+    wait(lambda: progress(job).get("restart", 0) >= 1 and progress(job)["step"] > progress(job)["start_step"],
+         180, "training after the frozen worker's restart")
+    res["worker_freeze_to_resume_s"] = time.time() - t
+    res["worker_freeze_steps_lost"] = before - progress(job)["start_step"]
+    b.cancel(job_id)
+
+    # 6. Link of a non-rendezvous node cut -> the survivors complete a step.
+    job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
+    wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
+         "step 10 on 3 nodes")
+    before = progress(job)["step"]
+    t = time.time()
+    sc.cut(cluster, "node3")
+    wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"],
+         300, "training on the survivors after the cut")
+    res["node_cut_to_resume_s"] = time.time() - t
+    res["node_cut_steps_lost"] = before - progress(job)["start_step"]
+    b.cancel(job_id)
+    sc.restore(cluster)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="")
+    p.add_argument("--only", choices=("all", "liveness"), default="all",
+                   help="liveness: the cold start, then the worker freeze and the link cut only")
     args = p.parse_args()
     sc = _cluster()
     cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", "/run/hpc-test-cluster")), 3)
@@ -121,6 +156,11 @@ def main() -> None:
         # Baseline: cold start, submit -> first completed step.
         job_id, job, t0 = b.submit("--nodes", "2")
         res["cold_start_s"] = wait(lambda: progress(job).get("step", 0) >= 1, 180, "first step") - t0
+        if args.only == "liveness":
+            b.cancel(job_id)
+            stall_cases(b, sc, cluster, res)
+            report(res, args.json)
+            return
 
         # 1. Warning signal -> every rank exited with a committed checkpoint.
         wait(lambda: progress(job).get("step", 0) >= 10, 120, "step 10")
@@ -162,16 +202,23 @@ def main() -> None:
         res["node_crash_steps_lost"] = before - progress(job)["start_step"]
         b.cancel(job_id)
         sc.restore(cluster)
+        stall_cases(b, sc, cluster, res)
+    report(res, args.json)
 
+
+def report(res: dict[str, float], json_path: str) -> None:
     cold = res["cold_start_s"]
     print(f"{'event':<28} | {'seconds':>8} | {'x cold start':>12} | steps lost")
     print(f"{'cold start (baseline)':<28} | {cold:8.2f} | {1:12.2f} | -")
     for key, lost in (("signal_to_exit_s", "signal_steps_lost"), ("requeue_to_resume_s", None),
                       ("worker_crash_to_resume_s", "worker_crash_steps_lost"),
-                      ("node_crash_to_resume_s", "node_crash_steps_lost")):
-        print(f"{key:<28} | {res[key]:8.2f} | {res[key] / cold:12.2f} | {res.get(lost, '-') if lost else 0}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+                      ("node_crash_to_resume_s", "node_crash_steps_lost"),
+                      ("worker_freeze_to_resume_s", "worker_freeze_steps_lost"),
+                      ("node_cut_to_resume_s", "node_cut_steps_lost")):
+        if key in res:
+            print(f"{key:<28} | {res[key]:8.2f} | {res[key] / cold:12.2f} | {res.get(lost, '-') if lost else 0}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -293,7 +293,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     )
     # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
     watchdog = Watchdog.for_job(plan.job_dir, spec.stall_timeout, allocation=plan.allocation,
-                                node_rank=plan.node_rank)
+                                node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
+                                run_id=plan.run_id, max_nodes=plan.nnodes[1])
     watchdog.start()
     started = time.time()
     reason, result = "", "succeeded"

@@ -30,10 +30,12 @@ class HangEvent:
     step: int | None = None          # the lowest step among the node's ranks
     time: float = 0.0
     ranks: tuple[str, ...] = field(default_factory=tuple)   # one line per local rank
+    suspect_node: str = ""           # a peer node that stopped answering, when that is why
 
     def summary(self) -> str:
         """One line for outcomes and ``hpc status``."""
-        who = f"rank {self.suspect_rank}" if self.suspect_rank is not None else "a peer off this node"
+        who = (f"rank {self.suspect_rank}" if self.suspect_rank is not None
+               else f"node {self.suspect_node}" if self.suspect_node else "a peer off this node")
         at = f" at step {self.step}" if self.step is not None else ""
         return f"stall on {self.node}{at}, suspect {who}: {self.reason} (stacks {self.stacks})"
 

@@ -4,7 +4,9 @@ Inputs are the local workers' heartbeats, whether each process is stopped (SIGST
 tracer), the clock, the latest progress other nodes published, and optionally what the stack
 dumps show. A node is *stalled* when every local rank is past the deadline of its phase and
 no other node made progress within that deadline, or when a stopped process is past its
-deadline. Ranks that wait in a collective for a peer that saves, evaluates or just came out
+deadline, or at once when a peer node stopped answering the rendezvous store
+(:mod:`.peers`) and no local rank made progress for :data:`QUIET_S` seconds (whatever the
+phase: a link cut during a checkpoint save must not wait for the save's budget). Ranks that wait in a collective for a peer that saves, evaluates or just came out
 of a long phase look exactly like stuck ones; but training is synchronous, so while *any*
 rank still makes progress (or is inside a phase within its budget) the others may be waiting
 for it, and nothing is declared.
@@ -30,6 +32,7 @@ COLLECTIVE_FRAMES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/paral
                      "/torch/_tensor.py")
 WORKER_FRAME = "runtime/worker.py"   # the bottom of every worker's main thread
 TOP_FRAMES = 4
+QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Verdict:
     ranks: tuple[RankState, ...]
     suspect_rank: int | None = None
     reason: str = ""
+    lost_node: str = ""     # a peer node that stopped answering, when that is the evidence
 
 
 def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
@@ -73,14 +77,22 @@ def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
     return tuple(out)
 
 
-def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = None) -> Verdict:
+def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = None,
+          lost_peers: Mapping[str, float] | None = None) -> Verdict:
     """Whether the node is stalled (before any stack is taken).
 
     Args:
         ranks: From :func:`assess`.
         peer_progress_age_s: Seconds since the latest progress any other node published
             (None: no other node, or none that publishes): the local ranks may wait for it.
+        lost_peers: Peer nodes (name -> seconds silent) that stopped answering the store.
     """
+    if lost_peers and ranks and min(r.age_s for r in ranks) >= QUIET_S:
+        name, silent = max(lost_peers.items(), key=lambda kv: kv[1])
+        quiet = min(r.age_s for r in ranks)
+        return Verdict(True, tuple(ranks), None,
+                       f"node {name} stopped answering the rendezvous store {silent:.0f}s ago and no "
+                       f"rank here progressed for {quiet:.1f}s", lost_node=name)
     overdue = [r for r in ranks if r.overdue]
     if not overdue:
         return Verdict(False, tuple(ranks))
@@ -134,15 +146,19 @@ def blame(verdict: Verdict, stacks: Mapping[int, str]) -> Verdict:
         r = min(loose, key=lambda r: (r.beat.step, r.beat.time))
         return _named(verdict, r, f"rank {r.beat.rank} is stuck outside any collective in phase "
                                   f"{r.beat.phase} at step {r.beat.step} (its peers wait for it)")
+    if verdict.lost_node:
+        return verdict
     waiting = [r for r in ranks if main_thread_in_collective(stacks.get(r.beat.rank, ""))]
     if ranks and len(waiting) == len(ranks):
         steps = sorted({r.beat.step for r in ranks})
         return Verdict(True, ranks, None, f"every rank on this node waits in a collective (step "
                        f"{'/'.join(map(str, steps))}): a peer on another node stopped answering")
-    r = min((r for r in ranks if r.overdue), key=lambda r: (r.beat.step, r.beat.time))
+    r = min(ranks, key=lambda r: (r.beat.step, r.beat.time))
     return _named(verdict, r, f"rank {r.beat.rank} made no progress in phase {r.beat.phase} at step "
                               f"{r.beat.step} for {r.age_s:.1f}s")
 
 
 def _named(verdict: Verdict, r: RankState, why: str) -> Verdict:
-    return Verdict(True, verdict.ranks, r.beat.rank, why)
+    if verdict.lost_node:
+        why += f"; also: {verdict.reason}"
+    return Verdict(True, verdict.ranks, r.beat.rank, why, verdict.lost_node)

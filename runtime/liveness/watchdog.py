@@ -43,6 +43,7 @@ from hpc.contract import jobdir
 from runtime.liveness import events, proc, stacks
 from runtime.liveness.deadline import StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import read_all
+from runtime.liveness.peers import PeerBeacon
 from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
 
 log = logging.getLogger("hpc.liveness")
@@ -71,7 +72,8 @@ class Watchdog:
     """
 
     def __init__(self, job_dir: Path, *, allocation: int, node_rank: int, policy: StallPolicy | None,
-                 agent_pid: int | None = None, poll_s: float = POLL_S) -> None:
+                 agent_pid: int | None = None, poll_s: float = POLL_S,
+                 beacon: PeerBeacon | None = None) -> None:
         self.job_dir = Path(job_dir)
         self.allocation, self.node_rank = allocation, node_rank
         self.policy = policy
@@ -84,11 +86,16 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._published = 0.0
         self._acted_on: set[int] = set()
+        self.beacon = beacon
 
     @classmethod
-    def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int) -> Watchdog:
-        return cls(job_dir, allocation=allocation, node_rank=node_rank,
-                   policy=policy_from_spec(stall_timeout))
+    def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int,
+                rdzv_endpoint: str = "", run_id: str = "", max_nodes: int = 1) -> Watchdog:
+        """The watchdog of one launcher; with a rendezvous endpoint, a peer beacon too."""
+        policy = policy_from_spec(stall_timeout)
+        beacon = PeerBeacon(rdzv_endpoint, run_id, node_rank=node_rank, host=socket.gethostname(),
+                            max_nodes=max_nodes) if rdzv_endpoint and max_nodes > 1 and policy else None
+        return cls(job_dir, allocation=allocation, node_rank=node_rank, policy=policy, beacon=beacon)
 
     @property
     def node_dir(self) -> Path:
@@ -113,11 +120,15 @@ class Watchdog:
                  ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s)
         self._thread = threading.Thread(target=self._run, name="hpc-stall-watchdog", daemon=True)
         self._thread.start()
+        if self.beacon is not None:
+            self.beacon.start()
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.beacon is not None:
+            self.beacon.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def amend(self, kind: str, reason: str) -> tuple[str, str, tuple[str, ...]]:
@@ -152,9 +163,14 @@ class Watchdog:
         now = time.time() if now is None else now
         ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy)
         self._publish(ranks, now)
-        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(now))
+        tracker = self.beacon.tracker if self.beacon is not None else None
+        lost = tracker.lost(time.monotonic()) if tracker is not None else {}
+        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(now),
+                        lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None)
         if verdict.stalled:
             self._act(verdict, sorted(pids))
+            if tracker is not None:
+                tracker.done.update(lost)   # acted on: the job re-forms without them
         return verdict
 
     def _act(self, verdict: Verdict, pids: list[int]) -> None:
@@ -169,7 +185,8 @@ class Watchdog:
             allocation=self.allocation, node=self.host, node_rank=self.node_rank,
             reason=verdict.reason, suspect_rank=verdict.suspect_rank,
             stacks=str(path.relative_to(self.job_dir)), step=min(r.beat.step for r in verdict.ranks),
-            time=time.time(), ranks=tuple(r.describe() for r in verdict.ranks))
+            time=time.time(), ranks=tuple(r.describe() for r in verdict.ranks),
+            suspect_node=verdict.lost_node)
         self.hangs.append(event)
         try:
             events.append(self.job_dir, event)
@@ -183,7 +200,8 @@ class Watchdog:
         self._acted_on.update(pids)
         log.error("stall: suspect %s: %s; stacks in %s; killed workers %s so the agents re-form "
                   "and resume from the last checkpoint",
-                  f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None else "off this node",
+                  f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None
+                  else f"node {verdict.lost_node}" if verdict.lost_node else "off this node",
                   verdict.reason, path, pids)
 
     def _forget_dead(self, live: set[int]) -> None:
@@ -234,7 +252,8 @@ class Watchdog:
 
 def stack_report(verdict: Verdict, dumps: dict[int, str], *, host: str, node_rank: int) -> str:
     """The stack file: the verdict, a table of the node's ranks, then each rank's stacks."""
-    suspect = f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None else "a peer on another node"
+    suspect = (f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None
+               else f"node {verdict.lost_node}" if verdict.lost_node else "a peer on another node")
     lines = [f"hpc-elastic stall report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
              f"node {host} (node rank {node_rank})", f"suspect: {suspect}", f"why: {verdict.reason}",
              "", "ranks on this node:"]

@@ -274,3 +274,35 @@ def test_hang_events_round_trip_and_reach_the_outcome_line(tmp_path: Path):
     assert events.read(tmp_path, allocation=0) == []
     line = Outcome(allocation=1, kind="finished", exit_code=0, hangs=(back.summary(),)).describe()
     assert "1 stall(s) recovered" in line and "suspect rank 3" in line and "hang-node2-1.txt" in line
+
+
+# --- peers through the rendezvous store -----------------------------------------------------
+def test_peer_tracker_names_a_silent_peer_only_while_the_store_answers_us():
+    from runtime.liveness.peers import PeerTracker
+
+    t = PeerTracker(node_rank=0, hosts={1: "node2", 2: "node3"})
+    for now in range(0, 5):
+        t.observe(1, now + 1, float(now))
+        t.observe(2, now + 1, float(now))
+        t.store_ok_at = float(now)
+    for now in range(5, 20):                 # node3's counter stops at 5
+        t.observe(1, now + 1, float(now))
+        t.observe(2, 5, float(now))
+        t.store_ok_at = float(now)
+    assert t.lost(19.0, after_s=10) == {2: 15.0}
+    assert t.name(2) == "node3 (node rank 2)"
+    assert t.lost(40.0, after_s=10) == {}, "we cannot reach the store ourselves: say nothing"
+    t.done.add(2)
+    assert t.lost(19.0, after_s=10) == {}
+    t.observe(0, 99, 19.0)
+    assert 0 not in t.seen, "our own counter is not a peer's"
+
+
+def test_a_lost_peer_with_a_quiet_node_is_a_stall_in_any_phase():
+    ranks = assess([beat(0, 0.0, phase="save"), beat(1, 0.0, phase="save")], {}, 6.0, POLICY)
+    assert not judge(ranks).stalled, "within the save's budget"
+    v = judge(ranks, lost_peers={"node3 (node rank 2)": 11.0})
+    assert v.stalled and v.lost_node == "node3 (node rank 2)" and "stopped answering" in v.reason
+    assert blame(v, {0: WAITING, 1: WAITING}).reason == v.reason
+    busy = assess([beat(0, 5.0), beat(1, 0.0)], {}, 6.0, POLICY)
+    assert not judge(busy, lost_peers={"node3": 11.0}).stalled, "a rank here still progresses"
