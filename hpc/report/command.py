@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpc.contract.errors import SpecError
+from hpc.contract.errors import HpcError, SpecError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,12 +24,16 @@ def main(args: argparse.Namespace) -> int:
     from hpc.report.table import format_table, to_json
 
     path = Path(args.job).expanduser()
-    if path.is_dir() and jobdir.is_job_dir(path):
+    if path.is_dir() and (jobdir.is_job_dir(path) or (path / "events.jsonl").exists()):
         job_dir = path
         job_id = (path / jobdir.SLURM_JOB_ID).read_text().strip() \
             if (path / jobdir.SLURM_JOB_ID).exists() else ""
     else:
-        record = resolve(args.job)
+        try:
+            record = resolve(args.job)
+        except SpecError:
+            raise SpecError("JOB", args.job, "a Slurm job id submitted from here or a job directory "
+                            "(one holding jobspec.json or events.jsonl)", "hpc report 1234") from None
         if not record.job_dir:
             raise SpecError("JOB", args.job, "a job submitted from here (its directory is in the "
                             "index) or a job directory", "hpc report jobs/train_gpt-...")
@@ -43,7 +47,10 @@ def main(args: argparse.Namespace) -> int:
     if args.png:
         from hpc.report.plot import render_png
 
-        render_png(ledger, Path(args.png), title=job_dir.name)
+        try:
+            render_png(ledger, Path(args.png), title=job_dir.name)
+        except ImportError as e:
+            raise HpcError(f"--png needs matplotlib ({e}): pip install 'matplotlib>=3.7'") from None
         if not args.json:
             print(f"timeline: {args.png}")
     return 0
