@@ -33,6 +33,7 @@ from hpc.contract.events import EVENTS
 log = logging.getLogger("hpc.events")
 SUMMARY_EVERY_S = 5.0       # one ``steps`` event per this many seconds of training
 SYNC_EVERY_S = 3.0          # the background fdatasync period (crash durability)
+EVENTS_ENV = "HPC_EVENTS"   # "0": the Session records nothing (for A/B overhead measurements)
 
 
 class NullEventLog:
@@ -62,6 +63,7 @@ class EventLog(NullEventLog):
         self._dirty = False
         self._stop = threading.Event()
         try:
+            Path(job_dir).mkdir(parents=True, exist_ok=True)
             self._fd = os.open(Path(job_dir) / EVENTS,
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:
@@ -214,7 +216,7 @@ class SessionRecorder:
         self.job_dir, self.rank = Path(job_dir), rank
         self.key = (allocation, restart)
         self.events: NullEventLog = NullEventLog()
-        if rank == 0:
+        if rank == 0 and os.environ.get(EVENTS_ENV, "1") != "0":
             self.events = EventLog(job_dir, allocation=allocation, rank=0, restart=restart)
         self.events.emit("session_start", t_proc=process_start_time(), world_size=world_size)
         self._steps: StepSummary | None = None

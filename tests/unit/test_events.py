@@ -60,7 +60,8 @@ def test_reader_skips_torn_lines_and_sorts(tmp_path):
 
 def test_null_and_unwritable_logs_are_quiet(tmp_path):
     NullEventLog().emit("x")
-    log = EventLog(tmp_path / "no" / "such", allocation=0)
+    (tmp_path / "a-file").write_text("")
+    log = EventLog(tmp_path / "a-file", allocation=0)      # not a directory: quiet, no events
     log.emit("x")
     log.close()
 
