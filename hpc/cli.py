@@ -24,7 +24,13 @@ EXIT_USAGE = 2
 
 _SLURM_ONLY = {"partition", "account", "qos", "constraint", "exclude", "mem", "cpus_per_task",
                "gpus_per_node", "time_limit_s", "signal", "signal_lead_s", "requeue",
-               "max_requeues", "python"}
+               "max_requeues", "python", "gpu_type", "exclusive", "reservation", "nodelist",
+               "mail_type", "mail_user", "sbatch", "setup", "container_image", "container_mounts",
+               "container_runtime"}
+
+
+# Repeatable options whose command-line values are added to the profile's instead of replacing them.
+ADDITIVE = frozenset({"sbatch", "setup", "container_mounts"})
 
 
 def _add_job_options(p: argparse.ArgumentParser, *, slurm: bool) -> None:
@@ -40,10 +46,14 @@ def _add_job_options(p: argparse.ArgumentParser, *, slurm: bool) -> None:
         default = f.default
         help_text = meta["help"] + (f" [default: {_show(default)}]" if default not in ("", 0, ()) else "")
         kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text,
-                                      metavar=meta.get("metavar") or f.name.upper().replace("_S", ""))
+                                      metavar=meta.get("metavar") or f.name.upper().removesuffix("_S"))
         if meta.get("repeat"):
             kwargs["action"] = "append"
-        groups["job"].add_argument(flag_name(f.name), **kwargs)
+        if meta.get("flag"):   # --exclusive / --no-exclusive
+            kwargs["action"] = argparse.BooleanOptionalAction
+            del kwargs["metavar"]
+        names = [flag_name(f.name)] + ([meta["short"]] if meta.get("short") else [])
+        groups["job"].add_argument(*names, **kwargs)
 
 
 def _show(value: Any) -> str:
@@ -115,7 +125,13 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     profile_raw, where = config.options_for(getattr(args, "profile", ""))
     merged = parse_options(profile_raw, source=lambda n: where[n])
     given = {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
-    merged.update(parse_options(given, source=flag_name))
+    from_cli = parse_options(given, source=flag_name)
+    # Site lists add up: the profile's --sbatch options, --setup lines and mounts come first,
+    # the command line's after them (for --sbatch, a key given again takes the later value).
+    for name in ADDITIVE & from_cli.keys() & merged.keys():
+        from_cli[name] = tuple(dict((*merged[name], *from_cli[name])).items()) if name == "sbatch" \
+            else (*merged[name], *from_cli[name])
+    merged.update(from_cli)
 
     script = Path(args.script).expanduser()
     if not script.is_file():

@@ -29,6 +29,7 @@ from importlib import resources
 import jinja2
 
 from hpc.backends import slurm_options
+from hpc.contract import jobdir, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.secrets import check_no_secrets
@@ -109,12 +110,21 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -
     """
     check_renderable(spec)
     root = spec.job_dir.rstrip("/")
+    container = spec.container_runtime if spec.container_image else ""
     return _environment().get_template(template).render(
         spec=spec,
         nodes_range=slurm_options.nodes_range(spec),
         output=f"{root}/{ARRAY_TASK_DIR}/logs/{ARRAY_OUTPUT_PATTERN}" if array else output_path(spec),
         warning_signal=slurm_options.warning_signal(spec),
         requeue_flag=slurm_options.requeue_flag(spec),
+        gres=slurm_options.gres(spec),
+        batch_setup=slurm_options.batch_setup_lines(spec),
+        node_setup=slurm_options.node_setup_script(spec),
+        setup_eof=values.SETUP_EOF, setup_argv0=slurm_options.SETUP_ARGV0,
+        container=container,
+        mounts=slurm_options.container_mounts(spec) if container else [],
+        apptainer=slurm_options.apptainer_argv(spec, []) if container == "apptainer" else [],
+        requeue_request_prefix=jobdir.REQUEUE_REQUEST_PREFIX,
         array=array,
         job_dir_expr=shell_quote(root) + '"/task-${SLURM_ARRAY_TASK_ID}"' if array
         else shell_quote(spec.job_dir),

@@ -67,3 +67,13 @@ def claim(job_dir: Path, allocation: int, duty: str = "requeue") -> bool:
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.uname().nodename} {os.getpid()}\n")
     return True
+
+
+def request_batch_requeue(job_dir: Path, allocation: int, reason: str) -> Path:
+    """Asks the batch shell to requeue the job (under a container, where ``scontrol`` is not
+    available): writes ``requeue-request-alloc-N``, which the batch script reads after srun
+    returns (see ``slurm_templates/sbatch_elastic.sh.j2``). Call it after winning :func:`claim`.
+    """
+    path = jobdir.requeue_request_path(Path(job_dir), allocation)
+    jobdir.write_atomic(path, f"{reason}\n")
+    return path

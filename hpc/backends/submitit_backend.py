@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc import render
 from hpc.backends import slurm_options
+from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
@@ -74,8 +75,21 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
             params[name] = getattr(spec, name)
     if spec.cpus_per_task:
         params["cpus_per_task"] = spec.cpus_per_task
-    if spec.gpus_per_node:
+    if spec.gpu_type:   # typed GPUs: submitit's gpus_per_node cannot name a type
+        params["gres"] = slurm_options.gres(spec)
+    elif spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
+    for name in ("nodelist", "mail_type", "mail_user"):
+        if getattr(spec, name):
+            params[name] = getattr(spec, name)
+    if spec.exclusive:
+        params["exclusive"] = True
+    if spec.reservation:
+        extra["reservation"] = spec.reservation
+    # --sbatch: written as #SBATCH --KEY=VALUE (submitit shell-quotes the value), or --KEY.
+    extra.update({key: value or True for key, value in spec.sbatch})
+    if spec.setup:   # the batch shell's part; run_node runs the per-node part
+        params["setup"] = slurm_options.batch_setup_lines(spec, nounset=False)
     params["additional_parameters"] = extra
     return params
 
@@ -113,8 +127,15 @@ class SubmititPlan:
 
 
 def plan(spec: JobSpec) -> SubmititPlan:
-    """Plans the submission (pure). Secrets in ``spec.env`` are refused, as for sbatch."""
+    """Plans the submission (pure). Secrets in ``spec.env`` are refused, as for sbatch, and so
+    is ``--container-image`` (submitit's own process would have to run in the image, and its
+    batch script cannot do the requeue outside it): use the sbatch backend."""
     render.check_renderable(spec)
+    if spec.container_image:
+        raise SpecError("--backend submitit", f"--container-image {spec.container_image}",
+                        "no container: submitit's own process would run inside the image",
+                        "hpc submit --backend sbatch --container-image IMAGE ...",
+                        "Use --backend sbatch, which runs containers (pyxis or Apptainer)")
     return SubmititPlan(spec=spec, folder=Path(spec.job_dir) / "submitit",
                         parameters=executor_parameters(spec))
 
@@ -153,10 +174,11 @@ def run_node(job_dir: str) -> int:
     job; ``hpc status`` reads outcomes from the job directory instead.
     """
     spec = JobSpec.load(job_dir)
-    argv = slurm_options.launcher_argv(spec)
+    # --setup's per-node part (bash -c '...; exec "$@"') runs first, then the launcher.
+    argv = slurm_options.with_node_setup(spec, slurm_options.launcher_argv(spec))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)
+    os.execvp(argv[0], argv)
     raise AssertionError("unreachable")
 
 

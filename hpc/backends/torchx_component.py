@@ -55,13 +55,20 @@ def check_carried(spec: JobSpec) -> None:
         ("--account", bool(spec.account)), ("--qos", bool(spec.qos)),
         ("--exclude", bool(spec.exclude)), ("--mem", bool(spec.mem)),
         ("--requeue never", spec.requeue == "never"),
-        ("--nodes MIN:MAX", spec.min_nodes != spec.max_nodes)) if bad]
+        ("--nodes MIN:MAX", spec.min_nodes != spec.max_nodes),
+        ("--gpu-type", bool(spec.gpu_type)), ("--exclusive", spec.exclusive),
+        ("--reservation", bool(spec.reservation)), ("--nodelist", bool(spec.nodelist)),
+        *((f"--sbatch {k}", True) for k, _ in spec.sbatch),
+        ("--container-image", bool(spec.container_image))) if bad]
     if lost:
         raise SpecError("--backend torchx", ", ".join(lost),
                         "options TorchX's Slurm scheduler can carry (it has no account, qos, "
-                        "exclude or memory option, always requeues and runs fixed-size "
-                        "heterogeneous jobs)", "hpc submit --backend sbatch ...",
-                        "Use --backend sbatch (or submitit), which carry every option")
+                        "exclude, memory, typed-GPU, exclusive, reservation or nodelist option "
+                        "and no way to pass other sbatch options, always requeues, runs "
+                        "fixed-size heterogeneous jobs and runs no containers)",
+                        "hpc submit --backend sbatch ...",
+                        "Use --backend sbatch, which carries every option (submitit carries all "
+                        "but containers)")
 
 
 def elastic(script: str, *script_args: str, job_dir: str, nodes: int = 1,
@@ -103,8 +110,10 @@ def elastic_role(spec: JobSpec) -> "Role":
 
     # The launcher finds the rendezvous host itself (SLURM_JOB_NODELIST_HET_GROUP_0 in
     # TorchX's heterogeneous job); the replica id is the node rank.
-    python, *args = slurm_options.launcher_argv(
-        spec, "--node-rank", specs.macros.replica_id, "--run-id", "torchx")
+    # --setup runs on each node before the launcher (bash -c '...; exec "$@"'); TorchX's batch
+    # script has no place for the batch-shell part, and needs none: exec keeps what it set.
+    python, *args = slurm_options.with_node_setup(spec, slurm_options.launcher_argv(
+        spec, "--node-rank", specs.macros.replica_id, "--run-id", "torchx"))
     resource = specs.Resource(cpu=spec.cpus_per_task or 1, gpu=spec.gpus_per_node, memMB=0)
     role = specs.Role(name="node", image=os.getcwd(), entrypoint=python,
                       args=args, num_replicas=spec.max_nodes, resource=resource,
@@ -121,6 +130,10 @@ def scheduler_cfg(spec: JobSpec) -> dict[str, Any]:
         cfg["time"] = spec.time_text
     if spec.constraint:
         cfg["constraint"] = spec.constraint
+    if spec.mail_type:
+        cfg["mail-type"] = spec.mail_type
+    if spec.mail_user:
+        cfg["mail-user"] = spec.mail_user
     return cfg
 
 

@@ -169,6 +169,15 @@ def claim_path(job_dir: Path, allocation: int, duty: str) -> Path:
     return Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
 
 
+REQUEUE_REQUEST_PREFIX = "requeue-request-alloc-"
+
+
+def requeue_request_path(job_dir: Path, allocation: int) -> Path:
+    """Under a container, node 0's launcher asks the batch shell (outside it, where scontrol
+    works) to requeue the job by writing this file; the shell requeues after srun returns."""
+    return Path(job_dir) / f"{REQUEUE_REQUEST_PREFIX}{allocation}"
+
+
 def alloc_log_dir(job_dir: Path, allocation: int) -> Path:
     return Path(job_dir) / "logs" / f"alloc-{allocation}"
 

@@ -26,20 +26,23 @@ from hpc.contract.errors import HpcError, SpecError
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
 WANDB_MODES = ("offline", "online", "disabled")
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 
 
 def _opt(default: Any, help: str, parse: Callable[[Any, str], Any] | None = None, *,
          check: Callable[[Any, str], None] | None = None, example: str = "",
-         metavar: str | None = None, cli: bool = True, repeat: bool = False) -> Any:
+         metavar: str | None = None, cli: bool = True, repeat: bool = False,
+         short: str = "", flag: bool = False) -> Any:
     """Declares one option: its default, help, parser, check and example, in one place.
 
     ``parse`` turns a raw value (CLI text or a TOML value) into the field's value and checks it,
     naming where it came from; ``check`` validates a field value wherever the spec was built
     (the constructor runs it for every field, so direct construction and ``jobspec.json`` are
-    held to the same rules as flags and profiles).
+    held to the same rules as flags and profiles). ``short`` is sbatch's one-letter form of the
+    flag (``-N``), where it means the same; ``flag`` makes a boolean ``--x``/``--no-x`` pair.
     """
     meta = {"help": help, "parse": parse, "check": check, "example": example, "metavar": metavar,
-            "cli": cli, "repeat": repeat}
+            "cli": cli, "repeat": repeat, "short": short, "flag": flag}
     if isinstance(default, (list, dict)):
         raise AssertionError("use tuples for frozen defaults")
     return field(default=default, metadata=meta)
@@ -148,6 +151,66 @@ def _args_check(v: Any, flag: str) -> None:
                         "them)", "hpc submit train.py -- --lr 3e-4")
 
 
+def _sbatch(v: Any, flag: str) -> tuple[tuple[str, str], ...]:
+    """``--sbatch KEY=VALUE`` (repeated), or in hpc.toml a table or a list of ``"KEY=VALUE"``.
+
+    A later value for the same key replaces an earlier one; the order is kept otherwise.
+    """
+    if isinstance(v, Mapping):
+        items = []
+        for k, x in v.items():
+            if x is True:
+                items.append(values.parse_sbatch_pair(str(k), flag))
+            elif isinstance(x, bool) or not isinstance(x, (str, int)):
+                raise SpecError(f"{flag} {k}", x, "a string, a number, or true for an option "
+                                "without a value", 'sbatch = { gres-flags = "enforce-binding" }')
+            else:
+                items.append(values.parse_sbatch_pair(f"{k}={x}", flag))
+    else:
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            raise SpecError(flag, v, "KEY=VALUE strings: in hpc.toml a table or a list of strings",
+                            'sbatch = { gres-flags = "enforce-binding" } in hpc.toml, or '
+                            "--sbatch gres-flags=enforce-binding")
+        items = [values.parse_sbatch_pair(x, flag) for x in v]
+    return tuple(dict(items).items())
+
+
+def _sbatch_check(v: Any, flag: str) -> None:
+    if not isinstance(v, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in v):
+        raise SpecError(flag, v, "a tuple of (KEY, VALUE) string pairs",
+                        f"{flag} gres-flags=enforce-binding")
+    for key, value in v:
+        values.check_sbatch_pair(key, value or None, flag)
+
+
+def _lines(check_one: Callable[[Any, str], None], example: str) -> Callable[[Any, str], tuple[str, ...]]:
+    """A parser for a repeatable string option (a TOML string or list of strings)."""
+    def parse(v: Any, flag: str) -> tuple[str, ...]:
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)):
+            raise SpecError(flag, v, "a string or a list of strings", example)
+        for x in v:
+            check_one(x, flag)
+        return tuple(x.strip() for x in v)
+    return parse
+
+
+def _lines_check(check_one: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
+    def check(v: Any, flag: str) -> None:
+        if not isinstance(v, tuple):
+            raise SpecError(flag, v, "a tuple of strings", f"{flag} VALUE")
+        for x in v:
+            check_one(x, flag)
+    return check
+
+
+def _bool_opt(help: str, example: str) -> Any:
+    return _opt(False, help, values.parse_bool, check=values.check_bool, example=example, flag=True)
+
+
 # Upper bounds (in the help text, and docs/security.md).
 MAX_NPROC_PER_NODE = 1024
 MAX_GPUS_PER_NODE = 64
@@ -196,7 +259,7 @@ class JobSpec:
                                         _args, check=_args_check, cli=False)
     job_name: str = _str_opt("", "Slurm job name (default: the script's stem; one line of "
                              "printable text).", _text("--job-name gpt-small"),
-                             "--job-name gpt-small")
+                             "--job-name gpt-small", short="-J")
     job_dir: str = _str_opt("", "Job directory: jobspec, logs, checkpoints, outcomes "
                             "(default: ./jobs/<name>-<time>).", _path("--job-dir runs/gpt"),
                             "--job-dir runs/gpt")
@@ -207,7 +270,7 @@ class JobSpec:
     nodes: tuple[int, int] = _opt((1, 1), "Nodes: N, or MIN:MAX for an elastic job (at most "
                                   f"{values.MAX_NODES}).", values.parse_nodes,
                                   check=values.check_nodes, example="--nodes 2:4",
-                                  metavar="N|MIN:MAX")
+                                  metavar="N|MIN:MAX", short="-N")
     nproc_per_node: int = _int_opt(0, "Worker processes per node (default: GPUs per node, else 1; "
                                    f"at most {MAX_NPROC_PER_NODE}).", 1, MAX_NPROC_PER_NODE,
                                    "--nproc-per-node 8", unset=0)
@@ -221,11 +284,13 @@ class JobSpec:
     time_limit_s: int = _int_opt(0, "Time limit (Slurm formats: MM, MM:SS, HH:MM:SS, D-HH, "
                                  "D-HH:MM, D-HH:MM:SS; at most 365 days); 0: the partition's "
                                  "default.", 1, values.MAX_TIME_S, "--time 4:00:00",
-                                 parse=values.parse_time, unset=0, metavar="TIME")
+                                 parse=values.parse_time, unset=0, metavar="TIME", short="-t")
     partition: str = _str_opt("", "Slurm partition (or a comma-separated list).",
-                              _name("--partition gpu", ",", " and ,"), "--partition gpu")
-    account: str = _str_opt("", "Slurm account.", _name("--account proj123"), "--account proj123")
-    qos: str = _str_opt("", "Slurm QOS.", _name("--qos normal"), "--qos normal")
+                              _name("--partition gpu", ",", " and ,"), "--partition gpu",
+                              short="-p")
+    account: str = _str_opt("", "Slurm account.", _name("--account proj123"), "--account proj123",
+                            short="-A")
+    qos: str = _str_opt("", "Slurm QOS.", _name("--qos normal"), "--qos normal", short="-q")
     constraint: str = _str_opt("", "Slurm node features constraint.",
                                _name("--constraint 'a100&ib'", _CONSTRAINT_OPS,
                                      " and Slurm's operators " + " ".join(_CONSTRAINT_OPS)),
@@ -233,6 +298,48 @@ class JobSpec:
     exclude: str = _str_opt("", "Nodes to exclude (Slurm hostlist).",
                             _name("--exclude node[3-4]", "[],", " and [ ] , of a hostlist"),
                             "--exclude node[3-4]")
+    gpu_type: str = _str_opt("", "GPU type for typed GPUs: Slurm's --gres=gpu:TYPE:N with N from "
+                             "--gpus-per-node (needs --gpus-per-node).",
+                             _name("--gpu-type a100"), "--gpu-type a100")
+    exclusive: bool = _bool_opt("Whole nodes for this job (sbatch --exclusive); --no-exclusive "
+                                "undoes a profile's.", "--exclusive")
+    reservation: str = _str_opt("", "Slurm reservation.", _name("--reservation maint", ","),
+                                "--reservation maint")
+    nodelist: str = _str_opt("", "Nodes the job must include (Slurm hostlist).",
+                             _name("--nodelist node[1-2]", "[],", " and [ ] , of a hostlist"),
+                             "--nodelist node[1-2]")
+    mail_type: str = _opt("", "When Slurm mails you: a comma-separated list of "
+                          + ", ".join(values.MAIL_TYPES) + ".", values.parse_mail_type,
+                          check=values.check_mail_type, example="--mail-type END,FAIL",
+                          metavar="TYPE[,TYPE]")
+    mail_user: str = _str_opt("", "Who Slurm mails (default: you).",
+                              _name("--mail-user me@example.org", "@"), "--mail-user me@example.org")
+    sbatch: tuple[tuple[str, str], ...] = _opt(
+        (), "Any other sbatch option, KEY=VALUE or KEY (repeatable; written as #SBATCH --KEY=VALUE). "
+        "Options hpc sets itself are refused with the flag to use instead.", _sbatch,
+        check=_sbatch_check, example="--sbatch gres-flags=enforce-binding", metavar="KEY=VALUE",
+        repeat=True)
+    setup: tuple[str, ...] = _opt(
+        (), "A shell command run on every node before the launcher starts (repeatable, in "
+        "order): in the batch script before srun (environment changes reach the job) and in "
+        "each node's step. E.g. 'module load cuda/12.4', 'source /shared/venv/bin/activate'.",
+        _lines(values.check_setup_line, "--setup 'module load cuda/12.4'"),
+        check=_lines_check(values.check_setup_line), example="--setup 'module load cuda/12.4'",
+        metavar="CMD", repeat=True)
+    container_image: str = _str_opt("", "Container image to run the launcher and workers in "
+                                    "(pyxis: a registry reference or .sqsh file; Apptainer: a "
+                                    ".sif file or docker:// URI).",
+                                    _path("--container-image nvcr.io#nvidia/pytorch:24.05-py3"),
+                                    "--container-image nvcr.io#nvidia/pytorch:24.05-py3")
+    container_mounts: tuple[str, ...] = _opt(
+        (), "Extra container mounts SRC[:DST[:FLAGS]] (repeatable); the job, checkpoint and "
+        "script directories are always mounted.", _lines(values.check_mount, "--container-mounts "
+        "/datasets:/data:ro"), check=_lines_check(values.check_mount),
+        example="--container-mounts /datasets:/data:ro", metavar="SRC[:DST[:FLAGS]]", repeat=True)
+    container_runtime: str = _opt("pyxis", "How --container-image runs: pyxis (srun "
+                                  "--container-image) or apptainer (apptainer exec).",
+                                  _choice(CONTAINER_RUNTIMES), check=_in(CONTAINER_RUNTIMES),
+                                  example="--container-runtime apptainer")
     # --- keeping it alive ----------------------------------------------------------------
     signal: str = _opt(components.PREEMPTION.signal,
                        "Warning signal Slurm sends before the time limit.",
@@ -265,7 +372,7 @@ class JobSpec:
                                    "--checkpoint-dir /scratch/me/ckpt")
     checkpoint_every_steps: int = _int_opt(components.CHECKPOINT.every_steps,
                                            "Save every N steps (0: off).", 0, MAX_STEPS,
-                                           "--checkpoint-every-steps 500")
+                                           "--checkpoint-every-steps 500", metavar="N")
     checkpoint_every_min: float = _opt(
         components.CHECKPOINT.every_min, "Save every M minutes (0: off; at most 365 days).",
         lambda v, f: values.parse_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
@@ -317,6 +424,9 @@ class JobSpec:
                 f"--gpus-per-node {self.gpus_per_node} --nproc-per-node {self.gpus_per_node}")
         if not self.nproc_per_node:
             object.__setattr__(self, "nproc_per_node", self.gpus_per_node or 1)
+        if self.gpu_type and not self.gpus_per_node:
+            raise SpecError("--gpu-type", self.gpu_type, "used with --gpus-per-node N (typed GPUs "
+                            "are gres=gpu:TYPE:N)", f"--gpus-per-node 8 --gpu-type {self.gpu_type}")
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
             raise SpecError("--signal-lead", self.signal_lead_s,
                             f"shorter than the time limit ({self.time_limit_s} s)",
@@ -404,11 +514,12 @@ class JobSpec:
         if unknown:
             raise refuse(f"unknown keys {', '.join(unknown)}")
         try:
-            for key in ("nodes", "script_args"):
+            for key in ("nodes", "script_args", "setup", "container_mounts"):
                 if key in data:
                     data[key] = tuple(data[key])
-            if "env" in data:
-                data["env"] = tuple(tuple(p) for p in data["env"])
+            for key in ("env", "sbatch"):
+                if key in data:
+                    data[key] = tuple(tuple(p) for p in data[key])
         except TypeError as e:
             raise refuse(f"a malformed value ({e})") from None
         try:

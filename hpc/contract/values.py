@@ -29,15 +29,15 @@ MAX_NODES = 100_000
 MAX_TIME_S = 365 * 86400
 """Longest time limit accepted: 365 days (Slurm's own "INFINITE" is not a limit we submit)."""
 
-_NODES_VALID = f"N or MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES}"
+_NODES_VALID = f"N or MIN:MAX (sbatch's MIN-MAX too) with 1 <= MIN <= MAX <= {MAX_NODES}"
 
 
 def parse_nodes(text: str | int, flag: str = "--nodes") -> tuple[int, int]:
-    """Parses ``N`` or ``MIN:MAX`` into ``(min, max)``."""
+    """Parses ``N``, ``MIN:MAX`` or sbatch's ``MIN-MAX`` into ``(min, max)``."""
     if isinstance(text, bool):
         raise SpecError(flag, text, _NODES_VALID, f"{flag} 2 or {flag} 2:4")
     raw = str(text).strip()
-    m = re.fullmatch(r"([0-9]+)(?::([0-9]+))?", raw)
+    m = re.fullmatch(r"([0-9]+)(?:[:-]([0-9]+))?", raw)
     if not m:
         raise SpecError(flag, text, _NODES_VALID, f"{flag} 2 or {flag} 2:4")
     lo = int(m.group(1))
@@ -317,4 +317,160 @@ def check_path(value: object, flag: str, *, example: str) -> None:
     if not isinstance(value, str):
         raise SpecError(flag, value, valid + "; in hpc.toml, a quoted string", example)
     if _control(value) or "\\" in value or value.startswith("-") or len(value) > MAX_PATH:
+        raise SpecError(flag, value, valid, example)
+
+
+# --- sbatch passthrough (--sbatch KEY=VALUE) ---------------------------------------------------
+
+# Options hpc decides itself, each with the hpc flag (or the reason) to use instead. sbatch
+# accepts unambiguous prefixes of long options (getopt_long: --part=x is --partition=x), so a
+# passthrough key is refused when it is a prefix of any of these too.
+OWNED_SBATCH: dict[str, str] = {
+    "nodes": "--nodes (N or MIN:MAX)", "time": "--time", "partition": "--partition",
+    "account": "--account", "qos": "--qos", "job-name": "--job-name",
+    "signal": "--signal and --signal-lead", "requeue": "--requeue auto",
+    "no-requeue": "--requeue never", "output": "--job-dir (hpc writes JOB_DIR/logs)",
+    "error": "--job-dir (hpc writes JOB_DIR/logs)", "open-mode": "--job-dir (hpc appends to JOB_DIR/logs)",
+    "array": "hpc sweep", "export": "--env NAME=VALUE (hpc needs --export=ALL)",
+    "no-kill": "nothing: hpc always sets it, so the survivors of a node loss keep running",
+    "cpus-per-task": "--cpus-per-task", "gres": "--gpus-per-node and --gpu-type",
+    "gpus": "--gpus-per-node and --gpu-type", "gpus-per-node": "--gpus-per-node and --gpu-type",
+    "gpus-per-task": "--gpus-per-node (hpc runs one task per node)",
+    "gpus-per-socket": "--gpus-per-node", "comment": "nothing: hpc's submission tag is there",
+    "mem": "--mem", "constraint": "--constraint", "exclude": "--exclude",
+    "exclusive": "--exclusive", "reservation": "--reservation", "nodelist": "--nodelist",
+    "mail-type": "--mail-type", "mail-user": "--mail-user",
+    "ntasks": "--nproc-per-node (hpc runs one task per node and starts the workers itself)",
+    "ntasks-per-node": "--nproc-per-node (hpc runs one task per node and starts the workers itself)",
+    "wrap": "hpc submit SCRIPT", "parsable": "nothing: hpc sets it",
+    "clusters": "a profile per cluster (hpc submits to the default cluster)",
+    "container": "--container-image",
+}
+# sbatch's one-letter options that stand for the options above.
+OWNED_SHORT: dict[str, str] = {
+    "N": "nodes", "t": "time", "p": "partition", "A": "account", "q": "qos", "J": "job-name",
+    "o": "output", "e": "error", "a": "array", "k": "no-kill", "c": "cpus-per-task", "G": "gpus",
+    "n": "ntasks", "C": "constraint", "x": "exclude", "w": "nodelist", "M": "clusters",
+}
+_SBATCH_KEY = re.compile(r"[a-z][a-z0-9-]*[a-z0-9]")
+# shlex.quote's safe set (submitit writes values through it: a value made of these reaches
+# sbatch's parser unquoted in every backend) plus [ ] for hostlists.
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_@%+=:,./\[\]-]*")
+SBATCH_VALUE_CHARS = "letters, digits and _ @ % + = : , . / [ ] -"
+
+
+def owned_sbatch_option(key: str) -> str | None:
+    """The hpc flag to use instead of sbatch option ``key``, or None when hpc does not own it.
+
+    ``key`` is a long option name without dashes, or a one-letter short option; a prefix of an
+    owned long option is owned too (sbatch would read it as that option).
+    """
+    key = OWNED_SHORT.get(key, key)
+    if key in OWNED_SBATCH:
+        return OWNED_SBATCH[key]
+    owner = next((name for name in sorted(OWNED_SBATCH) if name.startswith(key)), None)
+    return None if owner is None else f"{OWNED_SBATCH[owner]} (sbatch reads --{key} as --{owner})"
+
+
+def parse_sbatch_pair(text: object, flag: str = "--sbatch") -> tuple[str, str]:
+    """Parses ``KEY=VALUE`` (or a bare ``KEY`` for an option without a value) for ``--sbatch``.
+
+    Refuses options hpc owns (naming the hpc flag to use instead), one-letter and malformed
+    keys, and values that could smuggle in another option (blanks, quotes, line breaks...).
+    """
+    example = f"{flag} gres-flags=enforce-binding"
+    if not isinstance(text, str):
+        raise SpecError(flag, text, "KEY=VALUE or KEY, as a string", example)
+    key, sep, value = text.strip().partition("=")
+    key = key.removeprefix("--")
+    check_sbatch_pair(key, value if sep else None, flag, shown=text)
+    return key, value
+
+
+def check_sbatch_pair(key: object, value: object, flag: str = "--sbatch", shown: object = None) -> None:
+    """Checks one passthrough option (``value`` None or ``""``: an option without a value)."""
+    example = f"{flag} gres-flags=enforce-binding"
+    shown = shown if shown is not None else (f"{key}={value}" if value else key)
+    if not isinstance(key, str) or (value is not None and not isinstance(value, str)):
+        raise SpecError(flag, shown, "KEY=VALUE strings", example)
+    owner = owned_sbatch_option(key)
+    if owner is not None:
+        raise SpecError(flag, shown, f"an sbatch option hpc does not set itself; for --{OWNED_SHORT.get(key, key)} "
+                        f"use {owner}", example)
+    if not _SBATCH_KEY.fullmatch(key):
+        raise SpecError(flag, shown, "KEY=VALUE where KEY is sbatch's long option name (lower-case "
+                        "letters, digits and -, at least 2 characters, without the leading --)",
+                        example)
+    if value == "" and value is not None:
+        raise SpecError(flag, shown, "KEY=VALUE with a value, or KEY alone for an option that takes "
+                        "none", example)
+    if value and (not _SBATCH_VALUE.fullmatch(value) or len(value) > MAX_NAME):
+        raise SpecError(flag, shown, f"KEY=VALUE where VALUE has only {SBATCH_VALUE_CHARS} (no "
+                        "blanks, quotes, line breaks or shell characters: it must reach sbatch as "
+                        f"one argument in every backend), at most {MAX_NAME} characters", example)
+
+
+# --- other Slurm values ------------------------------------------------------------------------
+
+MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT",
+              "TIME_LIMIT", "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")
+
+
+def parse_mail_type(text: object, flag: str = "--mail-type") -> str:
+    """Normalizes sbatch's ``--mail-type`` list (``end,fail`` -> ``END,FAIL``)."""
+    raw = text.strip().upper() if isinstance(text, str) else ""
+    check_mail_type(",".join(p.strip() for p in raw.split(",")) if raw else text, flag, shown=text)
+    return ",".join(p.strip() for p in raw.split(","))
+
+
+def check_mail_type(value: object, flag: str = "--mail-type", shown: object = None) -> None:
+    if value == "":
+        return
+    parts = value.split(",") if isinstance(value, str) else None
+    if not parts or any(p not in MAIL_TYPES for p in parts):
+        raise SpecError(flag, value if shown is None else shown,
+                        "a comma-separated list of " + ", ".join(MAIL_TYPES), f"{flag} END,FAIL")
+
+
+def parse_bool(text: object, flag: str) -> bool:
+    """``true``/``false`` (also yes/no, on/off, 1/0; a TOML boolean)."""
+    if isinstance(text, bool):
+        return text
+    words = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}
+    if isinstance(text, str) and text.strip().lower() in words:
+        return words[text.strip().lower()]
+    raise SpecError(flag, text, "true or false", f"{flag.split()[-1]} = true in hpc.toml, or {flag}")
+
+
+def check_bool(value: object, flag: str) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(flag, value, "true or false", f"{flag}")
+
+
+MAX_SETUP_LINE = 4096
+SETUP_EOF = "HPC_SETUP_EOF"
+
+
+def check_setup_line(value: object, flag: str = "--setup") -> None:
+    """Checks one ``--setup`` line: a shell command on one line (no line breaks, NUL or other
+    control characters except tabs), at most 4096 characters, not the heredoc's end marker."""
+    valid = ("one shell command on one line (no line breaks, NUL or other control characters), "
+             f"at most {MAX_SETUP_LINE} characters")
+    if not isinstance(value, str) or value.strip() == "":
+        raise SpecError(flag, value, valid, f"{flag} 'module load cuda/12.4'")
+    if _control(value.replace("\t", " ")) or len(value) > MAX_SETUP_LINE or value.strip() == SETUP_EOF:
+        raise SpecError(flag, value, valid, f"{flag} 'module load cuda/12.4'")
+
+
+def check_mount(value: object, flag: str = "--container-mounts") -> None:
+    """Checks one container mount ``SRC[:DST[:FLAGS]]``: paths without commas (pyxis and
+    Apptainer separate mounts with commas), line breaks, control characters or backslashes."""
+    valid = ("SRC[:DST[:FLAGS]] with absolute paths, without commas, blanks, line breaks, control "
+             "characters or backslashes")
+    example = f"{flag} /datasets:/data:ro"
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise SpecError(flag, value, valid, example)
+    if (_control(value) or any(c.isspace() or c in ",\\" for c in value) or len(value) > MAX_PATH
+            or value.count(":") > 2):
         raise SpecError(flag, value, valid, example)

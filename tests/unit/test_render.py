@@ -36,6 +36,20 @@ VARIANTS = {
     "requeue_never": dict(requeue="never"),
     "hostile_job_dir": dict(job_dir="/tmp/semi;colon $HOME `x`/quote's \"dq\" #hash",
                             job_name="my job #1"),
+    # issue 16: site options, --setup and containers (each its own file; the others unchanged)
+    "site_options": dict(nodes=(2, 4), gpus_per_node=8, gpu_type="a100", exclusive=True,
+                         reservation="maint", nodelist="node[1-2]", mail_type="END,FAIL",
+                         mail_user="me@example.org",
+                         sbatch=(("gres-flags", "enforce-binding"), ("overcommit", ""))),
+    "setup": dict(setup=("module load cuda/12.4",
+                         "source '/shared/my venv/bin/activate'  # the job's venv",
+                         "export HF_HOME=/scratch/$USER/hf")),
+    "pyxis": dict(nodes=(2, 2), gpus_per_node=8, container_image="nvcr.io#nvidia/pytorch:24.05-py3",
+                  container_mounts=("/datasets:/data:ro",), checkpoint_dir="/ckpt/gpt-1",
+                  setup=("export NCCL_DEBUG=WARN",)),
+    "apptainer": dict(nodes=(2, 2), gpus_per_node=8, container_image="/images/pytorch.sif",
+                      container_runtime="apptainer", container_mounts=("/datasets:/data:ro",),
+                      setup=("module load apptainer",)),
 }
 
 

@@ -1,0 +1,81 @@
+#!/bin/bash
+# Rendered by hpc-elastic (slurm_templates/sbatch_elastic.sh.j2). Re-render instead of editing.
+# No --ntasks-per-node here: with it, Slurm 22.05 grants the *minimum* of a MIN-MAX node range
+# even when more nodes are idle (measured); srun below starts one task per node itself.
+# One Slurm task per node runs the per-node launcher (runtime.launch), which runs torch's
+# elastic agent with a c10d rendezvous on the allocation's first node.
+#
+# #SBATCH values are escaped for sbatch's own option parser (double quotes, and a backslash
+# before every character that is not plainly safe); values in the shell body are shell-quoted.
+#SBATCH --job-name=gpt
+#SBATCH --nodes=1
+#SBATCH --output=/scratch/me/jobs/gpt-1/logs/slurm-%j.out
+#SBATCH --open-mode=append
+#SBATCH --export=ALL
+#SBATCH --no-kill
+#SBATCH --signal=USR2@120
+#SBATCH --requeue
+
+set -u
+JOB_DIR=/scratch/me/jobs/gpt-1
+PYTHON=/opt/venv/bin/python
+ALLOCATION="${SLURM_RESTART_COUNT:-0}"
+
+# The c10d rendezvous runs on the allocation's first node (every node computes the same).
+HPC_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
+export HPC_RDZV_HOST
+export HPC_JOB_DIR="$JOB_DIR"
+echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}" \
+     "(${SLURM_JOB_NUM_NODES} nodes); rendezvous on ${HPC_RDZV_HOST}; $(date -Is)"
+
+# Slurm signals the batch shell too (SIGTERM on preemption or scancel). bash would die at
+# once and take the job with it before the workers have saved, so the shell only notes the
+# signal and keeps waiting; the launchers forward it to the workers, which agree and save.
+trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
+trap 'echo "hpc: batch shell got SIGUSR2; waiting for the workers" >&2' USR2
+
+# --setup, here in the batch shell before srun, so that what it sets (module load, a venv's
+# PATH) reaches srun and the job; then again on each node in the step, before the launcher
+# (HPC_NODE_SETUP below). A failing line ends the job.
+set +u
+{
+module load cuda/12.4
+} || { echo "hpc: --setup line 1 failed in the batch shell on $(hostname): "'module load cuda/12.4' >&2; exit 1; }
+{
+source '/shared/my venv/bin/activate'  # the job's venv
+} || { echo "hpc: --setup line 2 failed in the batch shell on $(hostname): "'source '"'"'/shared/my venv/bin/activate'"'"'  # the job'"'"'s venv' >&2; exit 1; }
+{
+export HF_HOME=/scratch/$USER/hf
+} || { echo "hpc: --setup line 3 failed in the batch shell on $(hostname): "'export HF_HOME=/scratch/$USER/hf' >&2; exit 1; }
+set -u
+IFS= read -r -d '' HPC_NODE_SETUP <<'HPC_SETUP_EOF' || true
+{
+module load cuda/12.4
+} || { echo "hpc: --setup line 1 failed on $(hostname): "'module load cuda/12.4' >&2; exit 1; }
+{
+source '/shared/my venv/bin/activate'  # the job's venv
+} || { echo "hpc: --setup line 2 failed on $(hostname): "'source '"'"'/shared/my venv/bin/activate'"'"'  # the job'"'"'s venv' >&2; exit 1; }
+{
+export HF_HOME=/scratch/$USER/hf
+} || { echo "hpc: --setup line 3 failed on $(hostname): "'export HF_HOME=/scratch/$USER/hf' >&2; exit 1; }
+exec "$@"
+HPC_SETUP_EOF
+
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
+    bash -c "$HPC_NODE_SETUP" hpc-setup \
+    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
+SRUN_PID=$!
+# A trapped signal interrupts `wait`; keep waiting until srun itself is gone, then collect
+# its status (bash remembers it even when the interrupted wait already reaped it).
+while kill -0 "$SRUN_PID" 2>/dev/null; do
+    wait "$SRUN_PID"
+done
+wait "$SRUN_PID"
+STATUS=$?
+echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
+
+# Exit 75: the workers saved and stopped (time limit near, or preemption). The requeue is
+# decided and done by node 0's launcher (runtime.requeue: exactly once per allocation; Slurm
+# does not requeue a job that exits within its grace time). The batch script only reports
+# srun's status.
+exit "$STATUS"
