@@ -39,7 +39,8 @@ from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
-from runtime.requeue import claim, decide_requeue
+from runtime.cpus import job_cpus, omp_threads
+from runtime.requeue import claim, decide_requeue, request_batch_requeue
 
 log = logging.getLogger("hpc.launch")
 
@@ -132,9 +133,10 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
             "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
         "PYTHONUNBUFFERED": ("1", "worker logs appear as they are written"),
-        "WANDB_SILENT": ("true", "keep rank-0 output readable; the run is in JOB_DIR/wandb"),
-        "OMP_NUM_THREADS": (str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)),
-                            "one share of the node's CPUs per worker"),
+        "WANDB_SILENT": ("true", "keep rank-0 output readable; W&B runs are in "
+                         f"{env.get('WANDB_DIR') or job_dir}/wandb unless the script passes dir="),
+        "OMP_NUM_THREADS": (str(omp_threads(job_cpus(), spec.nproc_per_node)),
+                            "one share of the job's CPUs (affinity, cgroup quota) per worker"),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)
     for name, reason in INHERITED_ONLY.items():
@@ -339,7 +341,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         if theirs is not None:
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code
-    if kind == "preempted" and slurm.active and _cancelled_by_user(slurm.job_id):
+    if (kind == "preempted" and slurm.active and not spec.container_image
+            and _cancelled_by_user(slurm.job_id)):
         kind, code = "cancelled", EXIT_CODES["cancelled"]
         reason = f"cancelled (scancel) while running; {reason}"
     decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
@@ -362,7 +365,11 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             start_step=progress.get("start_step"), last_step=last,
             lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs))
     log.info("requeue: %s", decision.reason)
-    if decision.requeue and claim(plan.job_dir, plan.allocation):
+    if decision.requeue and spec.container_image and claim(plan.job_dir, plan.allocation):
+        # No Slurm commands in a container: the batch shell requeues after srun returns.
+        log.warning("requeue asked of the batch shell: %s",
+                    request_batch_requeue(plan.job_dir, plan.allocation, decision.reason))
+    elif decision.requeue and claim(plan.job_dir, plan.allocation):
         from hpc.contract.slurm import SlurmClient, SlurmError
 
         try:
@@ -472,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpc launch: cannot start on {socket.gethostname()}: {e}", file=sys.stderr)
         return EXIT_CODES["app_error"]
     extra = tuple(changes)
-    end, grace = slurm_deadlines(os.environ)
+    known = job_env.JobEnvironment.from_env(os.environ)   # in a container: from the batch shell
+    end, grace = (known.job_end_time, known.grace_s) if spec.container_image \
+        else slurm_deadlines(os.environ)
     if end:
         os.environ[job_env.JOB_END_TIME] = f"{end:.0f}"
     if grace:
