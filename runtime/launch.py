@@ -40,6 +40,7 @@ from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.cpus import job_cpus, omp_threads
+from runtime import stopping, wandb_env
 from runtime.requeue import claim, decide_requeue, request_batch_requeue
 
 log = logging.getLogger("hpc.launch")
@@ -137,6 +138,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
                          f"{env.get('WANDB_DIR') or job_dir}/wandb unless the script passes dir="),
         "OMP_NUM_THREADS": (str(omp_threads(job_cpus(), spec.nproc_per_node)),
                             "one share of the job's CPUs (affinity, cgroup quota) per worker"),
+        **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
     }
     changes = list(extra_changes) + env_defaults(env, wanted)
     for name, reason in INHERITED_ONLY.items():
@@ -147,7 +149,10 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         changes.append(EnvChange(name, value, env.get(name), "--env"))
     ours = JobEnvironment(job_dir=str(job_dir), allocation=allocation,
                           warning_signal=f"SIG{spec.signal}", agent_pid=os.getpid(),
-                          merge_stderr=True).to_env()
+                          merge_stderr=True, checkpoint_dir=spec.resolved_checkpoint_dir,
+                          resumed=stopping.is_resumed(job_dir, allocation), requeue_count=allocation,
+                          warning_lead_s=float(spec.signal_lead_s),
+                          stop_file=str(stopping.notice_path(job_dir, allocation))).to_env()
     worker_env = {c.name: c.new for c in changes
                   if c.new is not None and not c.kept_user_value} | ours
     return LaunchPlan(
@@ -200,6 +205,7 @@ class SignalForwarder:
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
         self.signals = signals
         self.received: list[tuple[float, str]] = []
+        self.stop: stopping.StopTracker | None = None   # writes the stop notice (HPC_STOP_FILE)
 
     def install(self) -> None:
         for sig in self.signals:
@@ -209,6 +215,8 @@ class SignalForwarder:
         name = signal.Signals(signum).name
         now = time.time()
         self.received.append((now, name))
+        if self.stop is not None:
+            self.stop.on_signal(name, now)
         # Workers (re)started from now on learn of the warning from their environment.
         os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
         for pid in _children(os.getpid()):
@@ -301,7 +309,9 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
     started = time.time()
     reason, result = "", "succeeded"
     try:
-        elastic_launch(config, sys.executable)(*plan.argv)
+        # Never restart workers inside a stopping allocation (runtime/stopping.py).
+        with stopping.no_restarts_once_stopping(lambda: bool(forwarder.received)):
+            elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
         rank, failure = root_failure(e.failures)
@@ -325,6 +335,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         intent = None
     kind = classify(result, intent, plan.allocation)
     kind, reason, hangs = watchdog.amend(kind, reason)   # "hang" when a stall ended it
+    kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice)
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))
@@ -492,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,
              socket.gethostname(), plan.rdzv_endpoint, run_id)
     forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
+    forwarder.stop = stopping.StopTracker(
+        stopping.notice_path(job_dir, plan.allocation), allocation=plan.allocation,
+        job_end_time=end, lead_s=spec.signal_lead_s, grace_s=grace)
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

@@ -16,8 +16,11 @@ import os
 import runpy
 import signal
 import sys
+from collections.abc import Mapping
 
+from hpc.contract import environment as job_env
 from hpc.contract.environment import PENDING_WARNING, JobEnvironment
+from runtime.stopping import exit_if_stopping
 
 PR_SET_PDEATHSIG = 1
 
@@ -55,6 +58,19 @@ def record_early_warning() -> None:
     signal.signal(getattr(signal, name), record)
 
 
+def script_contract(job: JobEnvironment, env: Mapping[str, str]) -> dict[str, str]:
+    """The per-process part of the contract for users' scripts (docs/own-script.md).
+
+    The launcher sets what holds for the whole allocation; only the worker knows its elastic
+    restart count, and a restarted worker resumes whatever the allocation says.
+    """
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    out = {job_env.RESTART_COUNT: str(restart)}
+    if job.resumed is not None or restart:
+        out[job_env.RESUMED] = "1" if job.resumed or restart else "0"
+    return out
+
+
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m runtime.worker SCRIPT [ARGS...]")
@@ -68,6 +84,8 @@ def main(argv: list[str]) -> None:
     if job.merge_stderr:
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+    exit_if_stopping(job, os.environ.get("RANK"))   # never start again in a stopping allocation
+    os.environ.update(script_contract(job, os.environ))
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -26,6 +26,17 @@ JOB_END_TIME = "HPC_JOB_END_TIME"        # wall time of the job's time limit (fr
 GRACE_S = "HPC_GRACE_S"                  # the partition's preemption GraceTime
 PROGRESS_EVERY_S = "HPC_PROGRESS_EVERY_S"  # how often rank 0 writes progress.json (tests)
 HEARTBEAT_DIR = "HPC_HEARTBEAT_DIR"      # node-local directory of the workers' heartbeats
+# The contract for users' own scripts (docs/own-script.md): read these, change nothing else.
+CHECKPOINT_DIR = "HPC_CHECKPOINT_DIR"    # a directory that survives requeues (JOB_DIR/checkpoints)
+RESUMED = "HPC_RESUMED"                  # "1": an earlier allocation or worker generation ran
+REQUEUE_COUNT = "HPC_REQUEUE_COUNT"      # how many times the job was requeued (0 the first time)
+RESTART_COUNT = "HPC_RESTART_COUNT"      # elastic restarts of the workers in this allocation
+WARNING_LEAD_S = "HPC_WARNING_LEAD_S"    # seconds from the time-limit warning to the time limit
+STOP_FILE = "HPC_STOP_FILE"              # JSON written when a stop begins: kind, signal, deadline
+
+
+# Fields written even when 0/False: a user's script reads "not resumed" from HPC_RESUMED=0.
+_SET_WHEN_ZERO = frozenset({"resumed", "requeue_count", "restart_count"})
 
 
 def _float(env: Mapping[str, str], name: str) -> float | None:
@@ -56,6 +67,12 @@ class JobEnvironment:
     grace_s: float | None = None
     progress_every_s: float | None = None
     heartbeat_dir: str = ""
+    checkpoint_dir: str = ""
+    resumed: bool | None = None
+    requeue_count: int | None = None
+    restart_count: int | None = None
+    warning_lead_s: float | None = None
+    stop_file: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobEnvironment:
@@ -70,7 +87,10 @@ class JobEnvironment:
             pending_warning=env.get(PENDING_WARNING, ""), agent_pid=_int(env, AGENT_PID),
             merge_stderr=env.get(MERGE_STDERR, "") == "1", job_end_time=_float(env, JOB_END_TIME),
             grace_s=_float(env, GRACE_S), progress_every_s=_float(env, PROGRESS_EVERY_S),
-            heartbeat_dir=env.get(HEARTBEAT_DIR, ""))
+            heartbeat_dir=env.get(HEARTBEAT_DIR, ""), checkpoint_dir=env.get(CHECKPOINT_DIR, ""),
+            resumed={"1": True, "0": False}.get(env.get(RESUMED, "")),
+            requeue_count=_int(env, REQUEUE_COUNT), restart_count=_int(env, RESTART_COUNT),
+            warning_lead_s=_float(env, WARNING_LEAD_S), stop_file=env.get(STOP_FILE, ""))
 
     def to_env(self) -> dict[str, str]:
         """The variables to set (fields left empty are not set)."""
@@ -78,10 +98,16 @@ class JobEnvironment:
                  "warning_signal": WARNING_SIGNAL, "pending_warning": PENDING_WARNING,
                  "agent_pid": AGENT_PID, "merge_stderr": MERGE_STDERR,
                  "job_end_time": JOB_END_TIME, "grace_s": GRACE_S,
-                 "progress_every_s": PROGRESS_EVERY_S, "heartbeat_dir": HEARTBEAT_DIR}
+                 "progress_every_s": PROGRESS_EVERY_S, "heartbeat_dir": HEARTBEAT_DIR,
+                 "checkpoint_dir": CHECKPOINT_DIR, "resumed": RESUMED,
+                 "requeue_count": REQUEUE_COUNT, "restart_count": RESTART_COUNT,
+                 "warning_lead_s": WARNING_LEAD_S, "stop_file": STOP_FILE}
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _SET_WHEN_ZERO and value is not None:   # "0" tells a script something
+                out[names[f.name]] = str(int(value))
+                continue
             if value in (None, "", False):
                 continue
             if value is True:

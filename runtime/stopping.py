@@ -1,0 +1,232 @@
+"""A stopping allocation: what its workers learn, and why none of them is started again.
+
+Slurm warns a job before it stops it (the job's ``--signal``, SIGUSR2 by default, ahead of the
+time limit or at a preemption with ``preempt_send_user_signal``), then sends SIGTERM, then
+SIGKILL ``KillWait`` later. A script built on our Session saves and exits on the warning. A
+user's own script may ignore it: its workers then die of the SIGTERM, and torch's elastic agent,
+seeing failed workers, would *restart* them inside the dying allocation: they reload their
+snapshot, are SIGKILLed seconds later, and the launcher, busy restarting, is killed before it
+records why the allocation ended (seen on a real cluster, issue 15).
+
+So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it):
+
+* it writes a :class:`StopNotice` (kind, signal, deadline) where ``HPC_STOP_FILE`` points, for
+  scripts that want to know how long they have;
+* torch's agent restarts no workers (:func:`no_restarts_once_stopping` sets the agent's remaining
+  restarts to 0, as torch itself does for a wedged worker);
+* a worker started anyway (a membership change, a torch without that hook) exits at once with
+  status 0 and, on global rank 0, an exit intent naming the stop (:func:`exit_if_stopping`);
+* workers that then die of the stop are a stopped allocation, not an application error
+  (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
+  job is requeued.
+
+torch-free except :func:`no_restarts_once_stopping`, which imports torch's launcher lazily: the
+worker wrapper imports this module before the user's script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc.contract import environment as job_env
+from hpc.contract import jobdir
+
+log = logging.getLogger("hpc.launch")
+
+STOP_KINDS = ("preempted", "time_limit")
+
+
+@dataclass(frozen=True)
+class StopNotice:
+    """A stop that began: what it is and when the hard stop is expected.
+
+    Attributes:
+        allocation: The allocation that is stopping.
+        kind: ``preempted`` or ``time_limit``.
+        signal: The first signal the launcher got (``SIGUSR2``, ``SIGTERM``).
+        received_at: Wall time it arrived.
+        deadline: Wall time of the expected SIGTERM from Slurm (SIGKILL follows ``KillWait``
+            later); after a SIGTERM, that moment.
+    """
+
+    allocation: int
+    kind: str
+    signal: str
+    received_at: float
+    deadline: float
+
+    def __post_init__(self) -> None:
+        assert self.kind in STOP_KINDS, self.kind
+
+    @classmethod
+    def read(cls, path: str | Path) -> StopNotice | None:
+        """The notice at ``path``, or None when there is none (or it cannot be read)."""
+        data = jobdir.read_json(Path(path)) if str(path) else None
+        if not data:
+            return None
+        try:
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError, AssertionError):
+            return None
+
+
+def notice_path(job_dir: Path, allocation: int) -> Path:
+    """Where an allocation's stop notice goes: ``logs/alloc-A/stop.json``."""
+    return jobdir.alloc_log_dir(job_dir, allocation) / "stop.json"
+
+
+def notice_for(signal_name: str, received_at: float, *, allocation: int,
+               job_end_time: float | None, lead_s: float, grace_s: float | None) -> StopNotice:
+    """Which stop a signal announces and when the hard stop comes (pure).
+
+    The same rules as the Session's watcher (:mod:`runtime.preemption`): a warning close to the
+    job's end time is the time limit's, any other warning or a SIGTERM a preemption's.
+    """
+    from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
+
+    kind = classify_warning(signal_name, received_at, job_end_time=job_end_time, lead_s=lead_s)
+    if signal_name == "SIGTERM":
+        deadline = received_at
+    else:
+        deadline = deadline_for(kind, received_at, job_end_time=job_end_time, lead_s=lead_s,
+                                grace_s=grace_s or DEFAULT_GRACE_S)
+    return StopNotice(allocation=allocation, kind=kind, signal=signal_name,
+                      received_at=round(received_at, 3), deadline=round(deadline, 3))
+
+
+class StopTracker:
+    """The launcher's record of a stop in progress (fed by its signal handler).
+
+    Args:
+        path: Where to write the notice (``HPC_STOP_FILE``).
+        allocation: This allocation.
+        job_end_time: Wall time of the job's time limit, if known.
+        lead_s: The job's warning lead before the time limit.
+        grace_s: The partition's preemption GraceTime, if known.
+    """
+
+    def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
+                 lead_s: float, grace_s: float | None) -> None:
+        self.path = Path(path)
+        self.allocation = allocation
+        self.job_end_time, self.lead_s, self.grace_s = job_end_time, lead_s, grace_s
+        self.notice: StopNotice | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.notice is not None
+
+    def on_signal(self, name: str, when: float) -> None:
+        """Records the first stop signal and writes its notice; never raises (signal handler)."""
+        if self.notice is not None:
+            if name == "SIGTERM" and when < self.notice.deadline:   # the kill came early
+                self.notice = StopNotice(self.allocation, self.notice.kind, self.notice.signal,
+                                         self.notice.received_at, round(when, 3))
+                self._write()
+            return
+        self.notice = notice_for(name, when, allocation=self.allocation,
+                                 job_end_time=self.job_end_time, lead_s=self.lead_s,
+                                 grace_s=self.grace_s)
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            jobdir.write_atomic(self.path, json.dumps(asdict(self.notice)) + "\n", durable=False)
+        except OSError as e:     # a full disk must not kill the launcher in its handler
+            log.warning("cannot write the stop notice %s: %s", self.path, e)
+
+
+def amend_outcome(kind: str, reason: str, notice: StopNotice | None) -> tuple[str, str]:
+    """The outcome of an allocation whose workers failed after a stop began (pure).
+
+    Workers of a script that ignores the warning die of the SIGTERM that follows it: that is
+    the stop, not an application error, and the job must be requeued.
+    """
+    if notice is None or kind != "app_error":
+        return kind, reason
+    said = f"{notice.signal} ({notice.kind}): the workers did not stop by themselves"
+    return notice.kind, f"{said}; {reason}" if reason else said
+
+
+@contextlib.contextmanager
+def no_restarts_once_stopping(stopping: Callable[[], bool]) -> Iterator[None]:
+    """While inside, torch's elastic agent restarts no workers once ``stopping()`` is true.
+
+    ``launch_agent`` builds a ``LocalElasticAgent`` by its module-global name; inside this
+    context that name is a subclass whose monitor sets the remaining restarts to 0 once a stop
+    began (torch does the same for a wedged worker), so failed workers end the run instead of
+    being started again. Without that name (another torch), the worker-side guard
+    (:func:`exit_if_stopping`) still keeps the user's script from running again.
+    """
+    try:
+        from torch.distributed.launcher import api as launcher_api
+    except ImportError:   # pragma: no cover - the launcher always has torch
+        yield
+        return
+    base = getattr(launcher_api, "LocalElasticAgent", None)
+    if base is None or not hasattr(base, "_monitor_workers"):
+        log.warning("torch's launcher has no LocalElasticAgent to guard: restarted workers "
+                    "of a stopping allocation exit at once instead")
+        yield
+        return
+
+    class StopAwareAgent(base):  # type: ignore[misc, valid-type]
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if stopping() and getattr(self, "_remaining_restarts", 0):
+                log.warning("the allocation is stopping: no restart of the workers "
+                            "(%d left unused)", self._remaining_restarts)
+                self._remaining_restarts = 0
+            return result
+
+    launcher_api.LocalElasticAgent = StopAwareAgent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+def exit_if_stopping(job: job_env.JobEnvironment, rank: str | None) -> None:
+    """In a worker, before the user's script: exit at once if the allocation is stopping.
+
+    The launcher sets ``HPC_PENDING_WARNING`` in its own environment when a stop begins, so
+    only workers it starts after that inherit it (``job`` must be read at the worker's start,
+    before its own handler records a signal in its environment: all workers of one start then
+    decide alike). Such a worker would only reload a snapshot to be killed seconds later: it
+    exits with status 0 (a failure would make the agent try again), and global rank 0 writes
+    an exit intent so that the launcher records the stop, not a finish.
+
+    Args:
+        job: The worker's ``HPC_*`` environment as it was at its start.
+        rank: Its global rank (``RANK``).
+    """
+    if not job.pending_warning or job.agent_pid is None or job.agent_pid != os.getppid():
+        return
+    notice = StopNotice.read(job.stop_file)
+    kind = notice.kind if notice else "preempted"
+    allocation = job.requeue_count if job.requeue_count is not None else (job.allocation or 0)
+    why = f"the allocation is stopping ({job.pending_warning}, {kind}): the script was not started again"
+    if rank == "0" and job.job_dir:
+        try:
+            jobdir.write_atomic(Path(job.job_dir) / jobdir.EXIT_INTENT, json.dumps({
+                "allocation": allocation, "kind": kind, "step": None, "reason": why,
+                "time": time.time()}) + "\n")
+        except OSError as e:
+            print(f"[hpc worker] cannot write the exit intent: {e}", file=sys.stderr)
+    print(f"[hpc worker] {why}", file=sys.stderr, flush=True)
+    sys.exit(0)
+
+
+def is_resumed(job_dir: Path, allocation: int) -> bool:
+    """Whether an earlier allocation of this job ran (Slurm requeue, a second ``hpc run``)."""
+    return allocation > 0 or bool(jobdir.read_outcomes(job_dir))

@@ -1,0 +1,50 @@
+"""One W&B run per job for scripts that call ``wandb.init()`` themselves.
+
+A script that calls ``wandb.init()`` with no id starts a new run every time it starts: after
+every requeue and every elastic restart (Lightning #13524/#16639, wandb #4482). wandb reads its
+run id, resume mode, directory and mode from its own environment variables when ``init`` is
+not given them, so the launcher hands every worker:
+
+* ``WANDB_RUN_ID``: the job's run id, the one in ``JOB_DIR/wandb_run_id`` that our Session's
+  sink uses too (:func:`runtime.wandb_sink.load_or_create_run_id`; created once, atomically);
+* ``WANDB_RESUME=allow``: continue that run if it exists, create it if not (``must`` fails on
+  the first start and offline);
+* ``WANDB_DIR=JOB_DIR``: the offline runs land in ``JOB_DIR/wandb/offline-run-*`` where
+  ``hpc sync`` finds them;
+* ``WANDB_MODE``: the job's ``--wandb-mode`` (offline by default: compute nodes often have no
+  network).
+
+These are defaults: a value the user set (in the submitting shell) is kept, and every one is
+logged with the launcher's other environment changes. Arguments the script passes to
+``wandb.init`` win over all of them (wandb's rule).
+
+Steps that are redone after a resume from an older checkpoint: wandb keeps a run's ``_step``
+increasing and drops (with a warning) a ``log(step=...)`` lower than the last one, so the redone
+steps keep the values of their first attempt; a script that logs without ``step=`` appends them
+as new, higher steps. Online, W&B's server-side rewind (``wandb.init(resume_from=f"{id}?_step=N")``)
+can instead cut the history back to the checkpoint; it is opt-in in the script and not
+available offline. See docs/own-script.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def defaults(job_dir: Path, mode: str) -> dict[str, tuple[str, str]]:
+    """The W&B variables to set for the workers: name -> (value, reason).
+
+    Args:
+        job_dir: The job directory (holds, or will hold, ``wandb_run_id``).
+        mode: The job's W&B mode (``offline``, ``online``, ``disabled``).
+    """
+    from runtime.wandb_sink import load_or_create_run_id
+
+    run_id = load_or_create_run_id(Path(job_dir))
+    return {
+        "WANDB_RUN_ID": (run_id, "one W&B run for the whole job (JOB_DIR/wandb_run_id), also "
+                                 "for a script's own wandb.init()"),
+        "WANDB_RESUME": ("allow", "every allocation and restart continues the job's run"),
+        "WANDB_DIR": (str(job_dir), "W&B runs go to JOB_DIR/wandb, whatever the script"),
+        "WANDB_MODE": (mode, "the job's --wandb-mode (hpc sync uploads offline runs)"),
+    }
