@@ -89,6 +89,14 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
     restarts = [m for m in a1["markers"] if m[1] == "restart"]
     assert restarts and any(m[1] == "failure" for m in a1["markers"])
     assert ledger["checkpoint_interval"]["every_s"] >= 10 and ledger["interruptions"] >= 2
+    # --checkpoint-interval auto:1h: recomputed at each start, shorter after each interruption.
+    from hpc.contract.events import read_events
+
+    chosen = [e for e in read_events(job) if e["ev"] == "ckpt_interval"]
+    calm = [c["every_s"] for c in chosen if c["interruptions"] == 0 and c["source"] == "measured"]
+    after = [c["every_s"] for c in chosen if c["interruptions"] >= 1]
+    assert calm and len(after) >= 2 and max(after) < min(calm) and after == sorted(after, reverse=True)
+    assert {(c["alloc"], c["restart"]) for c in chosen} >= {(0, 0), (1, 0), (1, 1)}
     assert crashed_at_checkpoint >= saved + 4
 
     png = tmp_path / "goodput.png"
