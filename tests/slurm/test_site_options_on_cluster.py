@@ -1,0 +1,172 @@
+"""Issue 16 on the real cluster: setup lines on every node, sbatch options Slurm really takes, and
+the container design (the requeue done by the batch shell, outside the container).
+
+No container runtime runs on this machine. The container test uses a stand-in ``apptainer`` that
+does what matters here: it runs the launcher in an environment where Slurm's commands are not
+there (each one records that it was called and fails), so the test shows that nothing inside
+the "container" needs Slurm and that the requeue is done from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train_gpt.py"
+
+
+def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpc", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
+    return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
+
+
+def squeue(env: dict[str, str], job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def outcomes(job: Path) -> list[dict]:
+    path = job / "outcomes.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def batch_log(job: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((job / "logs").glob("slurm-*.out")))
+
+
+RANK_SCRIPT = """\
+import json, os, socket
+from pathlib import Path
+out = Path(os.environ["HPC_JOB_DIR"]) / f"rank-{os.environ['RANK']}.json"
+out.write_text(json.dumps({"host": socket.gethostname(), "count": os.environ.get("HPC_TEST_SETUPS"),
+                           "venv": os.environ.get("HPC_TEST_VENV")}))
+"""
+
+
+def test_setup_lines_run_on_every_node_before_the_launcher(env, tmp_path: Path) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    job = tmp_path / "setup job"
+    r = hpc(env, "submit", str(script), "-N", "2", "-t", "5", "--job-dir", str(job),
+            "--setup", 'echo "${HPC_TEST_SETUPS:-0}" >> "$HPC_JOB_DIR/setup-$(hostname).txt"',
+            "--setup", "export HPC_TEST_SETUPS=$(( ${HPC_TEST_SETUPS:-0} + 1 ))",
+            "--setup", "export HPC_TEST_VENV=activated  # like 'source venv/bin/activate'")
+    assert r.returncode == 0, r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    wait_until(lambda: squeue(env, job_id) in ("", "COMPLETED"), 180, f"job {job_id} to end")
+    assert outcomes(job) and outcomes(job)[-1]["kind"] == "finished", (outcomes(job), batch_log(job))
+    lines = {p.name: p.read_text().split("\n")[:-1] for p in job.glob("setup-*.txt")}
+    # The batch shell ran the lines on the first node (count 0 then), then every node ran them
+    # in the step (count 1: the batch shell's export came with srun's environment).
+    assert lines == {"setup-node1.txt": ["0", "1"], "setup-node2.txt": ["1"]}, lines
+    ranks = [json.loads((job / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert sorted(x["host"] for x in ranks) == ["node1", "node2"]
+    # Each worker saw both parts: the batch shell's export reached every node through srun (1),
+    # and the node's own run added to it (2) before the launcher started.
+    assert [x["count"] for x in ranks] == ["2", "2"] and {x["venv"] for x in ranks} == {"activated"}
+
+
+def test_sbatch_options_and_common_flags_reach_slurm(env, tmp_path: Path) -> None:
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    job = tmp_path / "held"
+    r = hpc(env, "submit", str(script), "--nodes", "1-2", "-t", "7", "-J", "site-opts",
+            "--exclusive", "--mail-type", "end,fail", "--sbatch", "nice=5", "--sbatch", "hold",
+            "--job-dir", str(job))
+    assert r.returncode == 0, r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    try:
+        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                              text=True).stdout
+        fields = dict(kv.split("=", 1) for kv in show.split() if "=" in kv)
+        assert fields["JobName"] == "site-opts" and fields["TimeLimit"] == "00:07:00"
+        assert fields["NumNodes"].startswith("1-2"), fields["NumNodes"]
+        assert fields["Nice"] == "5" and fields["OverSubscribe"] == "NO"
+        assert fields["MailType"] == "END,FAIL" and fields["Priority"] == "0"   # held
+    finally:
+        subprocess.run(["scancel", job_id], env=env, capture_output=True)
+    r = hpc(env, "submit", str(script), "--sbatch", "part=debug", "--job-dir", str(tmp_path / "x"))
+    assert r.returncode == 2 and "--partition" in r.stderr and not (tmp_path / "x").exists()
+
+
+# A stand-in for `apptainer exec [--nv] --bind MOUNTS IMAGE CMD...`: runs CMD with Slurm's
+# commands replaced by ones that record the call and fail, as in a container without Slurm.
+FAKE_APPTAINER = """#!/bin/bash
+[ "$1" = exec ] || exit 64
+shift
+while [ $# -gt 0 ]; do
+    case "$1" in --nv) shift;; --bind) shift 2;; *) break;; esac
+done
+shift   # the image
+hide="$(mktemp -d)"
+for c in scontrol squeue sbatch sacct scancel srun sinfo; do
+    printf '#!/bin/sh\\necho "$(hostname) %s $*" >> "$HPC_JOB_DIR/slurm-calls-in-container"\\necho "%s: not in this container" >&2\\nexit 127\\n' "$c" "$c" > "$hide/$c"
+    chmod +x "$hide/$c"
+done
+echo "$(hostname) ${HPC_JOB_END_TIME:-none} ${HPC_GRACE_S:-none}" >> "$HPC_JOB_DIR/container-deadlines"
+PATH="$hide:$PATH" exec "$@"
+"""
+
+
+def test_container_requeue_is_done_by_the_batch_shell(env, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "apptainer"
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    run_env = {**env, "PATH": f"{bin_dir}:{env.get('PATH', os.defpath)}"}
+    job = tmp_path / "contained"
+    r = hpc(run_env, "submit", str(TRAIN), "--nodes", "2", "--nproc-per-node", "2", "--time", "10",
+            "--job-dir", str(job), "--checkpoint-every-steps", "2", "--container-runtime", "apptainer",
+            "--container-image", str(tmp_path / "pytorch.sif"),
+            "--", "--preset", "tiny", "--step-sleep", "0.3")
+    assert r.returncode == 0, r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    wait_until(lambda: (job / "progress.json").exists()
+               and json.loads((job / "progress.json").read_text()).get("step", 0) >= 6, 240,
+               "training to step 6")
+    # The warning signal to every step process: the workers save, node 0 decides to requeue.
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
+    wait_until(lambda: len(outcomes(job)) >= 2 and squeue(env, job_id) in ("", "COMPLETED"), 300,
+               f"the requeued job to finish; outcomes {outcomes(job)}")
+    kinds = [(o["allocation"], o["kind"]) for o in outcomes(job)]
+    assert kinds[0] in ((0, "time_limit"), (0, "preempted")), (kinds, batch_log(job))
+    assert kinds[-1][1] == "finished", (kinds, batch_log(job))
+    assert (job / "requeue-request-alloc-0").exists()
+    log = batch_log(job)
+    assert f"hpc: requeued job {job_id}: " in log, log
+    show = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                          text=True).stdout
+    assert "Restarts=1" in show or not show, show
+    result = json.loads((job / "result.json").read_text())
+    assert result["final_step"] == 40, result
+    assert outcomes(job)[0]["step"] >= 6, outcomes(job)   # saved on the warning, resumed there
+    # Nothing in the "container" called Slurm; the batch shell gave it the deadlines.
+    calls = job / "slurm-calls-in-container"
+    assert not calls.exists(), calls.read_text()
+    deadlines = (job / "container-deadlines").read_text().split("\n")[:-1]
+    assert len(deadlines) == 4 and all(d.split()[1].isdigit() for d in deadlines), deadlines
+    end = int(deadlines[0].split()[1])
+    assert abs(end - time.time()) < 15 * 60, deadlines
