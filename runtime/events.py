@@ -33,6 +33,7 @@ from hpc.contract.events import EVENTS
 log = logging.getLogger("hpc.events")
 SUMMARY_EVERY_S = 5.0       # one ``steps`` event per this many seconds of training
 SYNC_EVERY_S = 3.0          # the background fdatasync period (crash durability)
+MAX_SUMMARY_BYTES = 32 << 20  # larger event files are not summarized on the exit path
 EVENTS_ENV = "HPC_EVENTS"   # "0": the Session records nothing (for A/B overhead measurements)
 
 
@@ -303,12 +304,34 @@ class SessionRecorder:
         self.flush_steps()
         self.events.emit("stop_begin", kind=kind, signal=signal)
 
-    def closing(self, error: BaseException | None, step: int) -> None:
-        """First thing on every exit path: the last step window, and the crash if any."""
+    def closing(self, error: BaseException | None, step: int, sink: Any = None) -> None:
+        """First thing on every exit path: the last step window, the crash if any, and the
+        job's goodput so far into the W&B run's config (rank 0; ``goodput/...`` keys)."""
         self.flush_steps()
         self._steps = None
         if error is not None:
             self.events.emit("crash", step=step, error=f"{type(error).__name__}: {error}"[:300])
+        if sink is not None and isinstance(self.events, EventLog):
+            self._goodput_to(sink)
+
+    def _goodput_to(self, sink: Any) -> None:
+        """The ledger so far (pure, milliseconds) as run config; never fails the exit path."""
+        try:
+            path = self.job_dir / EVENTS
+            if path.stat().st_size > MAX_SUMMARY_BYTES:
+                return
+            from hpc.contract.events import read_events
+            from hpc.report.ledger import build
+
+            ledger = build(read_events(self.job_dir), current=self.key)
+            data: dict[str, Any] = {"goodput/ratio": round(ledger.goodput, 4),
+                                    "goodput/allocated_node_s": round(ledger.allocated_node_s, 2),
+                                    "goodput/lost_steps": ledger.lost_steps,
+                                    "goodput/interruptions": ledger.interruptions}
+            data.update({f"goodput/{c}_node_s": round(v, 2) for c, v in ledger.categories.items()})
+            sink.config(data)
+        except Exception as e:  # noqa: BLE001 - bookkeeping only
+            log.warning("goodput summary for W&B skipped: %s", e)
 
     def close(self, ckpt: Any, error: BaseException | None, step: int) -> None:
         """Last thing: any commit the final wait completed, the end; the file is synced."""

@@ -167,7 +167,7 @@ class Session:
 
     def close(self, error: BaseException | None = None) -> None:
         """Flushes any save in flight, closes sinks and the process group (every exit path)."""
-        self._rec.closing(error, self.step)
+        self._rec.closing(error, self.step, self._sink)
         if error is not None:
             self._write_progress(force=True)   # the crash's last step, for outcomes.jsonl
         self._beat.enter("exit")

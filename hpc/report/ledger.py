@@ -216,7 +216,8 @@ def _lost_tail(inc: _Incarnation, keep_upto: int) -> list[tuple[float, float]]:
 
 def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str, Any]] = (),
           slurm_runs: Mapping[int, Mapping[str, Any]] | None = None,
-          prior_mtbf_s: float = young_daly.DEFAULT_MTBF_S) -> Ledger:
+          prior_mtbf_s: float = young_daly.DEFAULT_MTBF_S,
+          current: tuple[int, int] | None = None) -> Ledger:
     """The ledger of a job (pure).
 
     Args:
@@ -225,6 +226,8 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
         slurm_runs: Per allocation, Slurm's ``submit``/``start``/``end`` (epoch seconds) and
             ``node_ends`` (node -> when it left the allocation), when known.
         prior_mtbf_s: The cluster's prior mean time between interruptions (for the interval).
+        current: (allocation, restart) of a worker group still running (a ledger "so far"),
+            whose missing end is no interruption.
     """
     evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
     slurm_runs = slurm_runs or {}
@@ -264,7 +267,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
         for c, v in a.categories.items():
             totals[c] += v
     queues = [a.queue_s for a in allocations if a.queue_s is not None]
-    hist = young_daly.history(evs)
+    hist = young_daly.history(evs, current=current)
     interval = None
     if hist.save_cost_s is not None:
         interval = young_daly.choose(

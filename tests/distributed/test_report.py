@@ -104,3 +104,13 @@ def test_png_timeline(job: dict, tmp_path: Path) -> None:
 
     img = imread(str(png))
     assert img.shape[0] > 200 and img.shape[1] > 600 and img.std() > 0.05   # not blank
+
+
+def test_goodput_so_far_goes_to_the_wandb_run(job: dict) -> None:
+    from tests.wandb_offline import read_run
+
+    run = read_run(job["dir"] / "wandb", (job["dir"] / "wandb_run_id").read_text().strip())
+    cfg = run.config
+    # Written by rank 0 as each worker group ends; the last one saw both allocations.
+    assert cfg["goodput/lost_steps"] == 10 and cfg["goodput/interruptions"] == 2
+    assert 0 < cfg["goodput/ratio"] < 1 and cfg["goodput/productive_node_s"] > 0
