@@ -1,4 +1,4 @@
-"""``hpc report JOB [--json] [--png PATH]``: the goodput ledger of one job."""
+"""``hpc report JOB [--json] [--png PATH] [--html PATH]``: the goodput ledger of one job."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rp.add_argument("job", help="job id or job directory (a directory works without Slurm)")
     rp.add_argument("--json", action="store_true", help="print the ledger as JSON")
     rp.add_argument("--png", default="", metavar="PATH", help="also draw the timeline to PATH (PNG)")
+    rp.add_argument("--html", default="", metavar="PATH",
+                    help="also write one self-contained page: timeline, table, JSON")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -43,14 +45,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"hpc report: no events in {job_dir} yet (events.jsonl appears when the job starts)",
               file=sys.stderr)
         return 1
-    sys.stdout.write(to_json(ledger) if args.json else format_table(ledger, str(job_dir)))
-    if args.png:
-        from hpc.report.plot import render_png
+    table = format_table(ledger, str(job_dir))
+    sys.stdout.write(to_json(ledger) if args.json else table)
+    for flag, path in (("--png", args.png), ("--html", args.html)):
+        if not path:
+            continue
+        from hpc.report import plot
 
         try:
-            render_png(ledger, Path(args.png), title=job_dir.name)
+            if flag == "--png":
+                plot.render_png(ledger, Path(path), title=job_dir.name)
+            else:
+                plot.render_html(ledger, Path(path), title=job_dir.name, table=table)
         except ImportError as e:
-            raise HpcError(f"--png needs matplotlib ({e}): pip install 'matplotlib>=3.7'") from None
+            raise HpcError(f"{flag} needs matplotlib ({e}): pip install 'matplotlib>=3.7'") from None
         if not args.json:
-            print(f"timeline: {args.png}")
+            print(f"timeline: {path}")
     return 0

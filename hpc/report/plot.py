@@ -110,3 +110,27 @@ def _runs(points: list[tuple[float, int]]) -> list[list[tuple[float, int]]]:
             out.append([])
         out[-1].append(p)
     return out
+
+
+def render_html(ledger: Ledger, path: Path, *, title: str = "", table: str = "") -> Path:
+    """One self-contained page: the timeline (PNG inlined), the table, and the JSON to download."""
+    import base64
+    import html
+    import tempfile
+
+    from hpc.report.table import to_json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        png = render_png(ledger, Path(tmp) / "timeline.png", title=title, dpi=100)
+        image = base64.b64encode(png.read_bytes()).decode()
+    data = base64.b64encode(to_json(ledger).encode()).decode()
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>goodput {html.escape(title)}"
+            f"</title></head><body style='font-family:sans-serif;max-width:1100px;margin:auto'>"
+            f"<h2>goodput: {html.escape(title)}</h2><img alt='timeline' style='width:100%' "
+            f"src='data:image/png;base64,{image}'><pre>{html.escape(table)}</pre>"
+            f"<a download='goodput.json' href='data:application/json;base64,{data}'>ledger as JSON</a>"
+            f"</body></html>\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path

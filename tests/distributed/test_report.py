@@ -104,6 +104,11 @@ def test_png_timeline(job: dict, tmp_path: Path) -> None:
 
     img = imread(str(png))
     assert img.shape[0] > 200 and img.shape[1] > 600 and img.std() > 0.05   # not blank
+    page = tmp_path / "report.html"
+    r, _, _ = hpc("report", str(job["dir"]), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "lost work (recomputed)" in text
 
 
 def test_goodput_so_far_goes_to_the_wandb_run(job: dict) -> None:
