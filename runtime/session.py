@@ -208,6 +208,18 @@ class Session:
         finally:
             self._beat.leave()
 
+    def _report_stalls(self) -> None:
+        """Rank 0 logs the stalls the node watchdogs acted on (``hangs.jsonl``) as run events."""
+        if not self.is_rank0:
+            return
+        from runtime.liveness import events
+
+        for h in events.take_unreported(self.job_dir):
+            fields = {"node": h.node, "suspect_rank": h.suspect_rank, "suspect_node": h.suspect_node,
+                      "reason": h.reason, "stacks": h.stacks, "allocation": h.allocation,
+                      "stalled_at_step": h.step}
+            self.event("hang", step=self.step, **{k: v for k, v in fields.items() if v not in (None, "")})
+
     def _collective_timeout(self) -> timedelta:
         """The process groups' timeout, coherent with the stall watch.
 
@@ -299,6 +311,7 @@ class Session:
             self.event("resumed", step=self.step, world_size=self.world_size,
                        saved_world_size=manifest.world_size, allocation=self.env.allocation,
                        restart=self.restart_count)
+        self._report_stalls()
         return self.step
 
     def save(self, *, blocking: bool = True) -> None:

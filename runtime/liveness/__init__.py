@@ -14,6 +14,8 @@ evidence kept:
   their own budgets; ``--stall-timeout auto|off|SECONDS``.
 - :mod:`.verdict`: pure: from the records, the processes' states and the clock, is this node
   stalled, and which rank is the suspect.
+- :mod:`.peers`: each launcher keeps a counter going in the rendezvous store and watches
+  the others'; a node whose counter stops while we still reach the store is cut off.
 - :mod:`.stacks`: the worker side registers ``faulthandler`` on :data:`.stacks.DUMP_SIGNAL`;
   the launcher side asks for and collects the dumps into one file in the job directory.
 - :mod:`.watchdog`: the launcher's thread that ties these together: on a stall it dumps the

@@ -6,6 +6,9 @@ and based on a high quantile with a wide factor, so heavy jitter does not trip i
 are known to be long and rare get their own budget instead: start-up (imports, process-group
 init, rendezvous), restore, the first steps after a (re)start (compilation, warm-up, allocator
 growth), a checkpoint save, evaluation, and any phase a user marks with ``session.phase(...)``.
+Once a phase has run to its end in this process, its next runs get ``k x`` the longest
+measured run instead (never less than an ordinary step's deadline), so a save that takes a
+second is not given 15 minutes when a rank freezes in it.
 Every function here is pure: the tests feed recorded step-time series.
 """
 
@@ -19,12 +22,13 @@ from hpc.contract.stall import AUTO, OFF, stall_seconds
 
 STEP = "step"
 # Budgets of the phases known to be long, in seconds.
+# Generous: they hold only until a phase has been measured once in the process (see above).
 PHASE_BUDGETS_S: Mapping[str, float] = {
-    "startup": 900.0,   # imports, process-group init, rendezvous; the PG init has its own timeout
-    "restore": 900.0,   # loading (and resharding) a checkpoint
-    "save": 900.0,      # a blocking checkpoint save
+    "startup": 1800.0,  # imports, process-group init, rendezvous; the PG init has its own timeout
+    "restore": 1800.0,  # loading (and resharding) a checkpoint
+    "save": 1800.0,     # a blocking checkpoint save
     "eval": 1800.0,
-    "exit": 600.0,      # flushing saves, the final barrier
+    "exit": 1800.0,     # flushing the last save, the final barrier
 }
 USER_PHASE_S = 1800.0   # a phase a user named without a budget
 
@@ -47,7 +51,7 @@ class StallPolicy:
     k: float = 10.0
     fixed_s: float | None = None
     first_steps: int = 3
-    first_steps_s: float = 900.0
+    first_steps_s: float = 1800.0
     phase_budgets_s: Mapping[str, float] = field(default_factory=lambda: dict(PHASE_BUDGETS_S))
     min_samples: int = 5
 
@@ -88,7 +92,7 @@ def step_deadline_s(policy: StallPolicy, p99_s: float | None, samples: int) -> f
 
 
 def deadline_s(policy: StallPolicy, *, phase: str, steps_done: int, p99_s: float | None,
-               samples: int, budget_s: float | None = None) -> float:
+               samples: int, budget_s: float | None = None, measured_s: float | None = None) -> float:
     """Seconds a rank in ``phase`` may go without a new heartbeat.
 
     Args:
@@ -98,11 +102,17 @@ def deadline_s(policy: StallPolicy, *, phase: str, steps_done: int, p99_s: float
         p99_s: Its recent p99 step time, if measured.
         samples: How many step times that p99 is over.
         budget_s: The budget the phase was opened with (``session.phase(name, budget_s=)``).
+        measured_s: The longest earlier run of this phase in this process, if any.
     """
     ordinary = step_deadline_s(policy, p99_s, samples)
     if phase == STEP:
         if steps_done < policy.first_steps:
             return max(ordinary, policy.first_steps_s)
         return ordinary
-    budget = budget_s if budget_s is not None else policy.phase_budgets_s.get(phase, USER_PHASE_S)
-    return max(ordinary, budget)
+    if budget_s is not None:
+        return max(ordinary, budget_s)
+    if measured_s is not None and policy.fixed_s is None:
+        return max(ordinary, policy.k * measured_s)
+    if measured_s is not None:
+        return max(ordinary, 2 * measured_s)    # a fixed deadline: the user chose it short
+    return max(ordinary, policy.phase_budgets_s.get(phase, USER_PHASE_S))

@@ -67,3 +67,24 @@ def read(job_dir: Path, allocation: int | None = None) -> list[HangEvent]:
         if allocation is None or event.allocation == allocation:
             out.append(event)
     return out
+
+
+REPORTED = "liveness/reported"   # how many hangs.jsonl records rank 0 already logged to W&B
+
+
+def take_unreported(job_dir: Path) -> list[HangEvent]:
+    """The stalls not yet logged to the job's W&B run, marking them logged (rank 0 only)."""
+    hangs = read(job_dir)
+    marker = Path(job_dir) / REPORTED
+    try:
+        done = int(marker.read_text())
+    except (OSError, ValueError):
+        done = 0
+    if len(hangs) <= done:
+        return []
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(len(hangs)))
+    except OSError:
+        return []   # better to log a stall never than on every restart
+    return hangs[done:]

@@ -42,6 +42,7 @@ class Heartbeat:
     p99_s: float | None   # recent p99 step time
     samples: int          # step times the p99 is over
     budget_s: float | None = None   # the phase's own budget, when its opener gave one
+    measured_s: float | None = None  # the longest earlier run of this phase in this process
 
 
 def path_for(directory: Path, pid: int) -> Path:
@@ -91,7 +92,8 @@ class HeartbeatWriter:
         self.clock = clock
         self.step = 0
         self.steps_done = 0
-        self.phases: list[tuple[str, float | None]] = [("startup", None)]
+        self.phases: list[tuple[str, float | None, float]] = [("startup", None, clock())]
+        self.longest: dict[str, float] = {}   # phase -> its longest completed run (s)
         self.times: deque[float] = deque(maxlen=WINDOW)
         self._progress = clock()
         self._written = float("-inf")
@@ -102,11 +104,12 @@ class HeartbeatWriter:
         return self.phases[-1][0]
 
     def record(self) -> Heartbeat:
-        name, budget = self.phases[-1]
+        name, budget, _ = self.phases[-1]
         return Heartbeat(pid=os.getpid(), rank=self.rank, local_rank=self.local_rank,
                          restart=self.restart, phase=name, step=self.step,
                          steps_done=self.steps_done, time=self._progress,
-                         p99_s=p99(self.times), samples=len(self.times), budget_s=budget)
+                         p99_s=p99(self.times), samples=len(self.times), budget_s=budget,
+                         measured_s=self.longest.get(name))
 
     def step_done(self, step: int, seconds: float | None) -> None:
         """Step ``step`` finished after ``seconds`` (None: the first one, not a fair sample)."""
@@ -119,21 +122,22 @@ class HeartbeatWriter:
 
     def enter(self, phase: str, budget_s: float | None = None) -> None:
         """Opens ``phase`` (written at once: a long phase must be known before it runs)."""
-        self.phases.append((phase, budget_s))
         self._progress = self.clock()
+        self.phases.append((phase, budget_s, self._progress))
         self._write(force=True)
 
     def leave(self) -> None:
         """Closes the innermost phase."""
-        if len(self.phases) > 1:
-            self.phases.pop()
         self._progress = self.clock()
+        if len(self.phases) > 1:
+            name, _, since = self.phases.pop()
+            self.longest[name] = max(self.longest.get(name, 0.0), self._progress - since)
         self._write(force=True)
 
     def set_base(self, phase: str) -> None:
         """Replaces the outermost phase (``startup`` -> ``step`` once the loop runs)."""
-        self.phases[0] = (phase, None)
         self._progress = self.clock()
+        self.phases[0] = (phase, None, self._progress)
         self._write(force=True)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.liveness.deadline import StallPolicy, deadline_s
+from runtime.liveness.deadline import STEP, StallPolicy, deadline_s
 from runtime.liveness.heartbeat import Heartbeat
 
 # Frames (path fragments) that mean "this thread waits in a collective or in the autograd
@@ -68,12 +68,18 @@ class Verdict:
 
 def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
            policy: StallPolicy) -> tuple[RankState, ...]:
-    """Each live worker's age and deadline (``stopped`` maps pid -> stopped)."""
+    """Each live worker's age and deadline (``stopped`` maps pid -> stopped).
+
+    A stopped process makes no progress in any phase: it gets an ordinary step's deadline.
+    """
     out = []
     for b in sorted(beats, key=lambda b: b.rank):
-        limit = deadline_s(policy, phase=b.phase, steps_done=b.steps_done, p99_s=b.p99_s,
-                           samples=b.samples, budget_s=b.budget_s)
-        out.append(RankState(b, bool(stopped.get(b.pid)), max(0.0, now - b.time), limit))
+        halted = bool(stopped.get(b.pid))
+        limit = deadline_s(policy, phase=STEP if halted else b.phase,
+                           steps_done=max(b.steps_done, policy.first_steps) if halted else b.steps_done,
+                           p99_s=b.p99_s, samples=b.samples, budget_s=None if halted else b.budget_s,
+                           measured_s=b.measured_s)
+        out.append(RankState(b, halted, max(0.0, now - b.time), limit))
     return tuple(out)
 
 

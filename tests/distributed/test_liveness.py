@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.wandb_offline import read_run
 
 pytestmark = pytest.mark.distributed
 PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
@@ -80,8 +81,13 @@ def test_frozen_worker_is_named_dumped_and_the_job_resumes(tmp_path: Path) -> No
     frozen = int((job / "pid-1-0").read_text())
     os.kill(frozen, signal.SIGSTOP)
     t = time.time()
-    resumed = wait_for(lambda: progress(job).get("restart", 0) >= 1
-                       and progress(job)["step"] > progress(job)["start_step"], 60, "training to resume")
+    try:
+        resumed = wait_for(lambda: progress(job).get("restart", 0) >= 1
+                           and progress(job)["step"] > progress(job)["start_step"], 60, "training to resume")
+    except AssertionError:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise AssertionError(f"no resume within 60 s; progress {progress(job)}; hangs {hangs(job)}:\n"
+                             + p.communicate()[0][-6000:]) from None
     out = finish(p)
     [event] = hangs(job)
     assert event["suspect_rank"] == 1 and "stopped" in event["reason"], event
@@ -97,6 +103,9 @@ def test_frozen_worker_is_named_dumped_and_the_job_resumes(tmp_path: Path) -> No
     assert outcome["kind"] == "finished" and outcome["restarts"] == 1
     assert "suspect rank 1" in outcome["hangs"][0]
     print(f"worker freeze -> resumed in {resumed - t:.1f}s")
+    run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
+    logged = [fields for _, name, fields in run.events() if name == "hang"]
+    assert len(logged) == 1 and logged[0].get("suspect_rank") == 1, run.events()
     assert "stall detected" in out
 
 

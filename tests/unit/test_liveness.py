@@ -71,12 +71,42 @@ def test_step_deadline_adapts_with_a_floor():
     assert step_deadline_s(StallPolicy(fixed_s=45), 6.0, 100) == 45
 
 
+def test_a_phase_measured_once_gets_k_times_its_longest_run():
+    policy = StallPolicy()
+    kw = {"steps_done": 50, "p99_s": 0.1, "samples": 100}
+    assert deadline_s(policy, phase="save", measured_s=0.7, **kw) == 20      # the step floor
+    assert deadline_s(policy, phase="save", measured_s=30.0, **kw) == 300
+    assert deadline_s(policy, phase="eval", measured_s=30.0, budget_s=4000, **kw) == 4000
+    assert deadline_s(StallPolicy(fixed_s=5), phase="save", measured_s=0.5, **kw) == 5
+
+
+def test_a_stopped_rank_inside_a_long_phase_gets_an_ordinary_deadline():
+    ranks = assess([beat(0, 0.0, phase="save"), beat(1, 0.0, phase="save")], {101: True}, 25.0, POLICY)
+    assert [r.deadline_s for r in ranks] == [1800.0, 20.0]
+    v = judge(ranks)
+    assert v.stalled and blame(v, {}).suspect_rank == 1
+
+
+def test_writer_measures_phases():
+    import tempfile
+    now = [0.0]
+    with tempfile.TemporaryDirectory() as d:
+        w = HeartbeatWriter(Path(d), rank=0, local_rank=0, restart=0, clock=lambda: now[0])
+        w.set_base("step")
+        w.enter("save")
+        assert w.written.measured_s is None
+        now[0] += 3.0
+        w.leave()
+        w.enter("save")
+        assert w.written.measured_s == 3.0 and w.written.phase == "save"
+
+
 def test_long_phases_get_their_budgets():
     policy = StallPolicy()
     kw = {"p99_s": 0.1, "samples": 100}
     assert deadline_s(policy, phase="step", steps_done=0, **kw) == policy.first_steps_s
     assert deadline_s(policy, phase="step", steps_done=policy.first_steps, **kw) == 20
-    assert deadline_s(policy, phase="save", steps_done=50, **kw) == 900
+    assert deadline_s(policy, phase="save", steps_done=50, **kw) == 1800
     assert deadline_s(policy, phase="eval", steps_done=50, **kw) == 1800
     assert deadline_s(policy, phase="my-reload", steps_done=50, **kw) == 1800
     assert deadline_s(policy, phase="my-reload", steps_done=50, budget_s=3, **kw) == 20
@@ -96,9 +126,9 @@ def _series(seed: int, step_s: float, n: int, *, first: float, jitter: float, sa
             t *= spikes                     # a GC pause, a slow collective, a noisy neighbour
         out.append(("step", t))
         if save_every and i % save_every == 0:
-            out.append(("save", save_s))
+            out.append(("save", save_s * rng.lognormvariate(0, 0.5)))
         if eval_every and i % eval_every == 0:
-            out.append(("eval", eval_s))
+            out.append(("eval", eval_s * rng.lognormvariate(0, 0.3)))
     return out
 
 
@@ -106,7 +136,7 @@ SERIES = {
     "cpu-tiny-gpt": _series(1, 0.3, 2000, first=45.0, jitter=0.4, save_every=100, save_s=0.3,
                             eval_every=500, eval_s=120.0),
     "gpu-large": _series(2, 2.0, 600, first=600.0, jitter=0.2, save_every=150, save_s=400.0,
-                         eval_every=250, eval_s=1500.0),
+                         eval_every=250, eval_s=900.0),
     "heavy-jitter": _series(3, 0.5, 1500, first=30.0, jitter=1.0, save_every=0, save_s=0,
                             eval_every=0, eval_s=0, spikes=8.0),
     "fast-steps": _series(4, 0.02, 5000, first=90.0, jitter=0.5, save_every=1000, save_s=5.0,
