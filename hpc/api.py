@@ -77,7 +77,10 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
             raise
         raise UsageError(message) from e
     jobdir.write_atomic(job_dir / jobdir.SLURM_JOB_ID, job_id + "\n")
-    record = JobRecord(job_id, str(job_dir), spec.job_name, backend, started)
+    from hpc.index import current_cluster
+
+    record = JobRecord(job_id, str(job_dir), spec.job_name, backend, started,
+                       current_cluster(client))
     record_job(record)
     return Job(record)
 

@@ -153,7 +153,10 @@ def main(args: argparse.Namespace) -> int:
     batch = job_dir / "logs" / f"slurm-{job.job_id}.out"
     follower = Follower(lambda: log_files(job_dir, job.job_id, args.rank), sys.stdout,
                         drop_tee=lambda path: path == batch)
-    if not args.follow:
+    if args.follow and not job.job_id:   # hpc run: no Slurm state to follow
+        print("hpc logs: -f follows Slurm jobs; this is a job of hpc run (its own terminal shows "
+              "it live): printing its output so far", file=sys.stderr)
+    if not args.follow or not job.job_id:
         if not follower.step(final=True):
             print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
         return 0

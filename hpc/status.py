@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 
 from hpc import sweeps
 from hpc.contract import jobdir, values
+from hpc.contract.errors import UsageError
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
-from hpc.index import JobRecord, read_index, resolve
+from hpc.index import JobRecord, current_cluster, read_index, resolve
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
@@ -68,10 +69,17 @@ class JobView:
     requeues: int
     job_dir: str = ""
     allocations: tuple[Allocation, ...] = field(default_factory=tuple)
+    cluster: str = ""
 
     @property
     def terminal(self) -> bool:
         return self.state != "UNKNOWN" and parse_job_state(self.state).is_terminal
+
+    @property
+    def label(self) -> str:
+        """The JOB column: the id (``ID@CLUSTER`` for another cluster's job), ``local`` for
+        ``hpc run``."""
+        return (f"{self.job_id}@{self.cluster}" if self.cluster else self.job_id) or "local"
 
 
 def _nodes_text(count: int, names: Sequence[str]) -> str:
@@ -92,22 +100,39 @@ def _with_live_allocation(allocs: list[Allocation], live: QueueEntry) -> list[Al
     return allocs
 
 
+def _view_from_outcomes(job: JobRecord, outcomes: Sequence[jobdir.Outcome], where: str) -> JobView:
+    """A job Slurm cannot tell us about (``hpc run``, or another cluster's): its outcomes."""
+    allocs = tuple(Allocation(index=o.allocation, slurm_state=where, nodes=o.node, elapsed_s=0,
+                              outcome=o.kind, reason=o.reason, step=o.step, detail=o.describe())
+                   for o in outcomes)
+    state = f"{where}: {outcomes[-1].kind}" if outcomes else f"{where}: no outcome yet"
+    return JobView(job_id=job.job_id, name=job.name, state=state, nodes="-", elapsed_s=0,
+                   requeues=max(0, len(outcomes) - 1), job_dir=job.job_dir, allocations=allocs,
+                   cluster=job.cluster if job.job_id and where != "local" else "")
+
+
 def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
                 accounting: Sequence[AccountingRecord],
-                outcomes: Mapping[str, Sequence[jobdir.Outcome]]) -> list[JobView]:
+                outcomes: Mapping[str, Sequence[jobdir.Outcome]], cluster: str = "") -> list[JobView]:
     """Joins the index, squeue, sacct (with duplicates) and outcomes.jsonl into views (pure).
 
     Args:
-        jobs: The jobs to show (id, directory, name).
+        jobs: The jobs to show (id, directory, name, cluster).
         queue: squeue entries by job id (the live state; missing once Slurm forgets the job).
         accounting: sacct records, in sacct's order (allocations and steps).
-        outcomes: outcomes.jsonl records by job id.
+        outcomes: outcomes.jsonl records by :attr:`JobRecord.key`.
+        cluster: The cluster squeue and sacct answered for: another cluster's job with the same
+            id is not this one, and is shown from its outcomes only.
     """
     views = []
     for job in jobs:
+        if not job.job_id or job.elsewhere(cluster):
+            views.append(_view_from_outcomes(job, outcomes.get(job.key, ()),
+                                             "local" if not job.job_id else f"on {job.cluster}"))
+            continue
         runs = [r for r in accounting if r.job_id == job.job_id and r.step is None]
         live = queue.get(job.job_id)
-        by_alloc = {o.allocation: o for o in outcomes.get(job.job_id, ())}
+        by_alloc = {o.allocation: o for o in outcomes.get(job.key, ())}
         allocs = []
         started = [r for r in runs if r.start is not None]
         for i, r in enumerate(started):
@@ -132,6 +157,9 @@ def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
         views.append(JobView(job_id=job.job_id, name=name or job.name, state=state, nodes=nodes,
                              elapsed_s=elapsed, requeues=max(0, len(runs) - 1),
                              job_dir=job.job_dir, allocations=tuple(allocs)))
+    if len({v.job_id for v in views if v.job_id}) < len([v for v in views if v.job_id]):
+        # the same id from several clusters: say which is which
+        views = [replace(v, cluster=v.cluster or cluster) for v in views]
     return views
 
 
@@ -145,7 +173,7 @@ def format_table(views: Sequence[JobView], width: int = 140) -> str:
         table.add_column(col, overflow="fold")
     for v in views:
         history = "\n".join(a.describe() for a in v.allocations) or "-"
-        table.add_row(v.job_id, v.name, v.state, v.nodes, values.format_time(v.elapsed_s),
+        table.add_row(v.label, v.name, v.state, v.nodes, values.format_time(v.elapsed_s),
                       str(v.requeues), history)
     out = io.StringIO()
     Console(file=out, width=width, color_system=None, force_terminal=False).print(table)
@@ -161,26 +189,30 @@ def to_json(views: Sequence[JobView]) -> str:
 
 
 def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
-    """outcomes.jsonl of every job whose directory we know (unreadable ones are skipped)."""
+    """outcomes.jsonl of every job whose directory we know, by :attr:`JobRecord.key`
+    (unreadable ones are skipped)."""
     out: dict[str, list[jobdir.Outcome]] = {}
     for job in jobs:
         if job.job_dir:
             try:
-                out[job.job_id] = jobdir.read_outcomes(Path(job.job_dir))
+                out[job.key] = jobdir.read_outcomes(Path(job.job_dir))
             except (OSError, ValueError, TypeError):
-                out[job.job_id] = []
+                out[job.key] = []
     return out
 
 
-def collect(client: SlurmClient, jobs: Sequence[JobRecord]) -> list[JobView]:
-    """One squeue and one sacct call for all ``jobs``, joined with their outcomes."""
-    ids = [j.job_id for j in jobs]
+def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None = None) -> list[JobView]:
+    """One squeue and one sacct call for all ``jobs`` of this cluster, joined with their
+    outcomes (``hpc run`` jobs and other clusters' jobs cost no Slurm call)."""
+    if cluster is None:
+        cluster = current_cluster(client) if any(j.cluster for j in jobs) else ""
+    ids = [j.job_id for j in jobs if j.job_id and not j.elsewhere(cluster)]
     queue = client.queue(ids)
     try:
         accounting = client.accounting(ids)
     except SlurmError:  # no accounting storage on this cluster: squeue is all we have
         accounting = ()
-    return build_views(jobs, queue, accounting, read_outcomes(jobs))
+    return build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)
 
 
 class Poller:
@@ -215,9 +247,9 @@ class Poller:
 # --------------------------------------------------------------------------- commands
 
 
-def _jobs_from_args(refs: Sequence[str]) -> list[JobRecord]:
+def _jobs_from_args(refs: Sequence[str], cluster: str = "") -> list[JobRecord]:
     if refs:
-        return [resolve(r) for r in refs]
+        return [resolve(r, cluster=cluster) for r in refs]
     return read_index()[-RECENT:]
 
 
@@ -236,23 +268,25 @@ def main(args: argparse.Namespace) -> int:
     A sweep shows as one line of counts per state; named explicitly (``hpc status SWEEP``),
     its tasks follow, one row each.
     """
-    jobs = _jobs_from_args(args.job)
+    client = SlurmClient()
+    refs = [r for r in args.job if not Path(r).expanduser().is_dir()]   # ids need the cluster
+    cluster = current_cluster(client) if refs or not args.job else ""
+    jobs = _jobs_from_args(args.job, cluster)
     if not jobs:
         print("hpc status: no jobs submitted from here yet (the index is in $HPC_HOME, default "
               "~/.hpc); pass job ids: hpc status 1234")
         return 0
-    client = SlurmClient()
     plain, summaries, as_json = [], [], getattr(args, "json", False)
     for job in jobs:
         tasks = sweeps.task_records(job)
         if not tasks:
             plain.append(job)
             continue
-        task_views = collect(client, tasks)
+        task_views = collect(client, tasks, cluster)
         summaries.append(summarize_sweep(job, task_views))
         if args.job or as_json:
             plain.extend(tasks)
-    views = collect(client, plain) if plain else []
+    views = collect(client, plain, cluster) if plain else []
     if as_json:
         print(to_json(views), end="")
         return 0
@@ -263,7 +297,15 @@ def main(args: argparse.Namespace) -> int:
 def cancel(args: argparse.Namespace) -> int:
     """``hpc cancel JOB...``: cancels each job through the Slurm client."""
     client = SlurmClient()
-    for job in (resolve(r) for r in args.job):
+    cluster = current_cluster(client)
+    for job in (resolve(r, cluster=cluster) for r in args.job):
+        if not job.job_id:
+            raise UsageError(f"{job.job_dir} is a job of hpc run, not a Slurm job: stop it with "
+                             "Ctrl-C (or SIGTERM to its hpc run process)")
+        if job.elsewhere(cluster):
+            raise UsageError(f"job {job.job_id} ({job.job_dir}) was submitted to cluster "
+                             f"{job.cluster}, and this is cluster {cluster}: job {job.job_id} "
+                             "here is another job. Cancel it from that cluster")
         client.cancel(job.job_id)
         print(f"Cancelled job {job.job_id}" + (f" ({job.job_dir})" if job.job_dir else ""))
     return 0

@@ -189,7 +189,10 @@ def submit(p: SweepPlan, client: SlurmClient) -> JobRecord:
     jobdir.write_atomic(root / jobdir.SLURM_JOB_ID, job_id + "\n")
     for i, t in enumerate(p.tasks):
         jobdir.write_atomic(Path(t.job_dir) / jobdir.SLURM_JOB_ID, f"{job_id}_{i}\n")
-    record = JobRecord(job_id, str(root), p.spec.job_name, "sbatch-array", started)
+    from hpc.index import current_cluster
+
+    record = JobRecord(job_id, str(root), p.spec.job_name, "sbatch-array", started,
+                       current_cluster(client))
     record_job(record)
     return record
 
@@ -205,4 +208,4 @@ def task_records(record: JobRecord) -> list[JobRecord]:
     if not info:
         return []
     return [JobRecord(f"{record.job_id}_{t['index']}", t["job_dir"], f"{record.name}[{t['index']}]",
-                      record.backend, record.submitted) for t in info["tasks"]]
+                      record.backend, record.submitted, record.cluster) for t in info["tasks"]]

@@ -276,6 +276,14 @@ class SlurmClient:
                 argv, proc.returncode, proc.stderr)
         return parse_show_job(proc.stdout)
 
+    def cluster_name(self) -> str:
+        """The cluster's ``ClusterName`` (``scontrol show config``); job ids are unique only
+        within one cluster (a fresh cluster starts again at 1)."""
+        from hpc.contract.slurm_parse import parse_cluster_name
+
+        return parse_cluster_name(self._run(["scontrol", "show", "config"],
+                                            "scontrol show config failed").stdout)
+
     def partitions(self) -> tuple[PartitionInfo, ...]:
         """All partitions (``scontrol show partition -o``)."""
         return parse_show_partitions(self._run(["scontrol", "show", "partition", "-o"],

@@ -78,6 +78,12 @@ _STATE_TABLE: Mapping[str, JobState] = {
 }
 
 
+def parse_cluster_name(text: str) -> str:
+    """``ClusterName`` from ``scontrol show config`` (``""`` when absent)."""
+    m = re.search(r"^ClusterName\s*=\s*(\S+)\s*$", text, re.MULTILINE)
+    return m.group(1) if m else ""
+
+
 def parse_job_state(text: str) -> JobState:
     """Map a Slurm state string to a :class:`JobState`.
 

@@ -105,6 +105,14 @@ def test_sbatch_options_and_common_flags_reach_slurm(env, tmp_path: Path) -> Non
         assert fields["NumNodes"].startswith("1-2"), fields["NumNodes"]
         assert fields["Nice"] == "5" and fields["OverSubscribe"] == "NO"
         assert fields["MailType"] == "END,FAIL" and fields["Priority"] == "0"   # held
+        # The index names the job's cluster, as scontrol says it (the parser on live output).
+        from hpc.contract.slurm_parse import parse_cluster_name
+        config = subprocess.run(["scontrol", "show", "config"], env=env, capture_output=True,
+                                text=True).stdout
+        record = json.loads((Path(env["HPC_HOME"]) / "jobs.jsonl").read_text().splitlines()[-1])
+        assert record["job_id"] == job_id and record["cluster"] == parse_cluster_name(config) != ""
+        st = hpc(env, "status", job_id)
+        assert st.returncode == 0 and job_id in st.stdout and "PENDING" in st.stdout, st.stdout
     finally:
         subprocess.run(["scancel", job_id], env=env, capture_output=True)
     r = hpc(env, "submit", str(script), "--sbatch", "part=debug", "--job-dir", str(tmp_path / "x"))
