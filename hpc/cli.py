@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hpc.report.command import add_parser as add_report   # torch- and matplotlib-free
     add_report(sub)
+    from hpc.sync import add_parser as add_sync   # wandb-free: the upload runs in wandb's process
+    add_sync(sub)
 
     dr = sub.add_parser("doctor", help="check this node (or an allocation): network, GPUs, versions")
     dr.add_argument("--json", action="store_true", help="machine-readable output")
@@ -194,6 +196,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return status.cancel(args)
     if args.command == "doctor":
         return _doctor(args)
+    if args.command == "sync":
+        from hpc.sync import main as sync
+        return sync(args)
     if args.command == "report":
         from hpc.report.command import main as report
         return report(args)

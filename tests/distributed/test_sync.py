@@ -1,0 +1,208 @@
+"""`hpc sync`: which offline folders, in which order, exactly once; wandb's real sync on failure.
+
+No W&B server runs here (no internet, and no local server within reach of this test), so the
+upload itself is checked in two halves: the orchestration (folders of the job's run, oldest
+first, the marker that makes a second sync a no-op, resuming after a failed folder) with a
+recording runner, and wandb's real `wandb sync` subprocess against a local HTTP endpoint that
+answers every request with 503, which must end in a clear error with nothing marked synced.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from hpc.contract.errors import HpcError
+from tests.conftest import REPO
+from tests.wandb_offline import offline_env
+
+pytestmark = pytest.mark.distributed
+
+MAKE_SEGMENTS = """
+import sys, wandb
+job, run_id = sys.argv[1], sys.argv[2]
+for seg, steps in enumerate([(1, 4), (3, 7), (6, 9)]):
+    run = wandb.init(id=run_id, resume="allow", dir=job, project="sync-test")
+    for s in range(steps[0], steps[1] + 1):
+        run.log({"loss": 1.0 / s, "segment": seg}, step=s)
+    run.finish()
+other = wandb.init(id="otherrun", dir=job, project="sync-test")   # not the job's run
+other.finish()
+"""
+
+
+@pytest.fixture(scope="module")
+def wandb_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job directory with three offline segments of its run, made by real wandb."""
+    root = tmp_path_factory.mktemp("sync")
+    job = root / "job's dir"
+    job.mkdir()
+    (job / "jobspec.json").write_text("{}")
+    (job / "wandb_run_id").write_text("syncrun1\n")
+    env = dict(os.environ) | offline_env(root / "env")
+    r = subprocess.run([sys.executable, "-c", MAKE_SEGMENTS, str(job), "syncrun1"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return job
+
+
+@pytest.fixture
+def job(wandb_job: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "job"
+    shutil.copytree(wandb_job, copy)
+    return copy
+
+
+def key_env(tmp_path: Path, url: str) -> dict[str, str]:
+    return {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": url, "HOME": str(tmp_path)}
+
+
+class Recorder:
+    def __init__(self, fail_on: int = 0) -> None:
+        self.calls: list[list[str]] = []
+        self.fail_on = fail_on
+
+    def __call__(self, cmd: list[str], timeout_s: float) -> None:
+        self.calls.append(cmd)
+        if self.fail_on and len(self.calls) == self.fail_on:
+            raise HpcError("wandb sync failed (exit 1): injected")
+
+
+@pytest.fixture
+def listening() -> str:
+    """A local port that accepts connections (the reachability check passes)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+def test_plan_takes_the_jobs_run_oldest_first(job: Path) -> None:
+    from hpc import sync
+
+    p = sync.plan(job, settle_s=0)
+    names = [f.name for f in p.folders]
+    assert len(names) == 3 and all(n.startswith("offline-run-") and "syncrun1" in n for n in names)
+    assert names == sorted(names, key=lambda n: (n.split("-")[2], int(n.split("-")[-1]) if n.count("-") > 3 else 0))
+    assert p.pending == p.folders and not p.done
+    assert sync.plan(job, settle_s=3600).pending == ()      # just written: still settling
+
+
+def test_sync_uploads_in_order_once_and_a_second_sync_sends_nothing(job: Path, tmp_path: Path,
+                                                                     listening: str) -> None:
+    from hpc import sync
+
+    rec, lines = Recorder(), []
+    n = sync.sync(job, runner=rec, settle_s=0, env=key_env(tmp_path, listening), out=lines.append)
+    folders = [f.name for f in sync.plan(job, settle_s=0).folders]
+    assert n == 3 and [Path(c[-1]).name for c in rec.calls] == folders
+    assert all(c[:4] == [sys.executable, "-m", "wandb", "sync"] and c[c.index("--id") + 1] == "syncrun1"
+               for c in rec.calls)
+    assert json.loads((job / "wandb_synced.json").read_text()) == {"run_id": "syncrun1",
+                                                                   "folders": sorted(folders)}
+    again = Recorder()
+    assert sync.sync(job, runner=again, settle_s=0, env=key_env(tmp_path, listening),
+                     out=lines.append) == 0
+    assert again.calls == [] and "nothing to upload" in lines[-1]
+
+
+def test_a_failed_folder_keeps_the_ones_before_and_the_next_sync_goes_on(job: Path, tmp_path: Path,
+                                                                         listening: str) -> None:
+    from hpc import sync
+
+    folders = [f.name for f in sync.plan(job, settle_s=0).folders]
+    with pytest.raises(HpcError, match="did not upload after 1 attempt.*1 folder\\(s\\) before it"):
+        sync.sync(job, runner=Recorder(fail_on=2), attempts=1, settle_s=0,
+                  env=key_env(tmp_path, listening), out=lambda s: None)
+    assert sync.read_synced(job, "syncrun1") == {folders[0]}
+    rec = Recorder()
+    assert sync.sync(job, runner=rec, settle_s=0, env=key_env(tmp_path, listening), out=lambda s: None) == 2
+    assert [Path(c[-1]).name for c in rec.calls] == folders[1:]
+
+
+def test_retries_a_transient_failure(job: Path, tmp_path: Path, listening: str) -> None:
+    from hpc import sync
+
+    rec = Recorder(fail_on=1)
+    assert sync.sync(job, runner=rec, attempts=2, settle_s=0, env=key_env(tmp_path, listening),
+                     out=lambda s: None) == 3
+    assert len(rec.calls) == 4 and rec.calls[0] == rec.calls[1]
+
+
+def test_no_api_key_is_a_clear_error_before_anything_runs(job: Path, tmp_path: Path) -> None:
+    from hpc import sync
+
+    rec = Recorder()
+    with pytest.raises(HpcError, match="no W&B API key for https://api.wandb.ai: run `wandb login`"):
+        sync.sync(job, runner=rec, settle_s=0, env={"HOME": str(tmp_path)}, out=lambda s: None)
+    assert rec.calls == []
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password " + "p" * 40 + "\n")
+    sync.check_credentials({"HOME": str(tmp_path)})       # `wandb login` puts it there
+
+
+def test_no_network_is_a_clear_error(job: Path, tmp_path: Path) -> None:
+    from hpc import sync
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    with pytest.raises(HpcError, match="cannot reach the W&B server .* nothing was uploaded"):
+        sync.sync(job, runner=Recorder(), settle_s=0, env=key_env(tmp_path, closed), out=lambda s: None)
+    assert not (job / "wandb_synced.json").exists()
+
+
+class Unavailable(http.server.BaseHTTPRequestHandler):
+    def _answer(self) -> None:
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = do_PUT = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(180)
+def test_real_wandb_sync_against_a_failing_server_ends_in_a_clear_error(job: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb's own `wandb sync` runs for real; the server answers 503 to everything."""
+    from hpc import sync
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for key, value in (offline_env(tmp_path / "env") | key_env(tmp_path, url)).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("WANDB_MODE")
+        with pytest.raises(HpcError) as e:
+            sync.sync(job, attempts=2, timeout_s=15, settle_s=0, out=lambda s: None)
+    finally:
+        server.shutdown()
+    said = str(e.value)
+    assert "option" not in said, said                  # wandb ran the sync, not a usage error
+    assert "did not upload after 2 attempt(s)" in said and "0 folder(s) before it" in said, said
+    assert "wandb sync did not finish in 15 s" in said or "wandb sync failed" in said, said
+    assert not (job / "wandb_synced.json").exists()
+
+
+def test_cli_names_the_job_and_the_error(job: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "hpc", "sync", str(job)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    # The segments were written seconds ago: settling, nothing to upload yet, or no key.
+    assert r.returncode in (0, 1), r.stderr
+    assert "hpc sync" in r.stdout + r.stderr
