@@ -26,11 +26,11 @@ _SLURM_ONLY = {"partition", "account", "qos", "constraint", "exclude", "mem", "c
                "gpus_per_node", "time_limit_s", "signal", "signal_lead_s", "requeue",
                "max_requeues", "python", "gpu_type", "exclusive", "reservation", "nodelist",
                "mail_type", "mail_user", "sbatch", "setup", "container_image", "container_mounts",
-               "container_runtime"}
+               "container_runtime", "after"}
 
 
 # Repeatable options whose command-line values are added to the profile's instead of replacing them.
-ADDITIVE = frozenset({"sbatch", "setup", "container_mounts"})
+ADDITIVE = frozenset({"sbatch", "setup", "container_mounts", "after"})
 
 
 def _add_job_options(p: argparse.ArgumentParser, *, slurm: bool) -> None:

@@ -84,6 +84,8 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
             params[name] = getattr(spec, name)
     if spec.exclusive:
         params["exclusive"] = True
+    if spec.after:
+        params["dependency"] = ",".join(spec.after)
     if spec.reservation:
         extra["reservation"] = spec.reservation
     # --sbatch: written as #SBATCH --KEY=VALUE (submitit shell-quotes the value), or --KEY.

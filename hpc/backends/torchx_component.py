@@ -59,11 +59,12 @@ def check_carried(spec: JobSpec) -> None:
         ("--gpu-type", bool(spec.gpu_type)), ("--exclusive", spec.exclusive),
         ("--reservation", bool(spec.reservation)), ("--nodelist", bool(spec.nodelist)),
         *((f"--sbatch {k}", True) for k, _ in spec.sbatch),
-        ("--container-image", bool(spec.container_image))) if bad]
+        ("--container-image", bool(spec.container_image)), ("--after", bool(spec.after))) if bad]
     if lost:
         raise SpecError("--backend torchx", ", ".join(lost),
                         "options TorchX's Slurm scheduler can carry (it has no account, qos, "
-                        "exclude, memory, typed-GPU, exclusive, reservation or nodelist option "
+                        "exclude, memory, typed-GPU, exclusive, reservation, nodelist or "
+                        "dependency option "
                         "and no way to pass other sbatch options, always requeues, runs "
                         "fixed-size heterogeneous jobs and runs no containers)",
                         "hpc submit --backend sbatch ...",

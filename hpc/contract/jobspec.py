@@ -207,6 +207,15 @@ def _lines_check(check_one: Callable[[Any, str], None]) -> Callable[[Any, str], 
     return check
 
 
+def _after(v: Any, flag: str) -> tuple[str, ...]:
+    """``--after JOB[:STATE]`` (repeated), or in hpc.toml a string or a list of them."""
+    if isinstance(v, (str, int)) and not isinstance(v, bool):
+        v = [v]
+    if not isinstance(v, (list, tuple)):
+        raise SpecError(flag, v, "JOB[:STATE] strings", f"{flag} 1234:ok")
+    return tuple(dict.fromkeys(values.parse_after(x, flag) for x in v))
+
+
 def _bool_opt(help: str, example: str) -> Any:
     return _opt(False, help, values.parse_bool, check=values.check_bool, example=example, flag=True)
 
@@ -318,6 +327,13 @@ class JobSpec:
         (), "Any other sbatch option, KEY=VALUE or KEY (repeatable; written as #SBATCH --KEY=VALUE). "
         "Options hpc sets itself are refused with the flag to use instead.", _sbatch,
         check=_sbatch_check, example="--sbatch gres-flags=enforce-binding", metavar="KEY=VALUE",
+        repeat=True)
+    after: tuple[str, ...] = _opt(
+        (), "Start only after job JOB: JOB or JOB:STATE with STATE ok (default: it completed "
+        "successfully), any (it ended), notok (it failed) or start (it started); repeatable, "
+        "all must hold (sbatch --dependency).",
+        _after,
+        check=_lines_check(values.check_after), example="--after 1234:ok", metavar="JOB[:STATE]",
         repeat=True)
     setup: tuple[str, ...] = _opt(
         (), "A shell command run on every node before the launcher starts (repeatable, in "
@@ -514,7 +530,7 @@ class JobSpec:
         if unknown:
             raise refuse(f"unknown keys {', '.join(unknown)}")
         try:
-            for key in ("nodes", "script_args", "setup", "container_mounts"):
+            for key in ("nodes", "script_args", "setup", "container_mounts", "after"):
                 if key in data:
                     data[key] = tuple(data[key])
             for key in ("env", "sbatch"):

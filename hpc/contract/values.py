@@ -344,13 +344,14 @@ OWNED_SBATCH: dict[str, str] = {
     "ntasks-per-node": "--nproc-per-node (hpc runs one task per node and starts the workers itself)",
     "wrap": "hpc submit SCRIPT", "parsable": "nothing: hpc sets it",
     "clusters": "a profile per cluster (hpc submits to the default cluster)",
-    "container": "--container-image",
+    "container": "--container-image", "dependency": "--after JOB[:STATE]",
 }
 # sbatch's one-letter options that stand for the options above.
 OWNED_SHORT: dict[str, str] = {
     "N": "nodes", "t": "time", "p": "partition", "A": "account", "q": "qos", "J": "job-name",
     "o": "output", "e": "error", "a": "array", "k": "no-kill", "c": "cpus-per-task", "G": "gpus",
     "n": "ntasks", "C": "constraint", "x": "exclude", "w": "nodelist", "M": "clusters",
+    "d": "dependency",
 }
 _SBATCH_KEY = re.compile(r"[a-z][a-z0-9-]*[a-z0-9]")
 # shlex.quote's safe set (submitit writes values through it: a value made of these reaches
@@ -446,6 +447,31 @@ def parse_bool(text: object, flag: str) -> bool:
 def check_bool(value: object, flag: str) -> None:
     if not isinstance(value, bool):
         raise SpecError(flag, value, "true or false", f"{flag}")
+
+
+AFTER_STATES = {"ok": "afterok", "any": "afterany", "notok": "afternotok", "failed": "afternotok",
+                "start": "after", "started": "after"}
+_AFTER = re.compile(r"([0-9]{1,12}(?:_[0-9]{1,9})?)(?::([a-z]+))?")
+_AFTER_VALID = ("JOB or JOB:STATE, JOB a Slurm job id (or ARRAY_TASK), STATE one of "
+                + ", ".join(AFTER_STATES) + " (default ok: start after JOB completed successfully)")
+
+
+def parse_after(text: object, flag: str = "--after") -> str:
+    """``--after JOB[:STATE]`` -> Slurm's dependency ``TYPE:JOB`` (``1234:any`` -> ``afterany:1234``)."""
+    m = _AFTER.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+    if isinstance(text, int) and not isinstance(text, bool):
+        m = _AFTER.fullmatch(str(text))
+    if not m or (m.group(2) or "ok") not in AFTER_STATES:
+        raise SpecError(flag, text, _AFTER_VALID, f"{flag} 1234:ok")
+    return f"{AFTER_STATES[m.group(2) or 'ok']}:{m.group(1)}"
+
+
+def check_after(value: object, flag: str = "--after") -> None:
+    """Checks a dependency as :func:`parse_after` writes it (``afterok:1234``)."""
+    types = set(AFTER_STATES.values())
+    kind, _, job = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind not in types or not re.fullmatch(r"[0-9]{1,12}(?:_[0-9]{1,9})?", job):
+        raise SpecError(flag, value, _AFTER_VALID, f"{flag} 1234:ok")
 
 
 MAX_SETUP_LINE = 4096

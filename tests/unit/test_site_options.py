@@ -458,3 +458,32 @@ def test_launcher_request_is_what_the_batch_shell_reads(tmp_path: Path) -> None:
     assert path == tmp_path / f"{jobdir.REQUEUE_REQUEST_PREFIX}3"
     assert path.read_text() == "preempted: requeue 4 of at most 20\n"
     assert jobdir.REQUEUE_REQUEST_PREFIX + "${ALLOCATION}" in render_sbatch(spec(container_image="i"))
+
+
+# --- --after -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw,want", [("1234", "afterok:1234"), ("1234:ok", "afterok:1234"),
+                                      ("1234:any", "afterany:1234"), ("1234:NotOK", "afternotok:1234"),
+                                      ("1234:failed", "afternotok:1234"), ("12_3:start", "after:12_3"),
+                                      (1234, "afterok:1234")])
+def test_after_forms(raw, want) -> None:
+    assert values.parse_after(raw) == want
+
+
+@pytest.mark.parametrize("raw", ["", "x", "12:later", "12:ok:any", "-12", "12 ok", "12,13", True])
+def test_bad_after_is_refused(raw) -> None:
+    with pytest.raises(SpecError):
+        values.parse_after(raw)
+
+
+def test_after_in_each_backend(script, capsys) -> None:
+    code, out, _ = render_cli(capsys, script, "--after", "12", "--after", "13:any")
+    assert code == 0 and "--dependency=afterok:12,afterany:13" in sbatch_args(out)
+    s = spec(after=("afterok:12",))
+    assert "--dependency=afterok:12" in sbatch_args(submitit_backend.plan(s).describe())
+    with pytest.raises(SpecError, match="--after"):
+        torchx_component.plan(s)
+    with pytest.raises(SpecError):
+        spec(after=("afterok:x",))
+    assert JobSpec.from_json(s.to_json()) == s
