@@ -154,7 +154,7 @@ class _Timeline:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class _Incarnation:
     """One worker group (allocation, restart) as rank 0 saw it."""
 
@@ -236,18 +236,10 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
         by_alloc.setdefault(int(e.get("alloc", 0)), []).append(e)
     outcome_of = {int(o["allocation"]): o for o in outcomes}
 
-    incs: list[_Incarnation] = []
-    index: dict[tuple[int, int], _Incarnation] = {}
-    for e in evs:
-        if e.get("rank") != 0:
-            continue
-        key = (int(e.get("alloc", 0)), int(e.get("restart", 0)))
-        if key not in index:
-            index[key] = _Incarnation(*key)
-            incs.append(index[key])
-        index[key].events.append(e)
+    incs = [_Incarnation(int(key[0] or 0), int(key[1] or 0), group)
+            for key, group in young_daly.worker_groups(evs)]
     # Lost steps: what an incarnation computed beyond the step the next one resumed at.
-    lost_by_inc: dict[tuple[int, int], int] = {}
+    lost_by_inc: dict[int, int] = {}     # id(incarnation) -> steps
     for i, inc in enumerate(incs):
         nxt = next((n for n in incs[i + 1:] if n.resume_step is not None), None)
         last = inc.last_step
@@ -256,7 +248,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
                 inc is [n for n in incs if n.alloc == inc.alloc][-1]:
             last = max(last or 0, int(o["last_step"]))   # progress.json may be ahead of the events
         if nxt is not None and last is not None:
-            lost_by_inc[(inc.alloc, inc.restart)] = max(0, last - nxt.resume_step)
+            lost_by_inc[id(inc)] = max(0, last - nxt.resume_step)
 
     allocations = []
     for alloc, aevs in sorted(by_alloc.items()):
@@ -285,7 +277,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
 
 
 def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnation],
-                all_incs: list[_Incarnation], lost_by_inc: Mapping[tuple[int, int], int],
+                all_incs: list[_Incarnation], lost_by_inc: Mapping[int, int],
                 outcome: Mapping[str, Any] | None, slurm: Mapping[str, Any] | None
                 ) -> AllocationLedger:
     starts = [e for e in aevs if e["ev"] == "alloc_start"]
@@ -324,8 +316,8 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         layers["startup"] += [(inc.start, t(ss)), (t(rdv), t(rb)), (t(re_), t(ls))]
         layers["rendezvous"].append((t(ss), t(rdv)))
         layers["restore"].append((t(rb), t(re_)))
-        if inc.restart > 0 or k > 0:
-            markers.append(Marker(inc.start, "restart", f"workers restart {inc.restart}"))
+        if k > 0:
+            markers.append(Marker(inc.start, "restart", f"workers start again ({k})"))
         windows = inc.all("steps")
         work_end = inc.work_end
         if ls is not None and windows:
@@ -357,7 +349,7 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         else:
             layers["teardown"].append((work_end or t(end), t(end)))
             layers["rendezvous" if nxt else "teardown"].append((t(end), nxt.start if nxt else t_end))
-        lost = lost_by_inc.get((inc.alloc, inc.restart), 0)
+        lost = lost_by_inc.get(id(inc), 0)
         if lost:
             nxt_any = next((n for n in all_incs[all_incs.index(inc) + 1:] if n.resume_step is not None))
             layers["lost"] += _lost_tail(inc, nxt_any.resume_step or 0)
@@ -408,6 +400,6 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         node_s=sum(e - t_start for e in node_ends.values()), categories=cats, kind=kind,
         queue_s=queue, start_step=restores[0] if restores else None,
         last_step=max(lasts) if lasts else None,
-        lost_steps=sum(v for (a, _), v in lost_by_inc.items() if a == alloc),
-        restarts=max((i.restart for i in incs), default=0), spans=tl.spans(),
+        lost_steps=sum(lost_by_inc.get(id(i), 0) for i in incs),
+        restarts=max(0, len(incs) - 1), spans=tl.spans(),
         node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve))

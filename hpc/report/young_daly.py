@@ -90,39 +90,55 @@ class History:
         return statistics.median(self.save_s) if self.save_s else None
 
 
+def worker_groups(events: Iterable[Mapping[str, Any]]) -> list[tuple[tuple[Any, Any], list[Mapping[str, Any]]]]:
+    """Rank 0's events split by worker group, in time order: ``((allocation, restart), events)``.
+
+    A group starts at each ``session_start``. The restart count alone does not tell groups
+    apart: after a peer node is lost, the agents of the survivors may re-form without counting
+    a restart, so two groups of one allocation can share ``(allocation, restart)``.
+    """
+    groups: list[tuple[tuple[Any, Any], list[Mapping[str, Any]]]] = []
+    open_group: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e.get("rank") != 0:
+            continue
+        key = (e.get("alloc"), e.get("restart"))
+        if e.get("ev") == "session_start" or key not in open_group:
+            open_group[key] = []
+            groups.append((key, open_group[key]))
+        open_group[key].append(e)
+    return groups
+
+
 def history(events: Iterable[Mapping[str, Any]], current: tuple[Any, Any] | None = None) -> History:
     """Run time, interruptions and save costs from an event stream (pure).
 
     Run time: from each worker group's start to its last event. Interruptions: a crash, a
     hang, an agreed stop other than a time limit, and a worker group that vanished without an
-    end (killed, its node lost). ``current`` (allocation, restart) is the group asking, alive.
+    end (killed, its node lost). ``current`` (allocation, restart) is the group asking, alive:
+    the last group with that key is not counted as vanished.
     """
-    incarnations: dict[tuple[Any, Any], list[float]] = {}
-    ends: set[tuple[Any, Any]] = set()
-    interruptions = 0
-    block, total = [], []
-    for e in events:
-        ev = e.get("ev")
-        if ev == "hang":
-            interruptions += 1
-            continue
-        if e.get("rank") != 0:
-            continue
-        key = (e.get("alloc"), e.get("restart"))
-        span = incarnations.setdefault(key, [e["t"], e["t"]])
-        span[0], span[1] = min(span[0], e["t"]), max(span[1], e["t"])
-        if ev == "crash":
-            interruptions += 1
-            ends.add(key)
-        elif ev == "stop_begin":
-            ends.add(key)
-            interruptions += e.get("kind") != "time_limit"
-        elif ev in ("session_end", "stop_end"):
-            ends.add(key)
-        elif ev == "ckpt_save" and e.get("block_s") is not None:
-            block.append(float(e["block_s"]))
-        elif ev == "ckpt_commit" and e.get("save_s") is not None:
-            total.append(float(e["save_s"]))
-    interruptions += sum(1 for key in incarnations if key not in ends and key != current)
-    observed = sum(b - a for a, b in incarnations.values())
+    events = list(events)
+    interruptions = sum(1 for e in events if e.get("ev") == "hang")
+    groups = worker_groups(events)
+    last_current = max((i for i, (key, _) in enumerate(groups) if key == current), default=None)
+    block, total, observed = [], [], 0.0
+    for i, (key, evs) in enumerate(groups):
+        observed += evs[-1]["t"] - evs[0]["t"]
+        ended = False
+        for e in evs:
+            ev = e.get("ev")
+            if ev == "crash":
+                interruptions += 1
+                ended = True
+            elif ev == "stop_begin":
+                ended = True
+                interruptions += e.get("kind") != "time_limit"
+            elif ev in ("session_end", "stop_end"):
+                ended = True
+            elif ev == "ckpt_save" and e.get("block_s") is not None:
+                block.append(float(e["block_s"]))
+            elif ev == "ckpt_commit" and e.get("save_s") is not None:
+                total.append(float(e["save_s"]))
+        interruptions += not ended and i != last_current
     return History(observed, interruptions, tuple(block), tuple(total))

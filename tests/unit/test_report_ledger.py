@@ -216,3 +216,30 @@ def test_a_dead_node_is_lost_from_the_failure_until_slurm_dropped_it():
     only_n1 = build([e for e in evs if e.get("node") != "n2"]).allocations[0].categories["lost"]
     assert only_n1 == pytest.approx(60 - 55)
     assert a.categories["lost"] == pytest.approx(2 * only_n1 + 20)
+
+
+def test_recorded_cluster_stream_preemption_then_node_crash():
+    """Recorded on the test cluster (tests/slurm/test_report_on_cluster.py): preempted at step 10,
+    requeued, node3 killed at step 15; node1's agent re-formed *without* counting a restart, so
+    both worker groups of allocation 1 have restart 0: groups are told apart by session_start."""
+    from hpc.contract.slurm_parse import parse_sacct
+    from hpc.report.load import runs_from_accounting
+
+    d = FIXTURE.parent / "preempt_node_crash"
+    outcomes = [json.loads(x) for x in (d / "outcomes.jsonl").read_text().splitlines()]
+    runs = runs_from_accounting(parse_sacct((d / "sacct.txt").read_text()), "64")
+    led = build(read_events(d), outcomes=outcomes, slurm_runs=runs)
+    a0, a1 = led.allocations
+    assert (a0.kind, a1.kind) == ("preempted", "finished")
+    assert a0.last_step == 10 == a1.start_step and a0.lost_steps == 0
+    assert a1.restarts == 1 and a1.lost_steps == 1 == led.lost_steps      # 15 done, resumed at 14
+    assert a0.categories["preemption"] > 0 and a1.categories["rendezvous"] > 0
+    assert set(a1.nodes) == {"node1", "node2", "node3"} and "node3" in a1.node_dead
+    assert a1.node_ends["node3"] == runs[1]["node_ends"]["node3"] < a1.end
+    assert (a0.queue_s, a1.queue_s) == (0.0, 6.0)
+    for a, e in zip(led.allocations, (18, 38)):   # sacct: 18 s; 30 s + 8 s (the resize)
+        assert sum(a.categories.values()) == pytest.approx(a.node_s, rel=1e-9)
+        assert abs(a.wall_s - e) <= 2.0
+        assert a.categories["unaccounted"] < 0.01 * a.node_s
+    assert led.interruptions == 2
+    assert [m.kind for m in a1.markers].count("restart") == 1
