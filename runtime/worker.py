@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from hpc.contract import environment as job_env
 from hpc.contract.environment import PENDING_WARNING, JobEnvironment
 from runtime.stopping import exit_if_stopping
+from runtime.wandb_env import finish_run_on_sigterm
 
 PR_SET_PDEATHSIG = 1
 
@@ -86,6 +87,7 @@ def main(argv: list[str]) -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     exit_if_stopping(job, os.environ.get("RANK"))   # never start again in a stopping allocation
     os.environ.update(script_contract(job, os.environ))
+    finish_run_on_sigterm()   # a script without a SIGTERM handler keeps its offline W&B data
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))

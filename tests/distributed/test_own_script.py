@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.wandb_offline import offline_env, read_run
+from tests.wandb_offline import offline_env, read_files, read_run, run_files
 
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "plain_snapshot.py"
@@ -67,7 +67,7 @@ def launcher_pid(job: Path) -> int:
 def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_path: Path):
     """The bug of issue 15: warning swallowed, SIGTERM kills the workers, the agent restarts."""
     job, env = tmp_path / "job", env_for(tmp_path)
-    p = hpc_run(job, env, "--steps", "100000", "--step-sleep", "0.05",
+    p = hpc_run(job, env, "--steps", "100000", "--step-sleep", "0.05", "--wandb",
                 extra=("--max-restarts", "3"))
     try:
         wait_for(lambda: (job / "snapshot.pt").exists(), 120, "the script's first snapshot")
@@ -96,7 +96,7 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     assert stopped_in < 5, f"the stop took {stopped_in:.1f} s: Slurm's KillWait may be shorter"
 
     # The next allocation: told it is a resume, and the script resumes from its own snapshot.
-    again = hpc_run(job, env, "--steps", "3")
+    again = hpc_run(job, env, "--steps", "3", "--wandb")
     out, _ = again.communicate(timeout=180)
     assert again.returncode == 0, out
     assert "Resuming training from snapshot at step" in out, out
@@ -108,6 +108,12 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     first = json.loads((job / "started-0-0-0").read_text())
     assert first["HPC_RESUMED"] == "0" and first["HPC_REQUEUE_COUNT"] == "0"
     assert [o["kind"] for o in outcomes(job)] == ["time_limit", "finished"]
+    # The SIGTERM'd allocation's offline W&B data was kept (the worker finished the run first).
+    run_id = (job / "wandb_run_id").read_text().strip()
+    files = run_files(job / "wandb", run_id)
+    first_segment = read_files(files[:1])
+    assert len(files) == 2 and first_segment.run_ids == {run_id}
+    assert len(first_segment.steps) >= 2, first_segment.steps
 
 
 @pytest.mark.timeout(300)
