@@ -24,7 +24,7 @@ from hpc.index import JobRecord, resolve
 from hpc.status import Poller
 
 _ALLOC = re.compile(r"alloc-(\d+)$")
-_RESTART = re.compile(r"restart-(\d+)$")
+_RESTART = re.compile(r"(?:epoch-(\d+)-)?restart-(\d+)$")
 # Final for sure. PREEMPTED and NODE_FAIL may be followed by a requeue under the same id, so
 # they count as final only after they stayed so for several polls.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -36,8 +36,8 @@ TEE_PREFIX = "[rank"
 
 
 def rank_logs(job_dir: Path, rank: int = 0) -> list[Path]:
-    """The rank's log files in life order: by allocation, then by restart (numerically)."""
-    out: list[tuple[int, int, Path]] = []
+    """The rank's log files in life order: by allocation, rendezvous epoch, then restart."""
+    out: list[tuple[int, int, int, Path]] = []
     logs = Path(job_dir) / "logs"
     if not logs.is_dir():
         return []
@@ -49,8 +49,8 @@ def rank_logs(job_dir: Path, rank: int = 0) -> list[Path]:
             r = _RESTART.match(restart.name)
             path = restart / f"rank-{rank}.log"
             if r and path.is_file():
-                out.append((int(a.group(1)), int(r.group(1)), path))
-    return [p for _, _, p in sorted(out)]
+                out.append((int(a.group(1)), int(r.group(1) or 0), int(r.group(2)), path))
+    return [p for *_, p in sorted(out)]
 
 
 def log_files(job_dir: Path, job_id: str, rank: int = 0) -> list[Path]:

@@ -18,11 +18,13 @@ Planning (what to set, what to run) is pure (:func:`plan_launch`); :func:`run` e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -32,16 +34,18 @@ from typing import Any
 
 from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
+from hpc.contract import resubmissions
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv
 from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.cpus import job_cpus, omp_threads
-from runtime import stopping, wandb_env
-from runtime.requeue import claim, decide_requeue, request_batch_requeue
+from runtime import outcome, stopping, succession, wandb_env
+from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
 
@@ -62,14 +66,6 @@ INHERITED_ONLY = {
     "WANDB_SERVICE": "points at the W&B service of the process that started this job; rank 0 "
                      "starts its own",
 }
-
-# How long a node that lost the rendezvous store waits for node 0's own outcome record.
-NODE0_OUTCOME_WAIT_S = 15.0
-
-# Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
-EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
-              "node_failure": 76, "cancelled": 130, "hang": 1}
-
 
 def env_defaults(current: Mapping[str, str], wanted: Mapping[str, tuple[str, str]]) -> list[EnvChange]:
     """Plans setting ``wanted`` (name -> (value, reason)) without overriding user values."""
@@ -96,6 +92,7 @@ class LaunchPlan:
     worker_env: dict[str, str] = field(default_factory=dict)
     worker_unset: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
+    epoch: int = 0                  # the rendezvous epoch (runtime.succession)
 
     @property
     def log_dir(self) -> Path:
@@ -129,7 +126,8 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
     """
     slurm = SlurmEnv.from_env(env)
     inherited = JobEnvironment.from_env(env).allocation
-    allocation = inherited if inherited is not None else slurm.restart_count
+    allocation = inherited if inherited is not None else slurm.restart_count + \
+        resubmissions.allocation_base(resubmissions.read(job_dir), slurm.job_id)   # a continuation
     wanted = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
             "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
@@ -181,7 +179,7 @@ def _logs_specs(plan: LaunchPlan) -> Any:
             for local_rank, wenv in envs.items():
                 restart = int(wenv.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 rank = int(wenv["RANK"])
-                path = jobdir.rank_log(plan.job_dir, plan.allocation, restart, rank)
+                path = jobdir.rank_log(plan.job_dir, plan.allocation, restart, rank, plan.epoch)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 dest.stdouts[local_rank] = str(path)
                 dest.stderrs[local_rank] = ""
@@ -244,54 +242,47 @@ def _children(ppid: int) -> list[int]:
     return out
 
 
-def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> str:
-    """The allocation's outcome kind from the agent's result and rank 0's exit intent (pure)."""
-    if result == "succeeded":
-        if intent and intent.get("allocation") == allocation and intent.get("kind") in jobdir.OUTCOME_KINDS:
-            return str(intent["kind"])
-        return "finished"
-    return {"failed": "app_error", "signal": "cancelled", "rendezvous": "node_failure"}[result]
-
-
-# What a rank reports when *another* rank died and took its end of a connection with it (gloo,
-# NCCL). Such an error can be recorded before the real one; it is never the cause to report.
-COLLATERAL_ERRORS = (
-    "typically caused by a remote worker crashing",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "remote process exited or there was a network error",
-    "NCCL communicator was aborted",
-)
-
-
-def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
-    """The rank whose failure explains the others, and that failure (pure).
-
-    The earliest failure whose message is not a peer's collateral connection error; when every
-    failure is collateral, the earliest. ``failures`` maps rank to torch's ``ProcessFailure``
-    (``timestamp``, ``message``).
-    """
-    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        rank, failure = item
-        text = str(failure.message)
-        return any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
-
-    return min(failures.items(), key=key)
-
-
 def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
-    """Runs the elastic agent for ``plan``; returns the launcher's exit status."""
+    """Runs the elastic agent for ``plan`` (again, with a new rendezvous host, when the old one
+    is lost and a majority survives: :mod:`runtime.succession`); returns the exit status."""
+    for change in plan.env_changes:
+        log.info("env %s", change.describe())
+    os.environ.update(plan.worker_env)
+    for name in plan.worker_unset:
+        os.environ.pop(name, None)
+    slurm = SlurmEnv.from_env(os.environ)
+    order = expand_hostlist(slurm.nodelist) if slurm.active else []
+    me = socket.gethostname()
+    board = succession.Board(plan.job_dir, plan.allocation)
+    epoch = board.current() if slurm.active else None
+    if epoch is None or me not in order:
+        epoch = succession.epoch_zero(plan.rdzv_endpoint.rsplit(":", 1)[0], order)
+        if slurm.active and plan.is_rdzv_host and plan.nnodes[1] > 1:
+            board.publish(epoch)
+    epochs: list[str] = []
+    while True:
+        end = _run_agent(plan, forwarder, epoch.index, board if slurm.active else None)
+        nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
+        if nxt is None:
+            break
+        epochs.append(f"epoch {nxt.index}: {nxt.reason}, new host {nxt.host}")
+        plan, epoch = _plan_for_epoch(plan, nxt, me), nxt
+    end.extra["epochs"] = epochs
+    lost_batch_host = bool(order) and order[0] not in epoch.members
+    return outcome.finish(plan, forwarder, end, batch_host_lost=lost_batch_host)
+
+
+def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
+               board: succession.Board | None) -> outcome.AgentEnd:
+    """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
+    Slurm, the fence: a newer epoch decided without this node stops its workers."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     spec = plan.spec
-    for change in plan.env_changes:
-        log.info("env %s", change.describe())
-    os.environ.update(plan.worker_env)
-    for name in plan.worker_unset:
-        os.environ.pop(name, None)
+    os.environ[job_env.RDZV_EPOCH] = str(epoch)
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
@@ -306,16 +297,21 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
                                 run_id=plan.run_id, max_nodes=plan.nnodes[1])
     watchdog.start()
+    fence = _Fence(board, epoch) if board is not None and plan.nnodes[1] > 1 else None
+    if fence is not None:
+        fence.start()
     started = time.time()
     reason, result = "", "succeeded"
     try:
-        # Never restart workers inside a stopping allocation (runtime/stopping.py).
-        with stopping.no_restarts_once_stopping(lambda: bool(forwarder.received)):
+        # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
+        # node a newer rendezvous epoch has fenced off.
+        with stopping.no_restarts_once_stopping(
+                lambda: bool(forwarder.received) or (fence is not None and fence.replaced is not None)):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
-        rank, failure = root_failure(e.failures)
-        reason = f"rank {rank} exited with {failure.exitcode}: {_failure_message(failure.message)}".strip()
+        rank, failure = outcome.root_failure(e.failures)
+        reason = f"rank {rank} exited with {failure.exitcode}: {outcome.failure_message(failure.message)}".strip()
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"
     except RendezvousError as e:
@@ -330,97 +326,92 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         log.exception("the elastic agent failed")
         result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
     watchdog.stop()
-    intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
-    if intent and intent.get("time", 0) < started:
-        intent = None
-    kind = classify(result, intent, plan.allocation)
-    kind, reason, hangs = watchdog.amend(kind, reason)   # "hang" when a stall ended it
-    kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice)
-    code = EXIT_CODES[kind]
-    if intent and kind != "finished":
-        reason = reason or str(intent.get("reason", ""))
-    if kind != "finished":
-        reason = diskspace.explain(plan.job_dir, reason)   # names ENOSPC when the disk is full
-    if forwarder.received and kind == "finished":
-        reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
-    log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
-    slurm = SlurmEnv.from_env(os.environ)
-    if kind == "node_failure" and plan.node_rank != 0:
-        # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
-        # the store too. Only if node 0 records nothing was it really lost.
-        theirs = _node0_outcome(plan, timeout_s=NODE0_OUTCOME_WAIT_S)
-        if theirs is not None:
-            log.info("node 0 ended first (%s): following its outcome", theirs.kind)
-            return theirs.exit_code
-    if (kind == "preempted" and slurm.active and not spec.container_image
-            and _cancelled_by_user(slurm.job_id)):
-        kind, code = "cancelled", EXIT_CODES["cancelled"]
-        reason = f"cancelled (scancel) while running; {reason}"
-    decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
-                              max_requeues=spec.max_requeues, under_slurm=slurm.active)
-    # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
-    records = plan.node_rank == 0 or (
-        kind == "node_failure" and claim(plan.job_dir, plan.allocation, "record"))
-    if records:
-        progress = jobdir.read_json(plan.job_dir / jobdir.PROGRESS) or {}
-        if progress.get("allocation") != plan.allocation:
-            progress = {}
-        saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
-        last = progress.get("step")
-        if last is not None and saved is not None:  # progress.json lags by up to a few seconds
-            last = max(last, saved)
-        jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
-            allocation=plan.allocation, kind=kind, exit_code=code, reason=reason, step=saved,
-            node=socket.gethostname(), slurm_job_id=slurm.job_id,
-            restarts=int(progress.get("restart", 0)), world_size=int(progress.get("world_size", 0)),
-            start_step=progress.get("start_step"), last_step=last,
-            lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs))
-    log.info("requeue: %s", decision.reason)
-    if decision.requeue and spec.container_image and claim(plan.job_dir, plan.allocation):
-        # No Slurm commands in a container: the batch shell requeues after srun returns.
-        log.warning("requeue asked of the batch shell: %s",
-                    request_batch_requeue(plan.job_dir, plan.allocation, decision.reason))
-    elif decision.requeue and claim(plan.job_dir, plan.allocation):
-        from hpc.contract.slurm import SlurmClient, SlurmError
-
-        try:
-            SlurmClient().requeue(slurm.job_id)
-            log.warning("requeued job %s (%s)", slurm.job_id, decision.reason)
-        except SlurmError as e:
-            log.error("could not requeue job %s: %s; resubmit with the same --job-dir to resume",
-                      slurm.job_id, e)
-    return code
+    if fence is not None:
+        fence.stop()
+        if fence.replaced is not None:
+            result, reason = "fenced", fence.replaced
+    return outcome.AgentEnd(result, reason, started, watchdog)
 
 
-def _failure_message(message: Any) -> str:
-    """The exception line from torch's error file (not its whole JSON with the traceback)."""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
+def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.AgentEnd,
+                epoch: succession.Epoch, board: succession.Board, order: list[str],
+                me: str) -> succession.Epoch | None:
+    """After the agent lost its rendezvous host: the epoch this node goes on in, or None."""
+    if end.result != "rendezvous" or plan.is_rdzv_host or forwarder.received or plan.nnodes[1] < 2:
+        return None
+    # The host may simply have ended the allocation (a stop, an error): then follow its record.
+    if outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=2.0) is not None:
+        return None
+    if not _controller_reachable():
+        log.warning("lost the rendezvous host %s and Slurm's controller: this node is the one "
+                    "cut off; it does not take part in a new epoch", epoch.host)
+        return None
+    log.warning("lost the rendezvous host %s (%s): electing a new one among the survivors",
+                epoch.host, end.reason)
+    election = succession.run_election(board, epoch, me, order=order, min_nodes=plan.nnodes[0])
+    if outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=0) is not None:
+        return None
+    if election.epoch is None:
+        log.warning("no new rendezvous epoch: %s", election.reason)
+        end.extra["succession"] = election.reason
+        return None
+    if me not in election.epoch.members:
+        log.warning("epoch %d went on without this node (%s)", election.epoch.index, election.reason)
+        end.result, end.reason = "fenced", f"epoch {election.epoch.index} went on without this node"
+        return None
+    log.warning("rendezvous epoch %d: host %s, members %s (%s)", election.epoch.index,
+                election.epoch.host, ", ".join(election.epoch.members), election.reason)
+    return election.epoch
 
 
-def _node0_outcome(plan: LaunchPlan, timeout_s: float) -> jobdir.Outcome | None:
-    """Node 0's recorded outcome for this allocation, waiting up to ``timeout_s`` for it."""
-    end = time.monotonic() + timeout_s
-    while True:
-        for o in jobdir.read_outcomes(plan.job_dir):
-            if o.allocation == plan.allocation and o.kind != "node_failure":
-                return o
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.5)
+def _plan_for_epoch(plan: LaunchPlan, epoch: succession.Epoch, me: str) -> LaunchPlan:
+    """The same node's plan in a new epoch: the new host, a new run id, its rank among members."""
+    port = plan.rdzv_endpoint.rsplit(":", 1)[1]
+    base = plan.run_id.split("-e", 1)[0] if plan.epoch else plan.run_id
+    return dataclasses.replace(plan, rdzv_endpoint=f"{epoch.host}:{port}",
+                               is_rdzv_host=me == epoch.host, node_rank=epoch.members.index(me),
+                               run_id=f"{base}-e{epoch.index}", epoch=epoch.index)
 
 
-def _cancelled_by_user(job_id: str) -> bool:
-    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
+def _controller_reachable() -> bool:
+    """Can this node reach Slurm's controller? (a cut-off node cannot)"""
     from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.contract.slurm_parse import JobState
 
     try:
-        return SlurmClient(retry_total_s=20).show_job(job_id).state == JobState.CANCELLED
-    except SlurmError as e:
-        log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
+        return SlurmClient(retry_total_s=5).ping()
+    except SlurmError:
         return False
+
+
+class _Fence(threading.Thread):
+    """Watches the job directory for a rendezvous decision that left this node out (a newer
+    epoch, or the others' election after they lost this node as their host); then stops the
+    workers and the agent at once: the survivors own the allocation now."""
+
+    def __init__(self, board: succession.Board, epoch: int) -> None:
+        super().__init__(name="hpc-fence", daemon=True)
+        self.board, self.epoch = board, epoch
+        self.replaced: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        host = socket.gethostname()
+        while not self._stop_event.wait(1.0):
+            why = self.board.fenced(self.epoch, host)
+            if why is None:
+                continue
+            self.replaced = why
+            log.warning("fenced: %s; stopping this node's workers and agent", why)
+            for pid in _children(os.getpid()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
+            return
+
+    def stop(self) -> None:
+        self._stop_event.set()
 
 
 def slurm_deadlines(env: Mapping[str, str]) -> tuple[float | None, float | None]:

@@ -26,6 +26,7 @@ JOB_END_TIME = "HPC_JOB_END_TIME"        # wall time of the job's time limit (fr
 GRACE_S = "HPC_GRACE_S"                  # the partition's preemption GraceTime
 PROGRESS_EVERY_S = "HPC_PROGRESS_EVERY_S"  # how often rank 0 writes progress.json (tests)
 HEARTBEAT_DIR = "HPC_HEARTBEAT_DIR"      # node-local directory of the workers' heartbeats
+RDZV_EPOCH = "HPC_RDZV_EPOCH"            # the rendezvous epoch (a new one after a lost host)
 # The contract for users' own scripts (docs/own-script.md): read these, change nothing else.
 CHECKPOINT_DIR = "HPC_CHECKPOINT_DIR"    # a directory that survives requeues (JOB_DIR/checkpoints)
 RESUMED = "HPC_RESUMED"                  # "1": an earlier allocation or worker generation ran
@@ -67,6 +68,7 @@ class JobEnvironment:
     grace_s: float | None = None
     progress_every_s: float | None = None
     heartbeat_dir: str = ""
+    rdzv_epoch: int | None = None
     checkpoint_dir: str = ""
     resumed: bool | None = None
     requeue_count: int | None = None
@@ -87,7 +89,8 @@ class JobEnvironment:
             pending_warning=env.get(PENDING_WARNING, ""), agent_pid=_int(env, AGENT_PID),
             merge_stderr=env.get(MERGE_STDERR, "") == "1", job_end_time=_float(env, JOB_END_TIME),
             grace_s=_float(env, GRACE_S), progress_every_s=_float(env, PROGRESS_EVERY_S),
-            heartbeat_dir=env.get(HEARTBEAT_DIR, ""), checkpoint_dir=env.get(CHECKPOINT_DIR, ""),
+            heartbeat_dir=env.get(HEARTBEAT_DIR, ""), rdzv_epoch=_int(env, RDZV_EPOCH),
+            checkpoint_dir=env.get(CHECKPOINT_DIR, ""),
             resumed={"1": True, "0": False}.get(env.get(RESUMED, "")),
             requeue_count=_int(env, REQUEUE_COUNT), restart_count=_int(env, RESTART_COUNT),
             warning_lead_s=_float(env, WARNING_LEAD_S), stop_file=env.get(STOP_FILE, ""))
@@ -99,6 +102,7 @@ class JobEnvironment:
                  "agent_pid": AGENT_PID, "merge_stderr": MERGE_STDERR,
                  "job_end_time": JOB_END_TIME, "grace_s": GRACE_S,
                  "progress_every_s": PROGRESS_EVERY_S, "heartbeat_dir": HEARTBEAT_DIR,
+                 "rdzv_epoch": RDZV_EPOCH,
                  "checkpoint_dir": CHECKPOINT_DIR, "resumed": RESUMED,
                  "requeue_count": REQUEUE_COUNT, "restart_count": RESTART_COUNT,
                  "warning_lead_s": WARNING_LEAD_S, "stop_file": STOP_FILE}

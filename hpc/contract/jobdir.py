@@ -182,8 +182,11 @@ def alloc_log_dir(job_dir: Path, allocation: int) -> Path:
     return Path(job_dir) / "logs" / f"alloc-{allocation}"
 
 
-def rank_log(job_dir: Path, allocation: int, restart: int, rank: int) -> Path:
-    return alloc_log_dir(job_dir, allocation) / f"restart-{restart}" / f"rank-{rank}.log"
+def rank_log(job_dir: Path, allocation: int, restart: int, rank: int, epoch: int = 0) -> Path:
+    """A worker's log: ``alloc-A/restart-K/rank-R.log``; after the rendezvous host was lost and
+    the survivors went on in epoch E (runtime.succession), ``alloc-A/epoch-E-restart-K/``."""
+    restart_dir = f"restart-{restart}" if not epoch else f"epoch-{epoch}-restart-{restart}"
+    return alloc_log_dir(job_dir, allocation) / restart_dir / f"rank-{rank}.log"
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ class Outcome:
     last_step: int | None = None    # the last step it completed (from progress.json)
     lost_steps: int | None = None   # steps done after the last committed checkpoint
     hangs: tuple[str, ...] = ()     # stalls the watchdogs acted on (hangs.jsonl), one line each
+    succession: tuple[str, ...] = ()  # rendezvous hosts lost and who took over, one line each
 
     def describe(self) -> str:
         """One line for ``hpc status``: what happened and what it cost."""
@@ -214,6 +218,8 @@ class Outcome:
             parts.append(f"checkpoint {self.step}")
         if self.lost_steps:
             parts.append(f"{self.lost_steps} steps lost")
+        if self.succession:
+            parts.append(f"rendezvous moved: {self.succession[-1]}")
         if self.hangs and self.kind != "hang":
             parts.append(f"{len(self.hangs)} stall(s) recovered, last: {self.hangs[-1]}")
         return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
@@ -259,8 +265,9 @@ def read_outcomes(job_dir: Path) -> list[Outcome]:
             except ValueError:
                 continue        # torn by a full disk; the record follows on the next line
             known = {k: v for k, v in data.items() if k in Outcome.__dataclass_fields__}
-            if "hangs" in known:
-                known["hangs"] = tuple(known["hangs"])
+            for name in ("hangs", "succession"):
+                if name in known:
+                    known[name] = tuple(known[name])
             out.append(Outcome(**known))
     return out
 

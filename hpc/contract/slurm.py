@@ -305,6 +305,12 @@ class SlurmClient:
 
     # ------------------------------------------------------------------ act
 
+    def ping(self) -> bool:
+        """True when the controller answers (``scontrol ping``); a node cut off from the
+        network gets no answer."""
+        proc = self._run_once(["scontrol", "ping"], "scontrol ping failed", None, ())
+        return proc.returncode == 0 and "UP" in proc.stdout
+
     def requeue(self, job_id: str) -> None:
         """Requeue a job (``scontrol requeue``): it ends and goes back to pending, same id."""
         self._run(["scontrol", "requeue", job_id], f"could not requeue job {job_id}")

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from hpc.contract.components import CHECKPOINT, CheckpointConfig
-from runtime import rng
+from runtime import rng, succession
 from runtime.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir, parse_step,
     quarantine_name, quarantined_to_prune, read_latest, retry_transient, step_dirname, steps_to_prune,
@@ -444,6 +444,9 @@ class Checkpointer:
                             metadata=flight.metadata, torch_version=torch.__version__,
                             created_time=time.time(), save_s=round(flight.save_s, 4))
         _write_atomic(flight.tmp / MANIFEST_NAME, manifest.to_json())
+        fenced = succession.fence_reason(os.environ)
+        if fenced is not None:   # a newer rendezvous epoch owns the job: never commit over it
+            raise CheckpointError(f"step {flight.step} not committed: {fenced}")
         kill_point("before_rename", self.rank)
         final = self.directory / step_dirname(flight.step)
         retry_transient(os.rename)(flight.tmp, final)

@@ -194,20 +194,6 @@ def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_
     assert restarts(env, job_id) in (0, -1), "the job was not requeued: the survivors went on"
 
 
-def test_rendezvous_node_crash_requeues_and_resumes(env, slurm_cluster, tmp_path, elastic_baseline):
-    baseline = elastic_baseline
-    job = tmp_path / "headloss"
-    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "1",
-                    train=("--step-sleep", "0.3", *ELASTIC))
-    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
-    slurm_cluster.crash("node1")
-    wait_until(lambda: any(o["kind"] == "node_failure" for o in outcomes(job)), 180, "a node_failure outcome")
-    slurm_cluster.restart_slurmd("node1")
-    wait_done(env, job_id, job, timeout=500)
-    assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
-    assert_same_as_baseline(job, baseline, weights=False)
-
-
 def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
     job = tmp_path / "bug"
     job_id = submit(env, job, "--nodes", "2", "--max-restarts", "1", train=("--fail-at-step", "3"))

@@ -1,0 +1,217 @@
+"""Why an allocation ended, recorded once, and what happens next (requeue, or end it).
+
+The per-node launcher (:mod:`runtime.launch`) runs torch's elastic agent; when the agent is
+done this module turns what happened into an outcome:
+
+* :func:`classify` and :func:`root_failure` (pure): the agent's result and rank 0's exit
+  intent -> the outcome kind, and the rank whose failure explains the others;
+* :func:`finish`: amends the kind with what the stall watch, the stop tracker and the disk
+  know, lets node 0 (the current rendezvous host) record it in ``outcomes.jsonl`` (a
+  survivor records it when node 0 is gone), and requeues the job where the outcome calls
+  for it, exactly once. When the allocation's batch host was lost (the survivors went on
+  without it, :mod:`runtime.succession`), nothing else would end the allocation after the
+  work, so the recorder does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc.contract import diskspace, jobdir
+from runtime import stopping
+from runtime.env import SlurmEnv
+from runtime.requeue import claim, decide_requeue, request_batch_requeue
+from runtime.resubmit import continue_as_new_job
+
+if TYPE_CHECKING:
+    from runtime.launch import LaunchPlan, SignalForwarder
+
+log = logging.getLogger("hpc.launch")
+
+# Outcome kind -> the launcher's exit status (what Slurm and `hpc run` see).
+EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
+              "node_failure": 76, "cancelled": 130, "hang": 1}
+
+# How long a node that lost the rendezvous store waits for node 0's own outcome record.
+NODE0_OUTCOME_WAIT_S = 15.0
+
+# What a rank reports when *another* rank died and took its end of a connection with it (gloo,
+# NCCL). Such an error can be recorded before the real one; it is never the cause to report.
+COLLATERAL_ERRORS = (
+    "typically caused by a remote worker crashing",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+    "NCCL communicator was aborted",
+)
+
+
+@dataclass
+class AgentEnd:
+    """How one run of the elastic agent ended (one rendezvous epoch)."""
+
+    result: str                  # succeeded, failed, signal, rendezvous, fenced
+    reason: str
+    started: float
+    watchdog: Any = None         # runtime.liveness.watchdog.Watchdog (its verdict amends the kind)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> str:
+    """The allocation's outcome kind from the agent's result and rank 0's exit intent (pure)."""
+    if result == "succeeded":
+        if intent and intent.get("allocation") == allocation and intent.get("kind") in jobdir.OUTCOME_KINDS:
+            return str(intent["kind"])
+        return "finished"
+    return {"failed": "app_error", "signal": "cancelled", "rendezvous": "node_failure"}[result]
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure explains the others, and that failure (pure).
+
+    The earliest failure whose message is not a peer's collateral connection error; when every
+    failure is collateral, the earliest. ``failures`` maps rank to torch's ``ProcessFailure``
+    (``timestamp``, ``message``).
+    """
+    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        text = str(failure.message)
+        return any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
+
+    return min(failures.items(), key=key)
+
+
+def failure_message(message: Any) -> str:
+    """The exception line from torch's error file (not its whole JSON with the traceback)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
+
+
+def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Outcome | None:
+    """Node 0's recorded outcome for this allocation, waiting up to ``timeout_s`` for it."""
+    end = time.monotonic() + timeout_s
+    while True:
+        for o in jobdir.read_outcomes(job_dir):
+            if o.allocation == allocation and o.kind != "node_failure":
+                return o
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.5)
+
+
+def cancelled_by_user(job_id: str) -> bool:
+    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm_parse import JobState
+
+    try:
+        return SlurmClient(retry_total_s=20).show_job(job_id).state == JobState.CANCELLED
+    except SlurmError as e:
+        log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
+        return False
+
+
+def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
+           batch_host_lost: bool = False) -> int:
+    """Classifies, records (once) and requeues after the agent; returns the exit status."""
+    spec = plan.spec
+    if end.result == "fenced":
+        # A newer rendezvous epoch went on without this node: the survivors own the allocation.
+        log.warning("%s; this node stops and records nothing", end.reason)
+        return EXIT_CODES["node_failure"]
+    reason = end.reason
+    intent = jobdir.read_json(plan.job_dir / jobdir.EXIT_INTENT)
+    if intent and intent.get("time", 0) < end.started:
+        intent = None
+    kind = classify(end.result, intent, plan.allocation)
+    hangs = None
+    if end.watchdog is not None:
+        kind, reason, hangs = end.watchdog.amend(kind, reason)   # "hang" when a stall ended it
+    kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice)
+    code = EXIT_CODES[kind]
+    if intent and kind != "finished":
+        reason = reason or str(intent.get("reason", ""))
+    if kind != "finished":
+        reason = diskspace.explain(plan.job_dir, reason)   # names ENOSPC when the disk is full
+    if forwarder.received and kind == "finished":
+        reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
+    if end.extra.get("succession"):
+        reason = "; ".join(x for x in (reason, end.extra["succession"]) if x)
+    log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
+    slurm = SlurmEnv.from_env(os.environ)
+    if kind == "node_failure" and plan.node_rank != 0:
+        # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
+        # the store too. Only if node 0 records nothing was it really lost.
+        theirs = node0_outcome(plan.job_dir, plan.allocation, timeout_s=NODE0_OUTCOME_WAIT_S)
+        if theirs is not None:
+            log.info("node 0 ended first (%s): following its outcome", theirs.kind)
+            return theirs.exit_code
+    if (kind == "preempted" and slurm.active and not spec.container_image
+            and cancelled_by_user(slurm.job_id)):
+        kind, code = "cancelled", EXIT_CODES["cancelled"]
+        reason = f"cancelled (scancel) while running; {reason}"
+    decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
+                              max_requeues=spec.max_requeues, under_slurm=slurm.active)
+    # Node 0 records the outcome; when node 0 is gone (node failure), a survivor does, once.
+    records = plan.node_rank == 0 or (
+        kind == "node_failure" and claim(plan.job_dir, plan.allocation, "record"))
+    if records:
+        _record(plan, kind, code, reason, hangs, end, slurm)
+    log.info("requeue: %s", decision.reason)
+    if decision.requeue and spec.container_image and claim(plan.job_dir, plan.allocation):
+        # No Slurm commands in a container: the batch shell requeues after srun returns.
+        log.warning("requeue asked of the batch shell: %s",
+                    request_batch_requeue(plan.job_dir, plan.allocation, decision.reason))
+    elif decision.requeue and claim(plan.job_dir, plan.allocation):
+        from hpc.contract.slurm import SlurmClient, SlurmError
+
+        try:
+            SlurmClient().requeue(slurm.job_id)
+            log.warning("requeued job %s (%s)", slurm.job_id, decision.reason)
+        except SlurmError as e:   # this cluster cannot requeue: continue as a new job, once
+            log.error("could not requeue job %s: %s", slurm.job_id, e)
+            continue_as_new_job(plan.job_dir, spec, job_id=slurm.job_id,
+                                allocation=plan.allocation, reason=decision.reason,
+                                set_by_launcher=plan.worker_env)
+    elif batch_host_lost and records and slurm.active and claim(plan.job_dir, plan.allocation, "end"):
+        _end_allocation(slurm.job_id, kind)
+    return code
+
+
+def _record(plan: LaunchPlan, kind: str, code: int, reason: str, hangs: Any, end: AgentEnd,
+            slurm: SlurmEnv) -> None:
+    spec = plan.spec
+    progress = jobdir.read_json(plan.job_dir / jobdir.PROGRESS) or {}
+    if progress.get("allocation") != plan.allocation:
+        progress = {}
+    saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
+    last = progress.get("step")
+    if last is not None and saved is not None:  # progress.json lags by up to a few seconds
+        last = max(last, saved)
+    jobdir.append_outcome(plan.job_dir, jobdir.Outcome(
+        allocation=plan.allocation, kind=kind, exit_code=code, reason=reason, step=saved,
+        node=socket.gethostname(), slurm_job_id=slurm.job_id,
+        restarts=int(progress.get("restart", 0)), world_size=int(progress.get("world_size", 0)),
+        start_step=progress.get("start_step"), last_step=last,
+        lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs,
+        succession=tuple(end.extra.get("epochs", ()))))
+
+
+def _end_allocation(job_id: str, kind: str) -> None:
+    """The batch script died with its node: nothing else ends the allocation once the work is
+    done, so the recorder cancels it (Slurm shows CANCELLED; the outcome says why it ended)."""
+    from hpc.contract.slurm import SlurmClient, SlurmError
+
+    try:
+        SlurmClient().cancel(job_id)
+        log.warning("ended allocation of job %s (%s; its batch host is gone)", job_id, kind)
+    except SlurmError as e:
+        log.error("could not end job %s after the work ended: %s", job_id, e)

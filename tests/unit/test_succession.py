@@ -1,0 +1,88 @@
+"""Rendezvous succession: who hosts the next epoch, and who must stop (pure and file protocol)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from runtime import succession
+from runtime.succession import Board, Epoch, elect, run_election
+
+pytestmark = pytest.mark.unit
+
+ORDER = ["node1", "node2", "node3"]
+E0 = Epoch(0, "node1", tuple(ORDER))
+
+
+def test_two_of_three_survivors_go_on_with_the_next_node_in_order() -> None:
+    got = elect(E0, ["node3", "node2"], order=ORDER, min_nodes=2)
+    assert got.epoch == Epoch(1, "node2", ("node2", "node3"), got.reason)
+    assert "node1 lost" in got.reason
+
+
+def test_no_majority_means_nobody_goes_on() -> None:
+    got = elect(Epoch(0, "node1", ("node1", "node2")), ["node2"], order=ORDER[:2], min_nodes=1)
+    assert got.epoch is None and "no majority" in got.reason
+    got = elect(E0, ["node3"], order=ORDER, min_nodes=1)        # 1 of 3
+    assert got.epoch is None
+
+
+def test_majority_below_min_nodes_does_not_go_on() -> None:
+    five = Epoch(0, "n1", ("n1", "n2", "n3", "n4", "n5"))
+    got = elect(five, ["n2", "n3", "n4"], order=list(five.members), min_nodes=4)
+    assert got.epoch is None and "MIN 4" in got.reason
+
+
+def test_the_lost_host_never_hosts_the_next_epoch() -> None:
+    got = elect(E0, ["node1", "node2", "node3"], order=ORDER, min_nodes=2)
+    assert got.epoch is not None and got.epoch.host == "node2" and "node1" not in got.epoch.members
+
+
+def test_survivors_racing_reach_one_decision(tmp_path: Path) -> None:
+    board = Board(tmp_path, allocation=0)
+    results: dict[str, succession.Election] = {}
+
+    def survivor(host: str) -> None:
+        results[host] = run_election(board, E0, host, order=ORDER, min_nodes=2, window_s=5)
+
+    threads = [threading.Thread(target=survivor, args=(h,)) for h in ("node3", "node2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results["node2"].epoch == results["node3"].epoch
+    assert results["node2"].epoch.host == "node2"
+    assert board.current() == results["node2"].epoch
+
+
+def test_the_old_host_learns_it_is_fenced(tmp_path: Path) -> None:
+    board = Board(tmp_path, allocation=3)
+    board.publish(E0)
+    assert board.fenced(0, "node1") is None
+    board.announce(1, "node3")
+    run_election(board, E0, "node2", order=ORDER, min_nodes=1, window_s=0.1)
+    assert "replaced by epoch 1" in board.fenced(0, "node1")
+    assert board.fenced(1, "node2") is None and board.fenced(1, "node3") is None
+
+
+def test_a_failed_election_fences_the_old_host_too(tmp_path: Path) -> None:
+    """2 nodes, the host cut off: the survivor finds no majority (the job is requeued) and the
+    old host, which may still reach the shared directory, must not go on alone at MIN 1."""
+    board = Board(tmp_path, allocation=0)
+    two = Epoch(0, "node1", ("node1", "node2"))
+    board.publish(two)
+    got = run_election(board, two, "node2", order=ORDER[:2], min_nodes=1, window_s=0.1)
+    assert got.epoch is None
+    assert "decided without it" in board.fenced(0, "node1")
+
+
+def test_checkpoint_commits_are_refused_for_a_fenced_epoch(tmp_path: Path, monkeypatch) -> None:
+    env = {"HPC_JOB_DIR": str(tmp_path), "HPC_ALLOCATION": "0", "HPC_RDZV_EPOCH": "0"}
+    monkeypatch.setattr(succession.socket, "gethostname", lambda: "node1")
+    assert succession.fence_reason(env) is None
+    assert succession.fence_reason({}) is None                # outside a launcher: no check
+    Board(tmp_path, 0).announce(1, "node3")
+    run_election(Board(tmp_path, 0), E0, "node2", order=ORDER, min_nodes=1, window_s=0.1)
+    assert "fenced off" in succession.fence_reason(env)
