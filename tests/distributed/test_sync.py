@@ -1,10 +1,10 @@
-"""`hpc sync`: which offline folders, in which order, exactly once; wandb's real sync on failure.
+"""`hpc sync`: which offline folders, in which order, exactly once, through wandb's real sync.
 
-No W&B server runs here (no internet, and no local server within reach of this test), so the
-upload itself is checked in two halves: the orchestration (folders of the job's run, oldest
-first, the marker that makes a second sync a no-op, resuming after a failed folder) with a
-recording runner, and wandb's real `wandb sync` subprocess against a local HTTP endpoint that
-answers every request with 503, which must end in a clear error with nothing marked synced.
+The orchestration (folders of the job's run, oldest first, the marker that makes a second sync
+a no-op, resuming after a failed folder, retries, the credential and network checks) is checked
+with a recording runner; the upload itself runs wandb's own `wandb sync` for real against
+tests/fake_wandb_server.py (a local stand-in that answers the requests wandb 0.31's sync makes;
+not W&B's server) and against a local endpoint that answers 503 to everything.
 """
 
 from __future__ import annotations
@@ -206,3 +206,66 @@ def test_cli_names_the_job_and_the_error(job: Path, tmp_path: Path) -> None:
     # The segments were written seconds ago: settling, nothing to upload yet, or no key.
     assert r.returncode in (0, 1), r.stderr
     assert "hpc sync" in r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- through wandb's real sync
+
+SESSION_SEGMENTS = """
+import sys
+from runtime.wandb_sink import WandbSink
+job, first, last, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sink = WandbSink(job, resume_step=int(resume) if resume else None)
+for step in range(first, last + 1):
+    sink.log({"loss": 1.0 / step}, step)
+sink.close()
+"""
+
+
+def real_sync_env(tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in (offline_env(tmp_path / "sync-env") | key_env(tmp_path, url)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_MODE")
+
+
+@pytest.mark.timeout(180)
+def test_session_job_of_two_allocations_is_one_run_with_each_step_once_on_the_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our sink's offline segments (a crash at 10, resumed from 6) through wandb's real sync."""
+    from hpc import sync
+    from tests.fake_wandb_server import FakeWandbServer
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "jobspec.json").write_text("{}")
+    env = dict(os.environ) | offline_env(tmp_path / "env")
+    for first, last, resume in ((1, 10, ""), (7, 15, "6")):
+        r = subprocess.run([sys.executable, "-c", SESSION_SEGMENTS, str(job), str(first), str(last),
+                            resume], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    run_id = (job / "wandb_run_id").read_text().strip()
+    with FakeWandbServer() as server:
+        real_sync_env(tmp_path, server.url, monkeypatch)
+        assert sync.sync(job, settle_s=0, timeout_s=90, out=lambda s: None) == 2
+        assert list(server.runs) == [run_id]
+        run = server.runs[run_id]
+        assert run.steps == list(range(1, 16)), run.steps        # every step once, in order
+        assert run.complete and run.upserts >= 2
+        before = len(server.requests)
+        assert sync.sync(job, settle_s=0, timeout_s=90, out=lambda s: None) == 0
+        assert len(server.requests) == before and run.steps == list(range(1, 16))
+
+
+@pytest.mark.timeout(180)
+def test_own_wandb_segments_reach_the_server_in_order_redone_steps_included(
+        job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script's own wandb.init segments (steps 1-4, 3-7, 6-9): wandb's sync sends them as written."""
+    from hpc import sync
+    from tests.fake_wandb_server import FakeWandbServer
+
+    with FakeWandbServer() as server:
+        real_sync_env(tmp_path, server.url, monkeypatch)
+        assert sync.sync(job, settle_s=0, timeout_s=90, out=lambda s: None) == 3
+        assert list(server.runs) == ["syncrun1"]
+        # wandb 0.31's sync does not drop the redone steps (3, 4 and 6, 7): docs/own-script.md
+        assert server.runs["syncrun1"].steps == [1, 2, 3, 4, 3, 4, 5, 6, 7, 6, 7, 8, 9]
+        assert sync.sync(job, settle_s=0, timeout_s=90, out=lambda s: None) == 0
