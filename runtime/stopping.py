@@ -21,7 +21,8 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   job is requeued.
 
 torch-free except :func:`no_restarts_once_stopping`, which imports torch's launcher lazily: the
-worker wrapper imports this module before the user's script.
+worker wrapper imports this module before the user's script, and the launcher's signal handler
+calls into it (nothing is imported there).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 
 log = logging.getLogger("hpc.launch")
 
@@ -91,8 +93,6 @@ def notice_for(signal_name: str, received_at: float, *, allocation: int,
     The same rules as the Session's watcher (:mod:`runtime.preemption`): a warning close to the
     job's end time is the time limit's, any other warning or a SIGTERM a preemption's.
     """
-    from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
-
     kind = classify_warning(signal_name, received_at, job_end_time=job_end_time, lead_s=lead_s)
     if signal_name == "SIGTERM":
         deadline = received_at
