@@ -233,6 +233,27 @@ def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 
     return len(p.pending)
 
 
+# Outcomes after which a job runs no more allocations (the others are followed by a requeue).
+FINAL_KINDS = frozenset({"finished", "app_error", "cancelled", "hang"})
+
+
+def follow(job_dir: Path, *, every_s: float = 60.0, sleep: Callable[[float], None] = time.sleep,
+           **kwargs: object) -> int:
+    """Syncs every ``every_s`` seconds until the job ended and everything is uploaded.
+
+    The job has ended when its last outcome is final (finished, an application error,
+    cancelled, a hang). Returns how many folders were uploaded in all.
+    """
+    total = 0
+    while True:
+        outcomes = jobdir.read_outcomes(Path(job_dir))
+        ended = bool(outcomes) and outcomes[-1].kind in FINAL_KINDS
+        total += sync(job_dir, **kwargs)  # type: ignore[arg-type]
+        if ended and not plan(job_dir, settle_s=0).pending:
+            return total
+        sleep(every_s)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("sync", help="upload a job's offline W&B runs into its one run "
                                      "(idempotent; run it where there is network)")
@@ -242,6 +263,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--timeout", type=float, default=600.0, metavar="S",
                     help="bound on one folder's upload attempt [default: 600]")
     sp.add_argument("--attempts", type=int, default=3, help="tries per folder [default: 3]")
+    sp.add_argument("-f", "--follow", action="store_true",
+                    help="keep syncing every --every seconds until the job has ended")
+    sp.add_argument("--every", type=float, default=60.0, metavar="S",
+                    help="with --follow: seconds between syncs [default: 60]")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -256,6 +281,10 @@ def main(args: argparse.Namespace) -> int:
             raise SpecError("JOB", args.job, "a job submitted from here or a job directory",
                             "hpc sync jobs/train_gpt-...")
         job_dir = Path(record.job_dir)
-    sync(job_dir, project=args.project, entity=args.entity, attempts=max(1, args.attempts),
-         timeout_s=args.timeout)
+    options = dict(project=args.project, entity=args.entity, attempts=max(1, args.attempts),
+                   timeout_s=args.timeout)
+    if args.follow:
+        follow(job_dir, every_s=args.every, **options)
+    else:
+        sync(job_dir, **options)
     return 0

@@ -269,3 +269,19 @@ def test_own_wandb_segments_reach_the_server_in_order_redone_steps_included(
         # wandb 0.31's sync does not drop the redone steps (3, 4 and 6, 7): docs/own-script.md
         assert server.runs["syncrun1"].steps == [1, 2, 3, 4, 3, 4, 5, 6, 7, 6, 7, 8, 9]
         assert sync.sync(job, settle_s=0, timeout_s=90, out=lambda s: None) == 0
+
+
+def test_follow_syncs_until_the_job_ended(job: Path, tmp_path: Path, listening: str) -> None:
+    from hpc import sync
+    from hpc.contract import jobdir
+
+    rec, naps = Recorder(), []
+
+    def nap(s: float) -> None:      # the job goes on, then finishes
+        naps.append(s)
+        kind = "preempted" if len(naps) == 1 else "finished"
+        jobdir.append_outcome(job, jobdir.Outcome(allocation=len(naps) - 1, kind=kind, exit_code=0))
+
+    n = sync.follow(job, every_s=7, sleep=nap, runner=rec, settle_s=0,
+                    env=key_env(tmp_path, listening), out=lambda s: None)
+    assert n == 3 and len(rec.calls) == 3 and naps == [7, 7]
