@@ -326,6 +326,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         log.exception("the elastic agent failed")
         result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
     watchdog.stop()
+    if forwarder.stop is not None:
+        forwarder.stop.cancel()   # the workers ended: no time-limit SIGTERM now
     if fence is not None:
         fence.stop()
         if fence.replaced is not None:
@@ -496,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
     forwarder.stop = stopping.StopTracker(
         stopping.notice_path(job_dir, plan.allocation), allocation=plan.allocation,
-        job_end_time=end, lead_s=spec.signal_lead_s, grace_s=grace)
+        job_end_time=end or JobEnvironment.from_env(os.environ).job_end_time,
+        lead_s=spec.signal_lead_s, grace_s=grace, enforce=True)
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

@@ -16,6 +16,8 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   restarts to 0, as torch itself does for a wedged worker);
 * a worker started anyway (a membership change, a torch without that hook) exits at once with
   status 0 and, on global rank 0, an exit intent naming the stop (:func:`exit_if_stopping`);
+* at a time limit, workers still running ``TIME_LIMIT_RESERVE_S`` before it get SIGTERM from
+  the launcher, so the allocation ends while the job can still be requeued;
 * workers that then die of the stop are a stopped allocation, not an application error
   (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
   job is requeued.
@@ -31,7 +33,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -112,14 +116,17 @@ class StopTracker:
         job_end_time: Wall time of the job's time limit, if known.
         lead_s: The job's warning lead before the time limit.
         grace_s: The partition's preemption GraceTime, if known.
+        enforce: SIGTERM the launcher itself before a time limit (:func:`enforce_in`).
     """
 
     def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
-                 lead_s: float, grace_s: float | None) -> None:
+                 lead_s: float, grace_s: float | None, enforce: bool = False) -> None:
         self.path = Path(path)
         self.allocation = allocation
         self.job_end_time, self.lead_s, self.grace_s = job_end_time, lead_s, grace_s
         self.notice: StopNotice | None = None
+        self.enforce = enforce
+        self.timer: threading.Timer | None = None
 
     @property
     def stopping(self) -> bool:
@@ -137,6 +144,19 @@ class StopTracker:
                                  job_end_time=self.job_end_time, lead_s=self.lead_s,
                                  grace_s=self.grace_s)
         self._write()
+        delay = enforce_in(self.notice, when)
+        if self.enforce and delay is not None:
+            # SIGTERM to the launcher itself: its handler forwards it to the workers.
+            self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+            self.timer.daemon = True
+            self.timer.start()
+            log.warning("%s is the time limit's warning: workers still running in %.0f s "
+                        "get SIGTERM, so that the job can be requeued before the limit", name, delay)
+
+    def cancel(self) -> None:
+        """Stops a pending enforcement (the workers ended)."""
+        if self.timer is not None:
+            self.timer.cancel()
 
     def _write(self) -> None:
         try:
@@ -144,6 +164,25 @@ class StopTracker:
             jobdir.write_atomic(self.path, json.dumps(asdict(self.notice)) + "\n", durable=False)
         except OSError as e:     # a full disk must not kill the launcher in its handler
             log.warning("cannot write the stop notice %s: %s", self.path, e)
+
+
+# How long before the time limit the launcher ends workers that ignored the warning: enough to
+# record the outcome and run `scontrol requeue` while the job still runs (Slurm kills it at the
+# limit, and a job being killed for its time limit cannot be requeued).
+TIME_LIMIT_RESERVE_S = 10.0
+
+
+def enforce_in(notice: StopNotice, now: float) -> float | None:
+    """Seconds from ``now`` until the launcher sends SIGTERM itself, or None (pure).
+
+    Only for the time limit: at a preemption Slurm requeues the job itself and its SIGTERM
+    comes at the end of GraceTime anyway. The reserve is at most half the warning's lead, so a
+    script that saves on the warning keeps most of its time.
+    """
+    if notice.kind != "time_limit" or notice.signal == "SIGTERM":
+        return None
+    left = notice.deadline - now
+    return max(0.0, left - min(TIME_LIMIT_RESERVE_S, left / 2))
 
 
 def amend_outcome(kind: str, reason: str, notice: StopNotice | None) -> tuple[str, str]:

@@ -140,3 +140,29 @@ def test_own_wandb_init_is_one_run_across_restarts_and_runs(tmp_path: Path):
     assert run.steps == [1, 2, 3, 4, 5, 5, 5, 6, 7, 8, 9, 10, 11, 12], run.steps
     launcher_log = next((job / "logs/alloc-0").glob("node-*.log")).read_text()
     assert "WANDB_RUN_ID" in launcher_log and run_id in launcher_log, launcher_log[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_time_limit_warning_ignored_the_launcher_ends_the_workers_before_the_limit(tmp_path: Path):
+    """Nobody sends SIGTERM here: the launcher does, 10 s before the (given) time limit."""
+    job, env = tmp_path / "job", env_for(tmp_path)
+    p = None
+    try:
+        end = time.time() + 35          # the job's time limit, as Slurm would tell the launcher
+        env["HPC_JOB_END_TIME"] = f"{end:.0f}"
+        p = hpc_run(job, env, "--steps", "100000", "--step-sleep", "0.05")
+        wait_for(lambda: (job / "snapshot.pt").exists(), 50, "the script's first snapshot")
+        warned = time.time()
+        os.kill(launcher_pid(job), signal.SIGUSR2)
+        out, _ = p.communicate(timeout=end - time.time() + 30)
+        ended = time.time()
+    finally:
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 75, out
+    left = end - ended
+    assert 0 < left < (end - warned) / 2 + 3 and ended - warned > 5, (warned, ended, end)
+    last = outcomes(job)[-1]
+    assert last["kind"] == "time_limit" and "did not stop by themselves" in last["reason"], last
+    assert sorted(x.name for x in (job / "logs/alloc-0").glob("restart-*")) == ["restart-0"]
