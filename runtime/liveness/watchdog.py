@@ -43,7 +43,7 @@ from hpc.contract import jobdir
 from runtime.liveness import events, proc, stacks
 from runtime.liveness.deadline import StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import read_all
-from runtime.liveness.peers import PeerBeacon
+from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
 from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
 
 log = logging.getLogger("hpc.liveness")
@@ -107,17 +107,20 @@ class Watchdog:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         old = os.environ.get(job_env.HEARTBEAT_DIR)
         os.environ[job_env.HEARTBEAT_DIR] = str(self.directory)
-        log.info("env %s=%s (was %s): node-local worker heartbeats", job_env.HEARTBEAT_DIR,
-                 self.directory, old or "unset")
+        log.info("env %s: %s -> %r (node-local worker heartbeats for the stall watch)",
+                 job_env.HEARTBEAT_DIR, repr(old) if old is not None else "(unset)", str(self.directory))
         if self.policy is None:
             log.info("stall watch: off (--stall-timeout off): a stalled job waits for the "
                      "collective timeout")
             return
         p = self.policy
         step = f"{p.fixed_s:g}s" if p.fixed_s else f"max({p.floor_s:g}s, {p.k:g} x p99 step time)"
-        log.info("stall watch: an ordinary step may take %s; first %d steps %gs; phases %s; "
-                 "other named phases %gs", step, p.first_steps, p.first_steps_s,
-                 ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s)
+        log.info("stall watch: an ordinary step may take %s; the first %d steps %gs; phases (%s, "
+                 "others %gs) their budget the first time, then %g x their longest run; a peer "
+                 "node silent in the rendezvous store for %gs with no local progress: at once",
+                 step, p.first_steps, p.first_steps_s,
+                 ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s,
+                 p.k if p.fixed_s is None else 2, LOST_AFTER_S)
         self._thread = threading.Thread(target=self._run, name="hpc-stall-watchdog", daemon=True)
         self._thread.start()
         if self.beacon is not None:
@@ -135,12 +138,13 @@ class Watchdog:
         """The allocation's outcome with this allocation's stalls (from every node) folded in.
 
         Returns:
-            (kind, reason, one summary line per stall). An allocation whose workers failed
-            after a stall was acted on ends as ``hang``; one that finished keeps its kind.
+            (kind, reason, one summary line per stall). An allocation whose workers last
+            failed by the watchdog's SIGKILL (restarts spent) ends as ``hang``; one that
+            finished, or failed otherwise after a recovered stall, keeps its kind.
         """
         hangs = events.read(self.job_dir, self.allocation)
         lines = tuple(h.summary() for h in hangs)
-        if hangs and kind == "app_error":
+        if hangs and kind == "app_error" and f"exited with -{int(signal.SIGKILL)}" in reason:
             return "hang", f"{lines[-1]}; then {reason}" if reason else lines[-1], lines
         return kind, reason, lines
 

@@ -26,10 +26,11 @@ pytestmark = pytest.mark.distributed
 PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
 
 
-def hpc_run(job: Path, *probe_args: str, stall: str = "5", every: int = 5) -> subprocess.Popen:
+def hpc_run(job: Path, *probe_args: str, stall: str = "5", every: int = 5,
+            extra: tuple[str, ...] = ()) -> subprocess.Popen:
     job.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir", str(job),
-           "--stall-timeout", stall, "--checkpoint-every-steps", str(every),
+           "--stall-timeout", stall, "--checkpoint-every-steps", str(every), *extra,
            "--env", "HPC_PROGRESS_EVERY_S=0", "--", "--out", str(job), *probe_args]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -120,6 +121,18 @@ def test_rank_stuck_in_its_data_loading_is_named_from_its_stack(tmp_path: Path) 
     assert event["suspect_rank"] == 1 and "outside any collective" in event["reason"], event
     assert "in load_batch" not in rank_section(report, 0)
     assert json.loads((job / "result.json").read_text())["final_step"] == 40
+
+
+def test_a_stall_that_outlives_the_restarts_ends_as_hang(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "400", "--step-s", "0.1", extra=("--max-restarts", "0"))
+    wait_for(lambda: progress(job).get("step", 0) >= 8, 120, "step 8")
+    os.kill(int((job / "pid-0-0").read_text()), signal.SIGSTOP)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 1, out[-4000:]
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "hang", outcome
+    assert "suspect rank 0" in outcome["reason"] and "exited with -9" in outcome["reason"]
 
 
 def test_healthy_run_with_long_phases_and_jitter_is_never_stuck(tmp_path: Path) -> None:

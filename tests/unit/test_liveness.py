@@ -336,3 +336,17 @@ def test_a_lost_peer_with_a_quiet_node_is_a_stall_in_any_phase():
     assert blame(v, {0: WAITING, 1: WAITING}).reason == v.reason
     busy = assess([beat(0, 5.0), beat(1, 0.0)], {}, 6.0, POLICY)
     assert not judge(busy, lost_peers={"node3": 11.0}).stalled, "a rank here still progresses"
+
+
+def test_the_outcome_is_hang_only_when_the_watchdogs_kill_ended_the_allocation(tmp_path: Path):
+    from runtime.liveness.watchdog import Watchdog
+
+    w = Watchdog(tmp_path, allocation=0, node_rank=0, policy=None)
+    assert w.amend("app_error", "rank 1 exited with 1: ValueError: x") == \
+        ("app_error", "rank 1 exited with 1: ValueError: x", ())
+    events.append(tmp_path, events.HangEvent(allocation=0, node="n1", node_rank=0, reason="r",
+                                             suspect_rank=1, stacks="logs/alloc-0/hang-n1-1.txt"))
+    kind, reason, lines = w.amend("app_error", "rank 0 exited with -9: (no error message)")
+    assert kind == "hang" and reason.startswith("stall on n1") and len(lines) == 1
+    assert w.amend("app_error", "rank 1 exited with 1: ValueError: x")[0] == "app_error"
+    assert w.amend("finished", "")[:2] == ("finished", "")
