@@ -172,18 +172,22 @@ class Watchdog:
         verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(now),
                         lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None)
         if verdict.stalled:
-            self._act(verdict, sorted(pids))
+            verdict = self._act(verdict, sorted(pids))
             if tracker is not None:
                 tracker.done.update(lost)   # acted on: the job re-forms without them
         return verdict
 
-    def _act(self, verdict: Verdict, pids: list[int]) -> None:
+    def _act(self, verdict: Verdict, pids: list[int]) -> Verdict:
+        """Dumps, records and kills; returns the verdict with its suspect named."""
         log.error("stall detected: %s", verdict.reason)
         dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
         verdict = blame(verdict, dumps)
+        logs = jobdir.alloc_log_dir(self.job_dir, self.allocation)
+        logs.mkdir(parents=True, exist_ok=True)
         n = len(self.hangs) + 1
-        path = jobdir.alloc_log_dir(self.job_dir, self.allocation) / f"hang-{self.host}-{n}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        while (logs / f"hang-{self.host}-{n}.txt").exists():   # an earlier watchdog's (epoch)
+            n += 1
+        path = logs / f"hang-{self.host}-{n}.txt"
         path.write_text(stack_report(verdict, dumps, host=self.host, node_rank=self.node_rank))
         event = events.HangEvent(
             allocation=self.allocation, node=self.host, node_rank=self.node_rank,
@@ -207,6 +211,7 @@ class Watchdog:
                   f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None
                   else f"node {verdict.lost_node}" if verdict.lost_node else "off this node",
                   verdict.reason, path, pids)
+        return verdict
 
     def _forget_dead(self, live: set[int]) -> None:
         self._acted_on &= live

@@ -145,3 +145,34 @@ def test_healthy_run_with_long_phases_and_jitter_is_never_stuck(tmp_path: Path) 
     [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
     assert outcome["kind"] == "finished" and outcome["restarts"] == 0 and not outcome.get("hangs")
     assert json.loads((job / "result.json").read_text())["final_step"] == 40
+
+
+def test_watchdog_dumps_records_and_kills_a_stalled_worker(tmp_path: Path) -> None:
+    """One watchdog look, on a real child process that registered its stack dump."""
+    from runtime.liveness import events
+    from runtime.liveness.deadline import StallPolicy
+    from runtime.liveness.heartbeat import Heartbeat, path_for
+    from runtime.liveness.watchdog import Watchdog
+
+    w = Watchdog(tmp_path, allocation=0, node_rank=0, policy=StallPolicy(floor_s=5))
+    w.directory = tmp_path / "hb"
+    w.directory.mkdir()
+    code = ("import sys, time; from runtime.liveness.stacks import install; install(sys.argv[1]); "
+            "open(sys.argv[2], 'w').close()\ndef stuck_here():\n    time.sleep(60)\nstuck_here()")
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", code, str(w.directory), str(ready), "runtime.worker"],
+                             cwd=REPO)
+    try:
+        wait_for(ready.exists, 30, "the child to register its dump")
+        beat = Heartbeat(pid=child.pid, rank=3, local_rank=0, restart=0, phase="step", step=12,
+                         steps_done=12, time=time.time() - 60, p99_s=0.1, samples=50)
+        path_for(w.directory, child.pid).write_text(json.dumps(beat.__dict__))
+        verdict = w.check()
+        assert verdict is not None and verdict.stalled and verdict.suspect_rank == 3
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    [event] = events.read(tmp_path)
+    report = (tmp_path / event.stacks).read_text()
+    assert "suspect: rank 3" in report and "in stuck_here" in report, report
