@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc import sweeps
-from hpc.contract import jobdir, values
+from hpc.contract import jobdir, resubmissions, values
 from hpc.contract.errors import UsageError
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
@@ -70,6 +70,7 @@ class JobView:
     job_dir: str = ""
     allocations: tuple[Allocation, ...] = field(default_factory=tuple)
     cluster: str = ""
+    chain: str = ""   # "continues job N" / "continued as job M" (Slurm refused a requeue)
 
     @property
     def terminal(self) -> bool:
@@ -172,7 +173,8 @@ def format_table(views: Sequence[JobView], width: int = 140) -> str:
     for col in ("JOB", "NAME", "STATE", "NODES", "ELAPSED", "REQUEUES", "ALLOCATIONS (Slurm end, our outcome)"):
         table.add_column(col, overflow="fold")
     for v in views:
-        history = "\n".join(a.describe() for a in v.allocations) or "-"
+        history = "\n".join([*([v.chain] if v.chain else []),
+                             *(a.describe() for a in v.allocations)]) or "-"
         table.add_row(v.label, v.name, v.state, v.nodes, values.format_time(v.elapsed_s),
                       str(v.requeues), history)
     out = io.StringIO()
@@ -190,15 +192,33 @@ def to_json(views: Sequence[JobView]) -> str:
 
 def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
     """outcomes.jsonl of every job whose directory we know, by :attr:`JobRecord.key`
-    (unreadable ones are skipped)."""
+    (unreadable ones are skipped). A job continued as a new Slurm job (where Slurm refused to
+    requeue, :mod:`hpc.contract.resubmissions`) gets only its own allocations, numbered from 0
+    as Slurm numbers them."""
     out: dict[str, list[jobdir.Outcome]] = {}
     for job in jobs:
         if job.job_dir:
             try:
-                out[job.key] = jobdir.read_outcomes(Path(job.job_dir))
+                found = jobdir.read_outcomes(Path(job.job_dir))
             except (OSError, ValueError, TypeError):
-                out[job.key] = []
+                found = []
+            links = resubmissions.read(Path(job.job_dir)) if job.job_id else []
+            if links:
+                lo, hi = resubmissions.allocation_range(links, job.job_id)
+                found = [replace(o, allocation=o.allocation - lo) for o in found
+                         if o.allocation >= lo and (hi is None or o.allocation < hi)]
+            out[job.key] = found
     return out
+
+
+def _with_chain(view: JobView) -> JobView:
+    """Says which job a continuation continues, and which job continued this one."""
+    links = resubmissions.read(Path(view.job_dir)) if view.job_dir and view.job_id else []
+    after = resubmissions.continued_as(links, view.job_id)
+    before = next((link.previous for link in links if link.job_id == view.job_id), "")
+    notes = ([f"continues job {before}"] if before else []) + \
+        ([f"continued as job {after}"] if after else [])
+    return replace(view, chain="; ".join(notes)) if notes else view
 
 
 def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None = None) -> list[JobView]:
@@ -212,7 +232,7 @@ def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None 
         accounting = client.accounting(ids)
     except SlurmError:  # no accounting storage on this cluster: squeue is all we have
         accounting = ()
-    return build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)
+    return [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)]
 
 
 class Poller:
