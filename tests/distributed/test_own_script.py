@@ -93,6 +93,7 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     last = outcomes(job)[-1]
     assert (last["allocation"], last["kind"], last["exit_code"]) == (0, "time_limit", 75), last
     assert "SIGUSR2 (time_limit): the workers did not stop by themselves" in last["reason"], last
+    print(f"SIGTERM to the launcher -> hpc run exited 75 in {stopped_in:.2f} s")
     assert stopped_in < 5, f"the stop took {stopped_in:.1f} s: Slurm's KillWait may be shorter"
 
     # The next allocation: told it is a resume, and the script resumes from its own snapshot.
