@@ -16,8 +16,10 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   restarts to 0, as torch itself does for a wedged worker);
 * a worker started anyway (a membership change, a torch without that hook) exits at once with
   status 0 and, on global rank 0, an exit intent naming the stop (:func:`exit_if_stopping`);
-* at a time limit, workers still running ``TIME_LIMIT_RESERVE_S`` before it get SIGTERM from
-  the launcher, so the allocation ends while the job can still be requeued;
+* workers still running shortly before the expected SIGTERM get one from the launcher
+  (:func:`enforce_in`): at a time limit, so that the allocation ends while the job can still be
+  requeued; at a preemption, so that a worker can finish its W&B run before Slurm's SIGTERM
+  kills wandb's service;
 * workers that then die of the stop are a stopped allocation, not an application error
   (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
   job is requeued.
@@ -150,8 +152,8 @@ class StopTracker:
             self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
             self.timer.daemon = True
             self.timer.start()
-            log.warning("%s is the time limit's warning: workers still running in %.0f s "
-                        "get SIGTERM, so that the job can be requeued before the limit", name, delay)
+            log.warning("%s (%s): workers still running in %.1f s get SIGTERM, ahead of "
+                        "Slurm's at %.0f", name, self.notice.kind, delay, self.notice.deadline)
 
     def cancel(self) -> None:
         """Stops a pending enforcement (the workers ended)."""
@@ -166,23 +168,26 @@ class StopTracker:
             log.warning("cannot write the stop notice %s: %s", self.path, e)
 
 
-# How long before the time limit the launcher ends workers that ignored the warning: enough to
-# record the outcome and run `scontrol requeue` while the job still runs (Slurm kills it at the
-# limit, and a job being killed for its time limit cannot be requeued).
-TIME_LIMIT_RESERVE_S = 10.0
+# How long before the expected SIGTERM the launcher ends workers that are still running, and the
+# largest share of the warning's lead that this may take. At a time limit: enough to record the
+# outcome and run `scontrol requeue` while the job still runs (a job being killed for its time
+# limit cannot be requeued). At a preemption: enough for a worker to finish its W&B run while
+# wandb's service still lives (Slurm's SIGTERM reaches every process of the step, and wandb-core
+# exits on it at once, losing an offline run's unwritten records).
+RESERVE_S = {"time_limit": (10.0, 1 / 2), "preempted": (3.0, 1 / 4)}
 
 
 def enforce_in(notice: StopNotice, now: float) -> float | None:
-    """Seconds from ``now`` until the launcher sends SIGTERM itself, or None (pure).
+    """Seconds from ``now`` until the launcher sends SIGTERM to its workers, or None (pure).
 
-    Only for the time limit: at a preemption Slurm requeues the job itself and its SIGTERM
-    comes at the end of GraceTime anyway. The reserve is at most half the warning's lead, so a
-    script that saves on the warning keeps most of its time.
+    None after a SIGTERM (the stop is already here). A script that saves on the warning keeps
+    most of its time: the reserve is at most half (time limit) or a quarter (preemption) of it.
     """
-    if notice.kind != "time_limit" or notice.signal == "SIGTERM":
+    if notice.signal == "SIGTERM":
         return None
+    reserve_s, share = RESERVE_S[notice.kind]
     left = notice.deadline - now
-    return max(0.0, left - min(TIME_LIMIT_RESERVE_S, left / 2))
+    return max(0.0, left - min(reserve_s, left * share))
 
 
 def amend_outcome(kind: str, reason: str, notice: StopNotice | None) -> tuple[str, str]:

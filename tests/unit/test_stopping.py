@@ -127,10 +127,12 @@ def test_wandb_defaults_name_the_jobs_run_and_keep_the_users_values(tmp_path: Pa
     assert not changes["WANDB_RESUME"].kept_user_value
 
 
-def test_time_limit_warning_is_enforced_before_the_limit_and_a_preemption_is_not() -> None:
+def test_launcher_sigterm_comes_ahead_of_slurms() -> None:
     tl = stopping.StopNotice(0, "time_limit", "SIGUSR2", 1000.0, 1120.0)
     assert stopping.enforce_in(tl, 1000.0) == 110.0             # 10 s before the limit
     assert stopping.enforce_in(tl, 1110.0) == 5.0               # at most half of what is left
     assert stopping.enforce_in(tl, 1130.0) == 0.0               # late: at once
-    assert stopping.enforce_in(stopping.StopNotice(0, "preempted", "SIGUSR2", 1.0, 31.0), 1.0) is None
+    pre = stopping.StopNotice(0, "preempted", "SIGUSR2", 1.0, 31.0)
+    assert stopping.enforce_in(pre, 1.0) == 27.0                 # 3 s before Slurm's SIGTERM
+    assert stopping.enforce_in(stopping.StopNotice(0, "preempted", "SIGUSR2", 1.0, 11.0), 1.0) == 7.5
     assert stopping.enforce_in(stopping.StopNotice(0, "time_limit", "SIGTERM", 1.0, 1.0), 1.0) is None
