@@ -56,6 +56,20 @@ def tag(job_id: str, allocation: int) -> str:
     return f"continue-{job_id}-alloc-{allocation}"
 
 
+def _cancelled(client: object, job_id: str) -> bool:
+    """Whether accounting says ``job_id`` was cancelled. While the job's processes are still
+    ending, ``scontrol show job`` says COMPLETING, but sacct already says ``CANCELLED by UID``;
+    a cancelled job must not come back as a new one. Without accounting: False."""
+    from hpc.contract.slurm import SlurmError
+
+    try:
+        records = client.accounting([job_id])  # type: ignore[attr-defined]
+    except SlurmError:
+        return False
+    return any(r.job_id == job_id and r.step is None and r.raw_state.startswith("CANCELLED")
+               for r in records)
+
+
 def continue_as_new_job(job_dir: Path, spec: JobSpec, *, job_id: str, allocation: int,
                         reason: str, set_by_launcher: Iterable[str] = (),
                         client: object | None = None,
@@ -80,6 +94,9 @@ def continue_as_new_job(job_dir: Path, spec: JobSpec, *, job_id: str, allocation
         log.info("the continuation of job %s (allocation %d) is another node's", job_id, allocation)
         return None
     client = client or SlurmClient(submission_env(env, set_by_launcher))
+    if _cancelled(client, job_id):
+        log.warning("job %s was cancelled (scancel): not continuing it", job_id)
+        return None
     try:
         new_id = client.submit(script, submission_args(job_id), tag=tag(job_id, allocation))  # type: ignore[attr-defined]
     except SlurmError as e:

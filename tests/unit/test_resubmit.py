@@ -3,7 +3,6 @@ directory, exactly once per allocation, chained after the old job (runtime/resub
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,16 @@ class FakeClient:
     def __init__(self, new_id: str = "62", fail: bool = False) -> None:
         self.calls: list[tuple] = []
         self.new_id, self.fail = new_id, fail
+
+    cancelled = False
+
+    def accounting(self, ids):
+        from hpc.contract.slurm_parse import parse_sacct
+        if not self.cancelled:
+            raise SlurmError("sacct failed: no accounting storage", ["sacct"], 1, "")
+        # what sacct says while the cancelled job's processes are still ending (COMPLETING)
+        return parse_sacct("61|61|sleeper|debug|CANCELLED by 0|0:0|00:01:02|node[1-2]|"
+                           "2026-11-24T22:57:46|2026-11-24T22:57:48|2026-11-24T22:57:40|None|\n")
 
     def submit(self, script, args, tag=None):
         self.calls.append((script, list(args), tag))
@@ -108,3 +117,11 @@ def test_status_shows_each_job_its_own_allocations_and_the_chain(tmp_path: Path)
     assert [(o.allocation, o.kind) for o in outs["62"]] == [(0, "finished")]
     views = [_with_chain(v) for v in build_views([old, new], {}, (), outs)]
     assert views[0].chain == "continued as job 62" and views[1].chain == "continues job 61"
+
+
+def test_a_cancelled_job_is_not_continued(tmp_path: Path) -> None:
+    job, spec = _job(tmp_path)
+    client = FakeClient()
+    client.cancelled = True
+    assert continue_as_new_job(job, spec, job_id="61", allocation=0, reason="x", client=client) is None
+    assert client.calls == [] and (job / jobdir.SLURM_JOB_ID).read_text() == "61\n"
