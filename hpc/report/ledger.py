@@ -223,8 +223,9 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
     Args:
         events: The job's events (``events.jsonl`` plus ``hang`` events from ``hangs.jsonl``).
         outcomes: ``outcomes.jsonl`` records (dicts): the kind and last step of each allocation.
-        slurm_runs: Per allocation, Slurm's ``submit``/``start``/``end`` (epoch seconds) and
-            ``node_ends`` (node -> when it left the allocation), when known.
+        slurm_runs: Slurm's runs of the job (``submit``/``start``/``end`` in epoch seconds and
+            ``node_ends``: node -> when it left), when known; each allocation takes the run
+            whose time holds its events.
         prior_mtbf_s: The cluster's prior mean time between interruptions (for the interval).
         current: (allocation, restart) of a worker group still running (a ledger "so far"),
             whose missing end is no interruption.
@@ -253,7 +254,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
     allocations = []
     for alloc, aevs in sorted(by_alloc.items()):
         allocations.append(_allocation(alloc, aevs, [i for i in incs if i.alloc == alloc], incs,
-                                       lost_by_inc, outcome_of.get(alloc), slurm_runs.get(alloc)))
+                                       lost_by_inc, outcome_of.get(alloc), _match_run(slurm_runs, aevs)))
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for a in allocations:
         for c, v in a.categories.items():
@@ -274,6 +275,25 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
     return Ledger(allocations, totals, sum(a.node_s for a in allocations),
                   sum(queues) if queues else None, sum(lost_by_inc.values()),
                   hist.interruptions, interval, checkpoints)
+
+
+def _match_run(runs: Mapping[int, Mapping[str, Any]], aevs: list[Mapping[str, Any]]
+               ) -> Mapping[str, Any] | None:
+    """Slurm's run of this allocation: the one whose start..end holds the allocation's events.
+
+    Matched by time, not by order: sacct may list runs of an older job with the same id (ids
+    wrap, a test cluster starts again at 1), or miss one.
+    """
+    t0, t1 = float(aevs[0]["t"]), float(aevs[-1]["t"])
+    best, overlap = None, 0.0
+    for run in runs.values():
+        start, end = run.get("start"), run.get("end")
+        if start is None:
+            continue
+        lo, hi = max(t0, float(start) - 5.0), min(t1, (float(end) if end is not None else t1) + 5.0)
+        if hi - lo > overlap or (hi >= lo and best is None and t0 == t1):
+            best, overlap = run, hi - lo
+    return best
 
 
 def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnation],

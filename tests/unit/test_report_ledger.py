@@ -243,3 +243,13 @@ def test_recorded_cluster_stream_preemption_then_node_crash():
         assert a.categories["unaccounted"] < 0.01 * a.node_s
     assert led.interruptions == 2
     assert [m.kind for m in a1.markers].count("restart") == 1
+
+
+def test_slurm_runs_are_matched_by_time_not_by_order():
+    # sacct lists an older job with the same id first (ids wrap; a test cluster restarts at 1)
+    runs = {0: {"submit": -1000.0, "start": -900.0, "end": -800.0, "node_ends": {}},
+            1: {"submit": -20.0, "start": 0.0, "end": 100.0, "node_ends": {}}}
+    (a,) = build(clean_run(), slurm_runs=runs).allocations
+    assert a.queue_s == 20.0 and a.start == 0.0
+    (b,) = build(clean_run(), slurm_runs={0: runs[0]}).allocations   # only a stranger's run
+    assert b.queue_s is None
