@@ -58,6 +58,9 @@ RDZV_CONF: dict[str, Any] = {
     "keep_alive_max_attempt": 5,
 }
 
+# A rendezvous store silent this long (from a node that is not its host): the host is lost.
+STORE_LOST_S = 10.0
+
 # Variables that only make sense in the process that set them, never in a job's workers.
 INHERITED_ONLY = {
     # wandb writes its service's socket here in any process that used wandb (a notebook, a
@@ -261,7 +264,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
             board.publish(epoch)
     epochs: list[str] = []
     while True:
-        end = _run_agent(plan, forwarder, epoch.index, board if slurm.active else None)
+        end = _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
+                         members=len(epoch.members))
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
             break
@@ -273,7 +277,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
 
 
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
-               board: succession.Board | None) -> outcome.AgentEnd:
+               board: succession.Board | None, members: int = 0) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
     Slurm, the fence: a newer epoch decided without this node stops its workers."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -297,7 +301,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
                                 run_id=plan.run_id, max_nodes=plan.nnodes[1])
     watchdog.start()
-    fence = _Fence(board, epoch) if board is not None and plan.nnodes[1] > 1 else None
+    fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
+                   tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \
+        if board is not None and plan.nnodes[1] > 1 else None
     if fence is not None:
         fence.start()
     started = time.time()
@@ -306,7 +312,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
-                lambda: bool(forwarder.received) or (fence is not None and fence.replaced is not None)):
+                lambda: bool(forwarder.received) or (fence is not None and fence.acted)):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
@@ -330,7 +336,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         forwarder.stop.cancel()   # the workers ended: no time-limit SIGTERM now
     if fence is not None:
         fence.stop()
-        if fence.replaced is not None:
+        if fence.host_lost is not None and fence.replaced is None:
+            result, reason = "rendezvous", fence.host_lost
+        elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
     return outcome.AgentEnd(result, reason, started, watchdog)
 
@@ -345,8 +353,9 @@ def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.Agent
     if outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=2.0) is not None:
         return None
     if not _controller_reachable():
-        log.warning("lost the rendezvous host %s and Slurm's controller: this node is the one "
-                    "cut off; it does not take part in a new epoch", epoch.host)
+        end.result = "fenced"
+        end.reason = (f"lost the rendezvous host {epoch.host} and Slurm's controller: this node is "
+                      "the one cut off; it takes no part in a new epoch")
         return None
     log.warning("lost the rendezvous host %s (%s): electing a new one among the survivors",
                 epoch.host, end.reason)
@@ -386,31 +395,71 @@ def _controller_reachable() -> bool:
 
 
 class _Fence(threading.Thread):
-    """Watches the job directory for a rendezvous decision that left this node out (a newer
-    epoch, or the others' election after they lost this node as their host); then stops the
-    workers and the agent at once: the survivors own the allocation now."""
+    """Watches, once a second, for the rendezvous faults that no process exit reports.
 
-    def __init__(self, board: succession.Board, epoch: int) -> None:
+    * A decision that left this node out (a newer epoch, or the others' election after they
+      lost this node as their host): the survivors own the allocation, so stop.
+    * On the rendezvous host: its peers stopped answering the store and they were a majority
+      of the epoch, and Slurm's controller does not answer either: this node is the one cut
+      off, so stop rather than re-form alone (MIN may allow it) next to the real survivors.
+    * On any other node: the store has not answered for :data:`STORE_LOST_S`: the host is lost;
+      end the agent (torch's own rendezvous would wait for the cut host for many minutes) and
+      let the survivors elect a new one.
+
+    Stopping is: SIGKILL the workers, SIGQUIT this process (torch's agent ends on it).
+    """
+
+    def __init__(self, board: succession.Board, epoch: int, *, members: int, is_host: bool,
+                 tracker: Any = None) -> None:
         super().__init__(name="hpc-fence", daemon=True)
-        self.board, self.epoch = board, epoch
+        self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
+        self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
         self.replaced: str | None = None
+        self.host_lost: str | None = None
         self._stop_event = threading.Event()
+
+    @property
+    def acted(self) -> bool:
+        return self.replaced is not None or self.host_lost is not None
 
     def run(self) -> None:
         host = socket.gethostname()
         while not self._stop_event.wait(1.0):
-            why = self.board.fenced(self.epoch, host)
-            if why is None:
-                continue
-            self.replaced = why
-            log.warning("fenced: %s; stopping this node's workers and agent", why)
-            for pid in _children(os.getpid()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
-            return
+            why = self.board.fenced(self.epoch, host) or self._majority_lost()
+            if why is not None:
+                self.replaced = why
+            else:
+                self.host_lost = self._store_lost()
+            if self.acted:
+                log.warning("%s; stopping this node's workers and agent", self.replaced or self.host_lost)
+                for pid in _children(os.getpid()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
+                return
+
+    def _store_lost(self) -> str | None:
+        t = self.tracker
+        if self.is_host or t is None or t.store_ok_at is None:
+            return None
+        silent = time.monotonic() - t.store_ok_at
+        if silent < STORE_LOST_S:
+            return None
+        return f"the rendezvous store has not answered for {silent:.0f}s: its host is lost"
+
+    def _majority_lost(self) -> str | None:
+        t = self.tracker
+        if not self.is_host or t is None or self.members < 2:
+            return None
+        lost = t.lost(time.monotonic())
+        left = self.members - len(lost)
+        if not lost or left * 2 > self.members or _controller_reachable():
+            return None
+        names = ", ".join(t.name(r) for r in lost)
+        return (f"cut off: {left} of {self.members} nodes left here (lost {names}) and Slurm's "
+                "controller does not answer; the others may go on without this node")
 
     def stop(self) -> None:
         self._stop_event.set()
