@@ -138,11 +138,29 @@ def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     sc.restore(cluster)
 
 
+def succession_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
+    """The rendezvous host lost (issue 12): the survivors elect a new host, same allocation."""
+    for fault, key in ((sc.crash, "rdzv_node_crash"), (sc.cut, "rdzv_node_cut")):
+        job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
+        wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
+             "step 10 on 3 nodes")
+        before = progress(job)["step"]
+        t = time.time()
+        fault(cluster, "node1")
+        wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"]
+             and progress(job)["time"] > t, 300, "training on the survivors under a new host")
+        res[f"{key}_to_resume_s"] = progress(job)["time"] - t
+        res[f"{key}_steps_lost"] = before - progress(job)["start_step"]
+        b.cancel(job_id)
+        sc.restore(cluster)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="")
-    p.add_argument("--only", choices=("all", "liveness"), default="all",
-                   help="liveness: the cold start, then the worker freeze and the link cut only")
+    p.add_argument("--only", choices=("all", "liveness", "succession"), default="all",
+                   help="liveness: the cold start, then the worker freeze and the link cut only; "
+                        "succession: the cold start, then the rendezvous node crashed and cut")
     args = p.parse_args()
     sc = _cluster()
     cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", "/run/hpc-test-cluster")), 3)
@@ -156,9 +174,9 @@ def main() -> None:
         # Baseline: cold start, submit -> first completed step.
         job_id, job, t0 = b.submit("--nodes", "2")
         res["cold_start_s"] = wait(lambda: progress(job).get("step", 0) >= 1, 180, "first step") - t0
-        if args.only == "liveness":
+        if args.only in ("liveness", "succession"):
             b.cancel(job_id)
-            stall_cases(b, sc, cluster, res)
+            (stall_cases if args.only == "liveness" else succession_cases)(b, sc, cluster, res)
             report(res, args.json)
             return
 
@@ -203,6 +221,7 @@ def main() -> None:
         b.cancel(job_id)
         sc.restore(cluster)
         stall_cases(b, sc, cluster, res)
+        succession_cases(b, sc, cluster, res)
     report(res, args.json)
 
 
@@ -214,7 +233,9 @@ def report(res: dict[str, float], json_path: str) -> None:
                       ("worker_crash_to_resume_s", "worker_crash_steps_lost"),
                       ("node_crash_to_resume_s", "node_crash_steps_lost"),
                       ("worker_freeze_to_resume_s", "worker_freeze_steps_lost"),
-                      ("node_cut_to_resume_s", "node_cut_steps_lost")):
+                      ("node_cut_to_resume_s", "node_cut_steps_lost"),
+                      ("rdzv_node_crash_to_resume_s", "rdzv_node_crash_steps_lost"),
+                      ("rdzv_node_cut_to_resume_s", "rdzv_node_cut_steps_lost")):
         if key in res:
             print(f"{key:<28} | {res[key]:8.2f} | {res[key] / cold:12.2f} | {res.get(lost, '-') if lost else 0}")
     if json_path:
