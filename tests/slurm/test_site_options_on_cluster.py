@@ -178,3 +178,56 @@ def test_container_requeue_is_done_by_the_batch_shell(env, tmp_path: Path) -> No
     assert len(deadlines) == 4 and all(d.split()[1].isdigit() for d in deadlines), deadlines
     end = int(deadlines[0].split()[1])
     assert abs(end - time.time()) < 15 * 60, deadlines
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from tests.slurm.test_fault_tolerance import _baseline
+    return _baseline(tmp_path_factory.mktemp("baseline"))
+
+
+def sacct_times(env: dict[str, str], *job_ids: str) -> dict[str, tuple[str, str]]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,Start,End"],
+                         env=env, capture_output=True, text=True).stdout
+    return {line.split("|")[0]: tuple(line.split("|")[1:3]) for line in out.splitlines() if line}
+
+
+def test_where_slurm_refuses_the_requeue_the_job_continues_as_a_new_job(env, tmp_path: Path,
+                                                                         baseline) -> None:
+    """Requeue=0 on the job (what JobRequeue=0 or a site's forced --no-requeue give): the
+    stopped job is continued once, as a new job chained after it, from its checkpoint, with the
+    same W&B run and the same sample order as an uninterrupted run."""
+    from tests.slurm.test_fault_tolerance import assert_same_as_baseline
+
+    job = tmp_path / "no requeue"
+    r = hpc(env, "submit", str(TRAIN), "--nodes", "2", "--nproc-per-node", "2", "--time", "10",
+            "--job-dir", str(job), "--checkpoint-every-steps", "2",
+            "--", "--preset", "tiny", "--step-sleep", "0.3")
+    assert r.returncode == 0, r.stderr
+    old = (job / "slurm_job_id").read_text().strip()
+    subprocess.run(["scontrol", "update", f"JobId={old}", "Requeue=0"], env=env, check=True)
+    wait_until(lambda: (job / "progress.json").exists()
+               and json.loads((job / "progress.json").read_text()).get("step", 0) >= 6, 240,
+               "training to step 6")
+    wandb_id = (job / "wandb_run_id").read_text()
+    subprocess.run(["scancel", "--signal=USR2", old], env=env, check=True)
+    wait_until(lambda: (job / "resubmissions.jsonl").exists(), 120,
+               f"the continuation; outcomes {outcomes(job)}; {batch_log(job)[-2000:]}")
+    new = (job / "slurm_job_id").read_text().strip()
+    wait_until(lambda: squeue(env, new) in ("", "COMPLETED") and squeue(env, old) in ("", "FAILED", "COMPLETED"),
+               300, f"job {new} to finish; outcomes {outcomes(job)}")
+    links = [json.loads(x) for x in (job / "resubmissions.jsonl").read_text().splitlines()]
+    assert [(x["previous"], x["job_id"], x["allocation_base"]) for x in links] == [(old, new, 1)]
+    assert new != old
+    done = [(o["allocation"], o["kind"], o["slurm_job_id"]) for o in outcomes(job)]
+    assert done[0][0] == 0 and done[0][1] in ("preempted", "time_limit") and done[0][2] == old, done
+    assert done[-1] == (1, "finished", new), done
+    assert (job / "wandb_run_id").read_text() == wandb_id
+    assert_same_as_baseline(job, baseline)            # same W&B run, same samples and weights
+    times = sacct_times(env, old, new)
+    if old in times and new in times and times[old][1] not in ("", "Unknown"):
+        assert times[new][0] >= times[old][1], times   # chained: never both running
+    index = [json.loads(x) for x in (Path(env["HPC_HOME"]) / "jobs.jsonl").read_text().splitlines()]
+    assert [x["job_id"] for x in index] == [old, new]    # one continuation, recorded once
+    st = hpc(env, "status", old, new)
+    assert f"continued as job {new}" in st.stdout and f"continues job {old}" in st.stdout, st.stdout
