@@ -309,7 +309,7 @@ class JobSpec:
                             "--exclude node[3-4]")
     gpu_type: str = _str_opt("", "GPU type for typed GPUs: Slurm's --gres=gpu:TYPE:N with N from "
                              "--gpus-per-node (needs --gpus-per-node).",
-                             _name("--gpu-type a100"), "--gpu-type a100")
+                             _name("--gpu-type a100"), "--gpu-type a100", metavar="TYPE")
     exclusive: bool = _bool_opt("Whole nodes for this job (sbatch --exclusive); --no-exclusive "
                                 "undoes a profile's.", "--exclusive")
     reservation: str = _str_opt("", "Slurm reservation.", _name("--reservation maint", ","),
@@ -346,7 +346,8 @@ class JobSpec:
                                     "(pyxis: a registry reference or .sqsh file; Apptainer: a "
                                     ".sif file or docker:// URI).",
                                     _path("--container-image nvcr.io#nvidia/pytorch:24.05-py3"),
-                                    "--container-image nvcr.io#nvidia/pytorch:24.05-py3")
+                                    "--container-image nvcr.io#nvidia/pytorch:24.05-py3",
+                                    metavar="IMAGE")
     container_mounts: tuple[str, ...] = _opt(
         (), "Extra container mounts SRC[:DST[:FLAGS]] (repeatable); the job, checkpoint and "
         "script directories are always mounted.", _lines(values.check_mount, "--container-mounts "
@@ -355,7 +356,8 @@ class JobSpec:
     container_runtime: str = _opt("pyxis", "How --container-image runs: pyxis (srun "
                                   "--container-image) or apptainer (apptainer exec).",
                                   _choice(CONTAINER_RUNTIMES), check=_in(CONTAINER_RUNTIMES),
-                                  example="--container-runtime apptainer")
+                                  example="--container-runtime apptainer",
+                                  metavar="pyxis|apptainer")
     # --- keeping it alive ----------------------------------------------------------------
     signal: str = _opt(components.PREEMPTION.signal,
                        "Warning signal Slurm sends before the time limit.",
