@@ -245,7 +245,7 @@ def _children(ppid: int) -> list[int]:
     return out
 
 
-def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
+def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None = None) -> int:
     """Runs the elastic agent for ``plan`` (again, with a new rendezvous host, when the old one
     is lost and a majority survives: :mod:`runtime.succession`); returns the exit status."""
     for change in plan.env_changes:
@@ -262,10 +262,16 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder) -> int:
         epoch = succession.epoch_zero(plan.rdzv_endpoint.rsplit(":", 1)[0], order)
         if slurm.active and plan.is_rdzv_host and plan.nnodes[1] > 1:
             board.publish(epoch)
+    elif epoch.index > 0 and me in epoch.members:
+        plan = _plan_for_epoch(plan, epoch, me)   # restarted, or joining later: the current host
     epochs: list[str] = []
+    pending = None
+    if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
+        pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
     while True:
-        end = _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
-                         members=len(epoch.members))
+        end = pending or _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
+                                    members=len(epoch.members))
+        pending = None
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
             break
@@ -305,6 +311,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \
         if board is not None and plan.nnodes[1] > 1 else None
     if fence is not None:
+        fence.relaunch = lambda: not forwarder.received
         fence.start()
     started = time.time()
     reason, result = "", "succeeded"
@@ -394,6 +401,32 @@ def _controller_reachable() -> bool:
         return False
 
 
+_ARGV: list[str] = []   # this launcher's arguments (main), to restart it as itself
+
+
+def _restart_launcher(children: list[int], epoch: int) -> None:
+    """Replaces this process with a fresh launcher that goes straight to the election.
+
+    torch's agent cannot be interrupted while it blocks on a store whose host is cut off
+    (minutes: its shutdown and re-rendezvous both talk to that store). The workers are
+    already killed; the new image keeps the PID (Slurm's task, the batch script's srun) and
+    starts with ``--lost-host EPOCH``.
+    """
+    deadline = time.monotonic() + 3.0
+    while children and time.monotonic() < deadline:   # reap the killed workers
+        for pid in list(children):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    children.remove(pid)
+            except ChildProcessError:
+                children.remove(pid)
+        time.sleep(0.05)
+    log.warning("restarting this launcher to elect a new rendezvous host (epoch %d's is lost)", epoch)
+    logging.shutdown()
+    args = [a for a in _ARGV if not a.startswith("--lost-host")]
+    os.execv(sys.executable, [sys.executable, "-m", "runtime.launch", *args, f"--lost-host={epoch}"])
+
+
 class _Fence(threading.Thread):
     """Watches, once a second, for the rendezvous faults that no process exit reports.
 
@@ -416,6 +449,7 @@ class _Fence(threading.Thread):
         self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
         self.replaced: str | None = None
         self.host_lost: str | None = None
+        self.relaunch: Any = None     # () -> bool: may this launcher restart itself now?
         self._stop_event = threading.Event()
 
     @property
@@ -432,11 +466,14 @@ class _Fence(threading.Thread):
                 self.host_lost = self._store_lost()
             if self.acted:
                 log.warning("%s; stopping this node's workers and agent", self.replaced or self.host_lost)
-                for pid in _children(os.getpid()):
+                children = _children(os.getpid())
+                for pid in children:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                if self.host_lost is not None and self.relaunch is not None and self.relaunch():
+                    _restart_launcher(children, self.epoch)   # does not return
                 os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
                 return
 
@@ -514,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-id", default=None, help="rendezvous id (default: the Slurm job id)")
     p.add_argument("--local", action="store_true",
                    help="all nodes are on this machine (hpc run): loopback rendezvous is fine")
+    p.add_argument("--lost-host", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    _ARGV[:] = [a for a in (sys.argv[1:] if argv is None else argv)]
 
     job_dir = Path(args.job_dir).absolute()
     args.rdzv_host = (args.rdzv_host or os.environ.get(job_env.RDZV_HOST)
@@ -556,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
     events = LauncherRecorder(job_dir, allocation=plan.allocation, node_rank=node_rank,
                               slurm_job_id=slurm.job_id)   # events.jsonl: the allocation's frame
-    code = run(plan, forwarder)
+    code = run(plan, forwarder, lost_epoch=args.lost_host)
     events.end(code, forwarder.received)
     return code
 
