@@ -64,6 +64,18 @@ class AgentEnd:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# What scontrol says when the cluster or the job forbids a requeue (JobRequeue=0, --no-requeue
+# forced, PreemptMode=CANCEL). Any other failure (the job is already being requeued or ending,
+# the controller is away) must not start a second job: only these continue as a new job.
+REQUEUE_REFUSED = ("presently disabled", "not requeueable", "requeue is disabled")
+
+
+def requeue_refused(stderr: str) -> bool:
+    """True when ``scontrol requeue`` failed because requeueing is not allowed here (pure)."""
+    text = stderr.lower()
+    return any(m in text for m in REQUEUE_REFUSED)
+
+
 def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> str:
     """The allocation's outcome kind from the agent's result and rank 0's exit intent (pure)."""
     if result == "succeeded":
@@ -176,11 +188,12 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
         try:
             SlurmClient().requeue(slurm.job_id)
             log.warning("requeued job %s (%s)", slurm.job_id, decision.reason)
-        except SlurmError as e:   # this cluster cannot requeue: continue as a new job, once
+        except SlurmError as e:
             log.error("could not requeue job %s: %s", slurm.job_id, e)
-            continue_as_new_job(plan.job_dir, spec, job_id=slurm.job_id,
-                                allocation=plan.allocation, reason=decision.reason,
-                                set_by_launcher=plan.worker_env)
+            if requeue_refused(e.stderr or str(e)):   # the cluster forbids it: continue, once
+                continue_as_new_job(plan.job_dir, spec, job_id=slurm.job_id,
+                                    allocation=plan.allocation, reason=decision.reason,
+                                    set_by_launcher=plan.worker_env)
     elif batch_host_lost and records and slurm.active and claim(plan.job_dir, plan.allocation, "end"):
         _end_allocation(slurm.job_id, kind)
     return code

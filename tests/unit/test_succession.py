@@ -86,3 +86,11 @@ def test_checkpoint_commits_are_refused_for_a_fenced_epoch(tmp_path: Path, monke
     Board(tmp_path, 0).announce(1, "node3")
     run_election(Board(tmp_path, 0), E0, "node2", order=ORDER, min_nodes=1, window_s=0.1)
     assert "fenced off" in succession.fence_reason(env)
+
+
+def test_only_a_refused_requeue_continues_as_a_new_job() -> None:
+    from runtime.outcome import requeue_refused
+
+    assert requeue_refused("scontrol: error: Requested operation is presently disabled for job 12")
+    assert not requeue_refused("scontrol: error: Job is pending execution")
+    assert not requeue_refused("scontrol: error: Unable to contact slurm controller (connect failure)")
