@@ -120,12 +120,18 @@ def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Ou
 
 
 def cancelled_by_user(job_id: str) -> bool:
-    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart."""
+    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart.
+
+    After ``scancel`` the job is CANCELLED, and while its processes (this launcher among
+    them) are still ending, ``scontrol`` shows it as COMPLETING. A preempted job that saved in
+    its grace time, or one warned of its time limit, is still RUNNING when we ask.
+    """
     from hpc.contract.slurm import SlurmClient, SlurmError
     from hpc.contract.slurm_parse import JobState
 
     try:
-        return SlurmClient(retry_total_s=20).show_job(job_id).state == JobState.CANCELLED
+        state = SlurmClient(retry_total_s=20).show_job(job_id).state
+        return state in (JobState.CANCELLED, JobState.COMPLETING)
     except SlurmError as e:
         log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
         return False
