@@ -119,19 +119,23 @@ def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Ou
         time.sleep(0.5)
 
 
-def cancelled_by_user(job_id: str) -> bool:
+def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
     """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart.
 
     After ``scancel`` the job is CANCELLED, and while its processes (this launcher among
     them) are still ending, ``scontrol`` shows it as COMPLETING. A preempted job that saved in
-    its grace time, or one warned of its time limit, is still RUNNING when we ask.
+    its grace time, or one warned of its time limit, is still RUNNING when we ask, unless
+    another node of ours has already requeued it (its claim file says so): then COMPLETING is
+    that requeue's doing, not a user's.
     """
     from hpc.contract.slurm import SlurmClient, SlurmError
     from hpc.contract.slurm_parse import JobState
 
     try:
         state = SlurmClient(retry_total_s=20).show_job(job_id).state
-        return state in (JobState.CANCELLED, JobState.COMPLETING)
+        if state == JobState.COMPLETING:
+            return not jobdir.claim_path(job_dir, allocation, "requeue").exists()
+        return state == JobState.CANCELLED
     except SlurmError as e:
         log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
         return False
@@ -173,7 +177,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code
     if (kind == "preempted" and slurm.active and not spec.container_image
-            and cancelled_by_user(slurm.job_id)):
+            and cancelled_by_user(slurm.job_id, plan.job_dir, plan.allocation)):
         kind, code = "cancelled", EXIT_CODES["cancelled"]
         reason = f"cancelled (scancel) while running; {reason}"
     decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,
