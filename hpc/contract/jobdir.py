@@ -67,14 +67,14 @@ OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_err
 
 
 def default_job_dir(name: str, root: Path | None = None, now: float | None = None) -> Path:
-    """``./jobs/<name>-<YYYYmmdd-HHMMSS>-<6 hex>``: unique even for launches in the same second.
+    """``./jobs/<name>-<YYYYmmdd-HHMMSS>-<8 hex>``: unique even for launches in the same second.
 
-    The time makes the name readable and sortable; the random suffix (24 bits) keeps parallel
+    The time makes the name readable and sortable; the random suffix (32 bits) keeps parallel
     launches apart, and :func:`create` makes a new directory with ``exist_ok=False``.
     """
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "job"
-    return (root or Path.cwd() / "jobs") / f"{safe}-{stamp}-{secrets.token_hex(3)}"
+    return (root or Path.cwd() / "jobs") / f"{safe}-{stamp}-{secrets.token_hex(4)}"
 
 
 def is_job_dir(path: Path) -> bool:
