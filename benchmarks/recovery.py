@@ -109,6 +109,25 @@ def worker_pids(ns: str) -> list[int]:
     return pids
 
 
+def node_fault(b: Bench, sc, cluster, res: dict[str, float], fault, node: str, key: str,
+               timeout: float, *, at_progress: bool = False) -> None:
+    """A 3-node job at step 10, ``fault`` on ``node``, then training on 2 nodes again:
+    ``res[key + "_to_resume_s"]`` and the steps lost. ``at_progress``: stop the clock at the
+    progress record's own time (the record may be read a poll later)."""
+    job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
+    wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
+         "step 10 on 3 nodes")
+    before = progress(job)["step"]
+    t = time.time()
+    fault(cluster, node)
+    wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"]
+         and (not at_progress or progress(job)["time"] > t), timeout, f"training on the survivors ({key})")
+    res[f"{key}_to_resume_s"] = (progress(job)["time"] if at_progress else time.time()) - t
+    res[f"{key}_steps_lost"] = before - progress(job)["start_step"]
+    b.cancel(job_id)
+    sc.restore(cluster)
+
+
 def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     """The two stalls that kill no process (issue 11): a frozen worker, a cut link."""
     # 5. Worker SIGSTOP -> the stall watch kills the node's workers -> a step completes.
@@ -124,35 +143,13 @@ def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     b.cancel(job_id)
 
     # 6. Link of a non-rendezvous node cut -> the survivors complete a step.
-    job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
-    wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
-         "step 10 on 3 nodes")
-    before = progress(job)["step"]
-    t = time.time()
-    sc.cut(cluster, "node3")
-    wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"],
-         300, "training on the survivors after the cut")
-    res["node_cut_to_resume_s"] = time.time() - t
-    res["node_cut_steps_lost"] = before - progress(job)["start_step"]
-    b.cancel(job_id)
-    sc.restore(cluster)
+    node_fault(b, sc, cluster, res, sc.cut, "node3", "node_cut", 300)
 
 
 def succession_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     """The rendezvous host lost (issue 12): the survivors elect a new host, same allocation."""
     for fault, key in ((sc.crash, "rdzv_node_crash"), (sc.cut, "rdzv_node_cut")):
-        job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
-        wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
-             "step 10 on 3 nodes")
-        before = progress(job)["step"]
-        t = time.time()
-        fault(cluster, "node1")
-        wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"]
-             and progress(job)["time"] > t, 300, "training on the survivors under a new host")
-        res[f"{key}_to_resume_s"] = progress(job)["time"] - t
-        res[f"{key}_steps_lost"] = before - progress(job)["start_step"]
-        b.cancel(job_id)
-        sc.restore(cluster)
+        node_fault(b, sc, cluster, res, fault, "node1", key, 300, at_progress=True)
 
 
 def main() -> None:
@@ -208,18 +205,7 @@ def main() -> None:
         b.cancel(job_id)
 
         # 3. Node crash (not the rendezvous host) -> the survivors complete a step.
-        job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
-        wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
-             "step 10 on 3 nodes")
-        before = progress(job)["step"]
-        t = time.time()
-        sc.crash(cluster, "node3")
-        wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"],
-             180, "training on the survivors")
-        res["node_crash_to_resume_s"] = time.time() - t
-        res["node_crash_steps_lost"] = before - progress(job)["start_step"]
-        b.cancel(job_id)
-        sc.restore(cluster)
+        node_fault(b, sc, cluster, res, sc.crash, "node3", "node_crash", 180)
         stall_cases(b, sc, cluster, res)
         succession_cases(b, sc, cluster, res)
     report(res, args.json)
