@@ -9,6 +9,7 @@ the reason; it never skips silently. ``HPC_KEEP_CLUSTER=1`` keeps a cluster this
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import sys
@@ -99,8 +100,27 @@ class SlurmTestCluster:
         sc.restore(self.cluster)
 
 
+# One cluster per machine: concurrent test sessions (several checkouts, pytest-xdist workers) take
+# turns. Not /tmp/hpc-slurm.lock, which people wrap whole pytest runs in by hand.
+CLUSTER_LOCK = Path("/run/hpc-test-cluster.lock")
+
+
 @pytest.fixture(scope="session")
-def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[SlurmTestCluster]:
+def _cluster_turn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Hold the machine's cluster lock for this session's slurm tests."""
+    with open(CLUSTER_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"\nslurm test cluster busy ({CLUSTER_LOCK}): waiting for the other session")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request: pytest.FixtureRequest, _cluster_turn: None) -> Iterator[SlurmTestCluster]:
     """The session's Slurm cluster (brought up, or reused when already up and healthy)."""
     try:
         sc.check_prerequisites()
