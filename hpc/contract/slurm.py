@@ -81,7 +81,7 @@ class UnknownJobError(SlurmError):
     """The controller does not know the job (finished more than MinJobAge ago, or never ran)."""
 
 
-def is_transient(stderr: str) -> bool:
+def controller_unavailable(stderr: str) -> bool:
     """True if a failed command's stderr says the controller was unreachable or busy."""
     return any(marker.lower() in stderr.lower() for marker in TRANSIENT_MARKERS)
 
@@ -143,7 +143,7 @@ class SlurmClient:
                              "this on a login node of the cluster", argv, None, "") from exc
         if proc.returncode == 0 or any(s in proc.stderr for s in ok_stderr):
             return proc
-        cls = TransientSlurmError if is_transient(proc.stderr) else SlurmError
+        cls = TransientSlurmError if controller_unavailable(proc.stderr) else SlurmError
         raise cls(f"{what}: {_clean_stderr(proc.stderr)}", argv, proc.returncode, proc.stderr)
 
     def _retrying(self, fn: Callable[[], T], what: str) -> T:

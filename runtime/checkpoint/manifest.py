@@ -51,13 +51,13 @@ KEEP_QUARANTINED = 2
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.EAGAIN, errno.EINTR})
 
 
-def is_transient(exc: BaseException) -> bool:
+def is_retryable_fs_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a filesystem error that may succeed when retried."""
     return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
 
 
 #: Decorator: retry transient filesystem errors (5 attempts, 50 ms .. 1 s backoff).
-retry_transient = retry(retry=retry_if_exception(is_transient), stop=stop_after_attempt(5),
+retry_transient = retry(retry=retry_if_exception(is_retryable_fs_error), stop=stop_after_attempt(5),
                         wait=wait_exponential(multiplier=0.05, max=1.0), reraise=True)
 
 

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
-from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, is_transient
+from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, controller_unavailable
 
 pytestmark = pytest.mark.unit
 
@@ -48,10 +48,10 @@ def client(runner: ScriptedRunner) -> SlurmClient:
 
 
 def test_transient_markers() -> None:
-    assert is_transient(DOWN)
-    assert is_transient("squeue: error: slurm_receive_msg: Socket timed out on send/recv operation")
-    assert is_transient("sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying")
-    assert not is_transient((FIXTURES / "sbatch_error_invalid_partition.txt").read_text())
+    assert controller_unavailable(DOWN)
+    assert controller_unavailable("squeue: error: slurm_receive_msg: Socket timed out on send/recv operation")
+    assert controller_unavailable("sbatch: error: Slurm temporarily unable to accept job, sleeping and retrying")
+    assert not controller_unavailable((FIXTURES / "sbatch_error_invalid_partition.txt").read_text())
 
 
 def test_transient_error_is_retried_and_tag_looked_up_first() -> None:
