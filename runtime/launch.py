@@ -314,7 +314,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         fence.relaunch = lambda: not forwarder.received
         fence.start()
     started = time.time()
-    reason, result = "", "succeeded"
+    reason, result, exit_code = "", "succeeded", None
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
@@ -324,6 +324,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     except ChildFailedError as e:
         result = "failed"
         rank, failure = outcome.root_failure(e.failures)
+        exit_code = failure.exitcode
         reason = f"rank {rank} exited with {failure.exitcode}: {outcome.failure_message(failure.message)}".strip()
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"
@@ -347,7 +348,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
-    return outcome.AgentEnd(result, reason, started, watchdog)
+    return outcome.AgentEnd(result, reason, started, watchdog, exit_code=exit_code)
 
 
 def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.AgentEnd,

@@ -61,6 +61,7 @@ class AgentEnd:
     reason: str
     started: float
     watchdog: Any = None         # runtime.liveness.watchdog.Watchdog (its verdict amends the kind)
+    exit_code: int | None = None  # the root failing rank's exit status, when workers failed
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,7 +158,8 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     hangs = None
     if end.watchdog is not None:
         kind, reason, hangs = end.watchdog.amend(kind, reason)   # "hang" when a stall ended it
-    kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice)
+    kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice,
+                                          exit_code=end.exit_code)
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))

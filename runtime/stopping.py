@@ -46,6 +46,7 @@ from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from hpc.contract.environment import STOPPED_EXIT
 from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 
 log = logging.getLogger("hpc.launch")
@@ -190,14 +191,19 @@ def enforce_in(notice: StopNotice, now: float) -> float | None:
     return max(0.0, left - min(reserve_s, left * share))
 
 
-def amend_outcome(kind: str, reason: str, notice: StopNotice | None) -> tuple[str, str]:
+def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
+                  exit_code: int | None = None) -> tuple[str, str]:
     """The outcome of an allocation whose workers failed after a stop began (pure).
 
     Workers of a script that ignores the warning die of the SIGTERM that follows it: that is
-    the stop, not an application error, and the job must be requeued.
+    the stop, not an application error, and the job must be requeued. So is a script that
+    saved on the warning and exited with ``STOPPED_EXIT`` (75) ("not done yet"); an exit
+    status 0 means the work is done, and stays ``finished``.
     """
     if notice is None or kind != "app_error":
         return kind, reason
+    if exit_code == STOPPED_EXIT:
+        return notice.kind, f"{notice.signal} ({notice.kind}): the script stopped for it (exit {STOPPED_EXIT})"
     said = f"{notice.signal} ({notice.kind}): the workers did not stop by themselves"
     return notice.kind, f"{said}; {reason}" if reason else said
 

@@ -34,6 +34,9 @@ REQUEUE_COUNT = "HPC_REQUEUE_COUNT"      # how many times the job was requeued (
 RESTART_COUNT = "HPC_RESTART_COUNT"      # elastic restarts of the workers in this allocation
 WARNING_LEAD_S = "HPC_WARNING_LEAD_S"    # seconds from the time-limit warning to the time limit
 STOP_FILE = "HPC_STOP_FILE"              # JSON written when a stop begins: kind, signal, deadline
+# A script that saved on the warning and stopped before its work was done exits with this status
+# (EX_TEMPFAIL): the allocation is recorded as the stop and the job requeued. 0 means done.
+STOPPED_EXIT = 75
 
 
 # Fields written even when 0/False: a user's script reads "not resumed" from HPC_RESUMED=0.
