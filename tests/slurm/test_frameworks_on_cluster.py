@@ -1,0 +1,107 @@
+"""Lightning and Accelerate scripts, unchanged, under `hpc submit` on the real cluster (issue 15).
+
+The scripts are the examples users copy (examples/lightning_resume.py, accelerate_resume.py):
+their own checkpoints in ``HPC_CHECKPOINT_DIR``, resume on ``HPC_RESUMED=1``, save and exit 75
+on the warning. Each runs on 2 nodes x 1 process and must end with exactly the weights of
+`hpc run` at the same world size (2 processes on one machine), which runs meanwhile. The
+Lightning job is also preempted by a real higher-priority job: it must stop for the warning,
+be requeued once (by Slurm, not by Lightning's own SLURM auto-requeue, which must stay off:
+Lightning picks its TorchElasticEnvironment inside our step), and resume once from its
+``last.ckpt``. The Accelerate reference is itself run in two halves (the second resumes from
+``save_state``), so equal weights also show that its resume is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.test_fault_tolerance import hpc, outcomes, restarts, wait_done, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+LIGHTNING = REPO / "examples" / "lightning_resume.py"
+ACCELERATE = REPO / "examples" / "accelerate_resume.py"
+STEPS = 24
+
+
+@pytest.fixture
+def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
+    return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
+
+
+def local_run(script: Path, job: Path, *args: str) -> subprocess.Popen[str]:
+    """`hpc run` at world size 2 (one machine), started now, awaited by :func:`result_of`."""
+    return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "2",
+                             "--job-dir", str(job), "--", *args, "--out", str(job / "result.json")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def result_of(run: subprocess.Popen[str], job: Path) -> dict:
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-4000:]
+    return json.loads((job / "result.json").read_text())
+
+
+def submit(env: dict[str, str], script: Path, job: Path, *args: str) -> str:
+    r = hpc(env, "submit", str(script), "--nodes", "2", "--nproc-per-node", "1", "--partition", "debug",
+            "--job-dir", str(job), "--", *args, "--out", str(job / "result.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return (job / "slurm_job_id").read_text().strip()
+
+
+def rank0_log(job: Path, allocation: int) -> str:
+    return (job / f"logs/alloc-{allocation}/restart-0/rank-0.log").read_text(errors="replace")
+
+
+def test_preempted_lightning_job_resumes_once_and_ends_as_hpc_run_does(env, slurm_cluster, tmp_path):
+    job = tmp_path / "lightning"
+    job_id = submit(env, LIGHTNING, job, "--steps", str(STEPS), "--step-sleep", "0.3")
+    reference = local_run(LIGHTNING, tmp_path / "reference", "--steps", str(STEPS))
+    wait_until(lambda: (job / "checkpoints" / "last.ckpt").exists(), 240, "Lightning's first last.ckpt")
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
+                           "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
+                          capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+    wait_until(lambda: outcomes(job), 90, "allocation 0's outcome")
+    wait_done(env, job_id, job)
+
+    records = [(o["allocation"], o["kind"]) for o in outcomes(job)]
+    assert records == [(0, "preempted"), (1, "finished")], outcomes(job)
+    assert "the script stopped for it (exit 75)" in outcomes(job)[0]["reason"], outcomes(job)[0]
+    assert restarts(env, job_id) in (1, -1), "requeued more than once"
+    assert sorted(p.name for p in (job / "logs/alloc-0").glob("restart-*")) == ["restart-0"]
+    first, second = rank0_log(job, 0), rank0_log(job, 1)
+    assert "cluster environment TorchElasticEnvironment, fresh start" in first, first[-3000:]
+    stopped = [int(x.split("warning at step ")[1].split(":")[0]) for x in first.splitlines()
+               if "lightning_resume: warning at step" in x]
+    assert len(stopped) == 1 and 0 < stopped[0] < STEPS, first[-3000:]
+    assert second.count("Restoring states from the checkpoint path") == 1, second[-3000:]
+    assert f"lightning_resume: training from step {stopped[0]}" in second, second[-3000:]
+    everything = "".join(f.read_text(errors="replace") for f in job.glob("logs/**/*.log"))
+    assert "auto-requeue" not in everything and "requeing job" not in everything
+
+    submitted = json.loads((job / "result.json").read_text())
+    expected = result_of(reference, tmp_path / "reference")
+    assert submitted["steps"] == expected["steps"] == STEPS
+    assert submitted["weights"] == expected["weights"], (submitted["loss"], expected["loss"])
+
+
+def test_accelerate_script_on_two_nodes_ends_as_hpc_run_does(env, slurm_cluster, tmp_path):
+    job, ref = tmp_path / "accelerate", tmp_path / "reference"
+    job_id = submit(env, ACCELERATE, job, "--steps", str(STEPS))
+    half = local_run(ACCELERATE, ref, "--steps", str(STEPS // 2 + 1))
+    out, _ = half.communicate(timeout=300)
+    assert half.returncode == 0, out[-4000:]
+    expected = result_of(local_run(ACCELERATE, ref, "--steps", str(STEPS)), ref)
+    assert "resumed at step 10" in (ref / "logs/alloc-1/restart-0/rank-0.log").read_text()
+    wait_done(env, job_id, job)
+
+    assert [(o["allocation"], o["kind"]) for o in outcomes(job)] == [(0, "finished")], outcomes(job)
+    assert "world 2, DistributedType.MULTI_CPU, fresh start" in rank0_log(job, 0)
+    submitted = json.loads((job / "result.json").read_text())
+    assert submitted["steps"] == expected["steps"] == STEPS
+    assert submitted["weights"] == expected["weights"], (submitted["loss"], expected["loss"])
