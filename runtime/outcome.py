@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.contract import diskspace, jobdir
-from runtime import stopping
+from runtime import exclusions, stopping
 from runtime.env import SlurmEnv
+from runtime.liveness.stragglers import read as read_stragglers
 from runtime.requeue import claim, decide_requeue, request_batch_requeue
 from runtime.resubmit import continue_as_new_job
 
@@ -188,6 +189,8 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     records = plan.node_rank == 0 or (
         kind == "node_failure" and claim(plan.job_dir, plan.allocation, "record"))
     if records:
+        if slurm.active:
+            _note_lost_nodes(plan, slurm)
         _record(plan, kind, code, reason, hangs, end, slurm)
     log.info("requeue: %s", decision.reason)
     if decision.requeue and spec.container_image and claim(plan.job_dir, plan.allocation):
@@ -226,8 +229,30 @@ def _record(plan: LaunchPlan, kind: str, code: int, reason: str, hangs: Any, end
         node=socket.gethostname(), slurm_job_id=slurm.job_id,
         restarts=int(progress.get("restart", 0)), world_size=int(progress.get("world_size", 0)),
         start_step=progress.get("start_step"), last_step=last,
-        lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs,
-        succession=tuple(end.extra.get("epochs", ()))))
+        lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs or (),
+        succession=tuple(end.extra.get("epochs", ())),
+        excluded=tuple(ex.describe() for ex in exclusions.in_force(
+            plan.job_dir, min_nodes=plan.nnodes[0], partition=slurm.partition)),
+        stragglers=tuple(s.summary() for s in read_stragglers(plan.job_dir, plan.allocation))))
+
+
+def _note_lost_nodes(plan: LaunchPlan, slurm: SlurmEnv) -> None:
+    """Nodes Slurm dropped from the running job (a crash, a cut link: ``--no-kill`` keeps the
+    job on the others) are excluded from its next allocations."""
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm_parse import JobState, expand_hostlist
+
+    try:
+        info = SlurmClient(retry_total_s=10).show_job(slurm.job_id)
+    except SlurmError as e:
+        log.warning("cannot read job %s's nodes (%s): lost nodes are not excluded", slurm.job_id, e)
+        return
+    if info.state != JobState.RUNNING or not info.nodes:
+        return
+    for node in expand_hostlist(slurm.nodelist):
+        if node not in info.nodes:
+            exclusions.add(plan.job_dir, node, "lost", "Slurm dropped it from the running job "
+                           "(a crash or a lost link)", plan.allocation)
 
 
 def _end_allocation(job_id: str, kind: str) -> None:

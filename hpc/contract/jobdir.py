@@ -15,6 +15,8 @@ Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`
       exit-intent.json             rank 0's reason for a clean exit (preempted, ...)
       progress.json                rank 0's latest step (every few seconds): work lost on a crash
       hangs.jsonl                  one record per stall a node's watchdog acted on (who, where)
+      exclusions.jsonl             nodes found bad (stall, lost, health check): kept out next time
+      stragglers.jsonl             ranks rank 0 found persistently slower than the others
       logs/alloc-<A>/hang-<host>-<n>.txt   that stall's verdict and the node's Python stacks
       liveness/alloc-<A>/node-<N>.json     each node's latest liveness summary (watchdogs)
       wandb_run_id                 one W&B run for the job's whole life
@@ -208,6 +210,8 @@ class Outcome:
     lost_steps: int | None = None   # steps done after the last committed checkpoint
     hangs: tuple[str, ...] = ()     # stalls the watchdogs acted on (hangs.jsonl), one line each
     succession: tuple[str, ...] = ()  # rendezvous hosts lost and who took over, one line each
+    excluded: tuple[str, ...] = ()  # nodes kept out of the next allocations (exclusions.jsonl)
+    stragglers: tuple[str, ...] = ()  # ranks persistently slower than the others, one line each
 
     def describe(self) -> str:
         """One line for ``hpc status``: what happened and what it cost."""
@@ -222,6 +226,10 @@ class Outcome:
             parts.append(f"rendezvous moved: {self.succession[-1]}")
         if self.hangs and self.kind != "hang":
             parts.append(f"{len(self.hangs)} stall(s) recovered, last: {self.hangs[-1]}")
+        if self.stragglers:
+            parts.append(f"straggler: {self.stragglers[-1]}")
+        if self.excluded:
+            parts.append(f"excluded next time: {'; '.join(self.excluded)}")
         return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
 
     def __post_init__(self) -> None:
@@ -265,9 +273,9 @@ def read_outcomes(job_dir: Path) -> list[Outcome]:
             except ValueError:
                 continue        # torn by a full disk; the record follows on the next line
             known = {k: v for k, v in data.items() if k in Outcome.__dataclass_fields__}
-            for name in ("hangs", "succession"):
+            for name in ("hangs", "succession", "excluded", "stragglers"):
                 if name in known:
-                    known[name] = tuple(known[name])
+                    known[name] = tuple(known[name] or ())   # null: an older writer
             out.append(Outcome(**known))
     return out
 

@@ -315,6 +315,12 @@ class SlurmClient:
         """Requeue a job (``scontrol requeue``): it ends and goes back to pending, same id."""
         self._run(["scontrol", "requeue", job_id], f"could not requeue job {job_id}")
 
+    def resize(self, job_id: str, nodes: Sequence[str]) -> None:
+        """Shrinks a running job to ``nodes`` (``scontrol update JobId=J NodeList=...``); the
+        others go back to Slurm. Slurm refuses to drop the batch host."""
+        self._run(["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(nodes)}"],
+                  f"could not shrink job {job_id} to {','.join(nodes)}")
+
     def cancel(self, job_id: str, signal: str | None = None, batch_only: bool = False) -> None:
         """Cancel a job, or only send it ``signal`` (e.g. ``"USR2"``) when one is given.
 

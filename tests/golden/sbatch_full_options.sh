@@ -43,6 +43,10 @@ echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}
 trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
 trap 'echo "hpc: batch shell got SIGUSR1; waiting for the workers" >&2' USR1
 
+# Nodes this job found bad before (a stall, a crash, a failed health check: exclusions.jsonl)
+# go back to Slurm before srun (the allocation shrinks, never below MIN; runtime/exclusions.py).
+eval "$("$PYTHON" -m runtime.exclusions --job-dir "$JOB_DIR" || true)"
+
 # srun does not inherit sbatch's --cpus-per-task (srun(1), Slurm >= 22.05): without it, where
 # CPUs are bound (task/affinity, task/cgroup) the launcher and every worker it starts could
 # share one CPU.

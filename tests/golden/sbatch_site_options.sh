@@ -43,6 +43,10 @@ echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}
 trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
 trap 'echo "hpc: batch shell got SIGUSR2; waiting for the workers" >&2' USR2
 
+# Nodes this job found bad before (a stall, a crash, a failed health check: exclusions.jsonl)
+# go back to Slurm before srun (the allocation shrinks, never below MIN; runtime/exclusions.py).
+eval "$("$PYTHON" -m runtime.exclusions --job-dir "$JOB_DIR" || true)"
+
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
     "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
 SRUN_PID=$!

@@ -1,0 +1,215 @@
+"""Bad nodes stay out: the job's excluded nodes, and leaving them out of its next allocation.
+
+A node that stalled (the suspect of a hang), that Slurm dropped from the job (a crash, a cut
+link), or that failed its pre-join health check (:mod:`runtime.health`) is written to
+``exclusions.jsonl`` in the job directory (one line per event, ``O_APPEND``: any node may add).
+
+Why not Slurm's ``ExcNodeList``: Slurm 22.05 refuses to change it on a running job ("Job is no
+longer pending execution", measured), and once the job is pending again no process of ours is
+alive to change it (``scontrol requeue`` ends every process of the job first). So the list is
+enforced where the next allocation begins: its batch script runs ``python -m
+runtime.exclusions`` before ``srun``, which gives the excluded nodes back to Slurm by shrinking
+the running allocation (``scontrol update JobId=J NodeList=KEPT``, accepted for a running job:
+measured) and prints the shell lines that make ``srun`` use the kept nodes only.
+
+The cap (pure, :func:`effective` and :func:`plan_release`), so a job never excludes itself out
+of its partition:
+
+* at most ``partition nodes - MIN`` nodes are excluded; when more went bad, the oldest
+  exclusions lapse first (a node that failed long ago may have been repaired);
+* an allocation is never shrunk below MIN: excluded nodes it holds are kept, oldest exclusion
+  first, until MIN nodes remain;
+* the batch host (the allocation's first node, where the batch script runs) cannot leave a
+  running allocation (Slurm refuses: measured); it stays and is named in the log.
+
+Backends without our batch script (submitit, torchx) record exclusions but do not enforce them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+EXCLUSIONS = "exclusions.jsonl"
+KINDS = ("stall", "lost", "health")
+
+log = logging.getLogger("hpc.exclusions")
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """One node gone bad, and why."""
+
+    node: str
+    kind: str           # stall, lost (Slurm dropped it from the job), health
+    reason: str
+    allocation: int
+    time: float
+
+    def describe(self) -> str:
+        return f"{self.node} ({self.kind} in allocation {self.allocation}: {self.reason})"
+
+
+def add(job_dir: Path, node: str, kind: str, reason: str, allocation: int) -> Exclusion | None:
+    """Appends one exclusion (never raises: bookkeeping must not take a launcher down)."""
+    assert kind in KINDS, kind
+    if not node or node == "?":
+        return None
+    ex = Exclusion(node=node, kind=kind, reason=reason[:300], allocation=allocation, time=time.time())
+    try:
+        fd = os.open(Path(job_dir) / EXCLUSIONS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (json.dumps(asdict(ex), sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("cannot record excluding %s: %s", node, e)
+        return None
+    log.warning("excluding node %s from the job's next allocations: %s", node, ex.describe())
+    return ex
+
+
+def read(job_dir: Path) -> list[Exclusion]:
+    """Every recorded exclusion, oldest first (unreadable lines skipped)."""
+    try:
+        lines = (Path(job_dir) / EXCLUSIONS).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            data = json.loads(line)
+            out.append(Exclusion(**{k: data[k] for k in Exclusion.__dataclass_fields__}))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return sorted(out, key=lambda e: e.time)
+
+
+def effective(records: Sequence[Exclusion], *, min_nodes: int,
+              partition_nodes: int | None) -> list[Exclusion]:
+    """The exclusions in force, oldest first: one per node (its latest), capped (pure).
+
+    Args:
+        records: From :func:`read`.
+        min_nodes: The job's MIN nodes.
+        partition_nodes: Nodes in the job's partition (None: unknown; then no partition cap).
+    """
+    latest: dict[str, Exclusion] = {}
+    for ex in sorted(records, key=lambda e: e.time):
+        latest.pop(ex.node, None)
+        latest[ex.node] = ex
+    ordered = list(latest.values())
+    if partition_nodes is not None:
+        room = max(0, partition_nodes - min_nodes)
+        ordered = ordered[len(ordered) - room:] if room else []
+    return ordered
+
+
+@dataclass(frozen=True)
+class Release:
+    """What to do with one allocation's nodes (pure result of :func:`plan_release`)."""
+
+    kept: tuple[str, ...]
+    released: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def plan_release(allocated: Sequence[str], excluded: Sequence[Exclusion], *, min_nodes: int,
+                 batch_host: str) -> Release:
+    """Which of ``allocated`` to give back, never below ``min_nodes`` nor the batch host (pure)."""
+    bad = {ex.node: ex for ex in excluded}
+    notes = []
+    candidates = [ex for ex in excluded if ex.node in allocated]
+    if batch_host in bad and batch_host in allocated:
+        notes.append(f"{batch_host} is excluded ({bad[batch_host].reason}) but is the batch host, "
+                     "which cannot leave a running allocation: it stays")
+        candidates = [ex for ex in candidates if ex.node != batch_host]
+    while candidates and len(allocated) - len(candidates) < min_nodes:
+        ex = candidates.pop(0)     # the oldest exclusion lapses first
+        notes.append(f"{ex.node} is excluded but kept: the job needs at least {min_nodes} nodes")
+    released = {ex.node for ex in candidates}
+    return Release(tuple(n for n in allocated if n not in released),
+                   tuple(n for n in allocated if n in released), tuple(notes))
+
+
+def shell_lines(kept: Sequence[str]) -> str:
+    """The batch shell's view of the shrunk allocation (what Slurm's resize script sets)."""
+    nodes = ",".join(kept)
+    return "\n".join([
+        f"export SLURM_JOB_NODELIST={shlex.quote(nodes)}", f"export SLURM_NODELIST={shlex.quote(nodes)}",
+        f"export SLURM_JOB_NUM_NODES={len(kept)}", f"export SLURM_NNODES={len(kept)}",
+        "unset SLURM_JOB_CPUS_PER_NODE SLURM_NPROCS SLURM_NTASKS SLURM_TASKS_PER_NODE"]) + "\n"
+
+
+def partition_size(partition: str) -> int | None:
+    """Nodes in ``partition`` (one ``scontrol`` call), or None when it cannot be read."""
+    from hpc.contract.slurm import SlurmClient, SlurmError
+
+    try:
+        return SlurmClient(retry_total_s=10).show_partition(partition).total_nodes or None
+    except SlurmError:
+        return None
+
+
+def in_force(job_dir: Path, *, min_nodes: int, partition: str) -> list[Exclusion]:
+    """The job's exclusions in force now (reads the partition's size from Slurm)."""
+    records = read(job_dir)
+    if not records:
+        return []
+    return effective(records, min_nodes=min_nodes,
+                     partition_nodes=partition_size(partition) if partition else None)
+
+
+def enforce(job_dir: Path, env: dict[str, str]) -> str:
+    """In the batch shell before srun: shrinks the allocation; returns the shell lines to eval."""
+    from hpc.contract.jobspec import JobSpec
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm_parse import expand_hostlist
+
+    job_id = env.get("SLURM_JOB_ID", "")
+    allocated = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
+    if not job_id or not allocated or not read(job_dir):
+        return ""
+    spec = JobSpec.load(job_dir)
+    excluded = in_force(job_dir, min_nodes=spec.nodes[0], partition=env.get("SLURM_JOB_PARTITION", ""))
+    plan = plan_release(allocated, excluded, min_nodes=spec.nodes[0],
+                        batch_host=env.get("SLURMD_NODENAME") or allocated[0])
+    for note in plan.notes:
+        print(f"hpc: {note}", file=sys.stderr)
+    if not plan.released:
+        return ""
+    reasons = "; ".join(ex.describe() for ex in excluded if ex.node in plan.released)
+    logs = Path(job_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    os.chdir(logs)   # scontrol writes its slurm_job_J_resize.sh into the working directory
+    try:
+        SlurmClient(retry_total_s=20).resize(job_id, plan.kept)
+    except SlurmError as e:
+        print(f"hpc: could not give back excluded nodes {','.join(plan.released)}: {e}", file=sys.stderr)
+        return ""
+    print(f"hpc: gave back excluded node(s) {','.join(plan.released)}; running on "
+          f"{','.join(plan.kept)} ({reasons})", file=sys.stderr)
+    return shell_lines(plan.kept)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.exclusions", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job-dir", required=True)
+    args = p.parse_args(argv)
+    try:
+        sys.stdout.write(enforce(Path(args.job_dir), dict(os.environ)))
+    except Exception as e:  # noqa: BLE001 - never stop the job for its exclusions
+        print(f"hpc: exclusions not applied: {type(e).__name__}: {e}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
