@@ -91,6 +91,9 @@ class Session:
         self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
         self._beat: Any = NullHeartbeat()
         self._timeout_note = ""
+        self._arrived: float | None = None   # when this step's first gradient bucket was ready
+        self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
+        self._slow_s = _test_slowdown(os.environ)
 
     # --- lifecycle -----------------------------------------------------------------------
     @property
@@ -220,6 +223,19 @@ class Session:
                       "stalled_at_step": h.step}
             self.event("hang", step=self.step, **{k: v for k, v in fields.items() if v not in (None, "")})
 
+    def _report_stragglers(self) -> None:
+        """Rank 0 names ranks persistently slower than the others (log, W&B, stragglers.jsonl)."""
+        from runtime.liveness import stragglers
+
+        for s in self._stragglers.check(self.step):
+            log.warning("straggler: %s (reported, not restarted)", s.summary())
+            self.event("straggler", step=self.step, rank=s.rank, node=s.node, node_rank=s.node_rank,
+                       compute_s=round(s.compute_s, 4), median_s=round(s.median_s, 4))
+            try:
+                stragglers.append(self.job_dir, s)
+            except OSError as e:
+                log.warning("cannot record the straggler: %s", e)
+
     def _collective_timeout(self) -> timedelta:
         """The process groups' timeout, coherent with the stall watch.
 
@@ -278,8 +294,11 @@ class Session:
             log.info("DDP: find_unused_parameters=True keeps one gradient-bucket layout, so a resumed run "
                      "is bit-identical; torch's warning that no unused parameters were found is expected "
                      "(wrap(..., reproducible_resume=False) skips the extra graph walk)")
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   find_unused_parameters=reproducible_resume)
+        ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                  find_unused_parameters=reproducible_resume)
+        if self.world_size > 1:
+            ddp.register_comm_hook(self, _timed_allreduce)   # straggler accounting (same sums)
+        return ddp
 
     # --- checkpoints ---------------------------------------------------------------------
     def restore(self, **state: Any) -> int:
@@ -341,15 +360,26 @@ class Session:
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
         step_times: list[float] = []
         self._beat.set_base("step")
+        if self.is_rank0 and not isinstance(self._beat, NullHeartbeat) and self.world_size > 1:
+            from runtime.liveness.stragglers import StragglerWatch
+            self._stragglers = StragglerWatch(self.job_dir, self.env.allocation)
         tick = time.perf_counter()
         for step in range(start, stop):
+            self._arrived = None
+            if self._slow_s:
+                time.sleep(self._slow_s)   # HPC_TEST_SLOW_NODE: a slow node, for the tests
             yield step
             self.step = step + 1
             now = time.perf_counter()
             step_times.append(now - tick)
-            # The first step (compilation, warm-up) is no sample of an ordinary one.
-            self._beat.step_done(self.step, now - tick if len(step_times) > 1 else None)
+            # The first step (compilation, warm-up) is no sample of an ordinary one. Work
+            # before the first collective (DDP's first bucket; else the whole body) tells a
+            # straggler (runtime.liveness.stragglers).
+            compute = (self._arrived or now) - tick
+            self._beat.step_done(self.step, now - tick if len(step_times) > 1 else None, compute)
             tick = now
+            if self._stragglers is not None and self._stragglers.due():
+                self._report_stragglers()
             self._rec.step_done(self.step)
             self._end_of_step(last=self.step == stop)
             done = self.step - start
@@ -495,6 +525,26 @@ def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
         return spec.wandb_mode
     mode = environ.get("WANDB_MODE", "").strip().lower()
     return {"": "offline", "dryrun": "offline", "run": "online"}.get(mode, mode)
+
+
+def _timed_allreduce(session, bucket):  # type: ignore[no-untyped-def]  # DDP refuses str annotations
+    """DDP's own all-reduce (divide, then sum), noting when this step's first bucket was ready:
+    the moment this rank reached its first collective of the step."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if bucket.index() == 0 and session._arrived is None:
+        session._arrived = time.perf_counter()
+    return allreduce_hook(None, bucket)
+
+
+def _test_slowdown(environ: Mapping[str, str]) -> float:
+    """``HPC_TEST_SLOW_NODE=N:SECONDS``: every step of the workers of node rank N sleeps (tests)."""
+    raw = environ.get("HPC_TEST_SLOW_NODE", "")
+    node, _, seconds = raw.partition(":")
+    try:
+        return float(seconds) if raw and int(node) == int(environ.get("GROUP_RANK", "-1")) else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _show_hpc_logs(rank0: bool) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runtime.liveness.deadline import STEP, p99
+from runtime.liveness.stragglers import WINDOW as PACE_WINDOW
 
 WRITE_EVERY_S = 1.0
 WINDOW = 200  # step times kept for the p99
@@ -43,6 +45,7 @@ class Heartbeat:
     samples: int          # step times the p99 is over
     budget_s: float | None = None   # the phase's own budget, when its opener gave one
     measured_s: float | None = None  # the longest earlier run of this phase in this process
+    compute_s: float | None = None   # median work before the step's first collective (stragglers)
 
 
 def path_for(directory: Path, pid: int) -> Path:
@@ -95,6 +98,7 @@ class HeartbeatWriter:
         self.phases: list[tuple[str, float | None, float]] = [("startup", None, clock())]
         self.longest: dict[str, float] = {}   # phase -> its longest completed run (s)
         self.times: deque[float] = deque(maxlen=WINDOW)
+        self.compute: deque[float] = deque(maxlen=PACE_WINDOW)
         self._progress = clock()
         self._written = float("-inf")
         self.written: Heartbeat | None = None   # the record on disk now (what the watchdog reads)
@@ -109,14 +113,18 @@ class HeartbeatWriter:
                          restart=self.restart, phase=name, step=self.step,
                          steps_done=self.steps_done, time=self._progress,
                          p99_s=p99(self.times), samples=len(self.times), budget_s=budget,
-                         measured_s=self.longest.get(name))
+                         measured_s=self.longest.get(name),
+                         compute_s=statistics.median(self.compute) if self.compute else None)
 
-    def step_done(self, step: int, seconds: float | None) -> None:
-        """Step ``step`` finished after ``seconds`` (None: the first one, not a fair sample)."""
+    def step_done(self, step: int, seconds: float | None, compute_s: float | None = None) -> None:
+        """Step ``step`` finished after ``seconds`` (None: the first one, not a fair sample),
+        of which ``compute_s`` before its first collective."""
         self.step = step
         self.steps_done += 1
         if seconds is not None and self.phase == STEP:
             self.times.append(seconds)
+            if compute_s is not None:
+                self.compute.append(compute_s)
         self._progress = self.clock()
         self._write(force=False)
 
@@ -166,7 +174,7 @@ class NullHeartbeat:
 
     phase = STEP
 
-    def step_done(self, step: int, seconds: float | None) -> None: ...
+    def step_done(self, step: int, seconds: float | None, compute_s: float | None = None) -> None: ...
     def enter(self, phase: str, budget_s: float | None = None) -> None: ...
     def leave(self) -> None: ...
     def set_base(self, phase: str) -> None: ...

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from runtime import exclusions
 from runtime.liveness import events, proc, stacks
 from runtime.liveness.deadline import StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import read_all
@@ -200,6 +201,12 @@ class Watchdog:
             events.append(self.job_dir, event)
         except OSError as e:
             log.error("cannot record the stall in %s: %s", events.HANGS, e)
+        # The node that stalled stays out of the job's next allocations (runtime.exclusions):
+        # a peer that stopped answering, else this node when one of its ranks is the suspect.
+        bad = verdict.lost_node.split(" (")[0] if verdict.lost_node else \
+            self.host if verdict.suspect_rank is not None else ""
+        if bad:
+            exclusions.add(self.job_dir, bad, "stall", verdict.reason, self.allocation)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -230,7 +237,9 @@ class Watchdog:
         self._published = now
         record = {"node": self.host, "node_rank": self.node_rank, "time": now,
                   "progress": max(r.beat.time for r in ranks),
-                  "ranks": [r.describe() for r in ranks]}
+                  "ranks": [r.describe() for r in ranks],
+                  "pace": [{"rank": r.beat.rank, "compute_s": r.beat.compute_s} for r in ranks
+                           if r.beat.compute_s is not None and r.beat.phase == "step"]}
         try:
             self.node_dir.mkdir(parents=True, exist_ok=True)
             jobdir.write_atomic(self.node_dir / f"node-{self.node_rank}.json",
