@@ -1,0 +1,49 @@
+"""Lightning's own SIGTERM handler does not swallow a stop (examples/lightning_resume.py, for real).
+
+Lightning 2.x installs a SIGTERM handler in every process (it broadcasts from inside it and
+later raises ``SIGTERMException``, a ``SystemExit`` with status 0, which would read as a
+finished job). Ours stays behind it: the worker still dies of the SIGTERM, and the launcher
+records the stop and restarts nothing. docs/own-script.md says so; this checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.distributed.test_own_script import env_for, launcher_pid, outcomes, wait_for
+
+pytestmark = pytest.mark.distributed
+SCRIPT = REPO / "examples" / "lightning_resume.py"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_a_lightning_job_is_recorded_as_the_stop(tmp_path: Path):
+    job = tmp_path / "job"
+    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "2",
+                          "--max-restarts", "3", "--job-dir", str(job), "--", "--steps", "1000",
+                          "--step-sleep", "0.2"], cwd=REPO, env=env_for(tmp_path),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        wait_for(lambda: (job / "checkpoints" / "last.ckpt").exists(), 150, "Lightning's last.ckpt")
+        os.kill(launcher_pid(job), signal.SIGTERM)   # a SIGTERM-only stop, no warning first
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 75, out[-3000:]
+    rank0 = (job / "logs/alloc-0/restart-0/rank-0.log").read_text(errors="replace")
+    assert "cluster environment TorchElasticEnvironment" in rank0
+    assert "Received SIGTERM" in rank0, "Lightning's handler did not run: " + rank0[-2000:]
+    assert sorted(x.name for x in (job / "logs/alloc-0").glob("restart-*")) == ["restart-0"]
+    [record] = outcomes(job)
+    assert (record["kind"], record["exit_code"]) == ("preempted", 75), record
+    assert "exited with -15" in record["reason"], record   # died of it, not a status-0 exit
