@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-STOPPED_EARLY = 75   # EX_TEMPFAIL: stopped for the warning, the job must go on
+STOPPED_EXIT = 75   # EX_TEMPFAIL: stopped for the warning, the job must go on
 
 
 class Regressor(pl.LightningModule):
@@ -124,7 +124,7 @@ def main() -> None:
     trainer.fit(model, data, ckpt_path="last" if resumed else None)
 
     if stopper.stopped:
-        sys.exit(STOPPED_EARLY)
+        sys.exit(STOPPED_EXIT)
     if trainer.is_global_zero:
         loss = float(trainer.callback_metrics["loss"])
         print(f"lightning_resume: done {trainer.global_step} steps, loss {loss:.6f}", flush=True)
