@@ -17,6 +17,16 @@ PYTHON = sys.executable
 HOSTILE_NAMES = ["plain", "with space", "quote's \"dq\"", "semi;colon $HOME `x`"]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Two lanes for ``pytest -n 2 --dist loadgroup`` (scripts/test.sh): the slurm tier, which
+    mostly waits on the one test cluster, runs in one worker while everything else runs in the
+    other. Within a lane tests stay serial, so no two torch jobs fight for the 2 CPUs of CI."""
+    for item in items:
+        lane = "slurm" if item.get_closest_marker("slurm") else "local"
+        item.add_marker(pytest.mark.xdist_group(lane))
+
+
 def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Runs the ``hpc`` CLI as a user would (``python -m hpc ARGS``) from the repository."""
     return subprocess.run([sys.executable, "-m", "hpc", *args], env=env, capture_output=True,

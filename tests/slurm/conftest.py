@@ -160,3 +160,19 @@ def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster, tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     yield
     slurm_cluster.restore()
+
+
+# The uninterrupted runs that chaos tests compare against: computed once per session (each is a
+# 20-s local `hpc run`), shared by every module.
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """2 nodes x 2 processes, tiny preset: final step, weights and sample-order digests."""
+    from tests.slurm.test_fault_tolerance import _baseline
+    return _baseline(tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="session")
+def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """As :func:`baseline`, with a global batch that divides at world size 4 and 6."""
+    from tests.slurm.test_fault_tolerance import ELASTIC, _baseline
+    return _baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)

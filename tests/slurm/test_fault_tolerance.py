@@ -40,23 +40,14 @@ ELASTIC = ("--global-batch", "24", "--micro-batch", "2")
 
 
 def _baseline(tmp: Path, *train: str) -> dict:
-    """The uninterrupted run, locally: 2 nodes x 2 processes, same seed (world size 4)."""
+    """The uninterrupted run, locally: 2 nodes x 2 processes, same seed (world size 4).
+    The fixtures ``baseline`` and ``elastic_baseline`` (tests/slurm/conftest.py) run it once."""
     job = tmp / "job"
     r = subprocess.run([sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", "2",
                         "--nproc-per-node", "2", "--job-dir", str(job), "--", "--preset", "tiny", *train],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((job / "result.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _baseline(tmp_path_factory.mktemp("baseline"))
-
-
-@pytest.fixture(scope="module")
-def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)
 
 
 def submit(env: dict[str, str], job: Path, *hpc_args: str, train: tuple[str, ...] = ("--step-sleep", "0.3")) -> str:

@@ -180,12 +180,6 @@ def test_container_requeue_is_done_by_the_batch_shell(env, tmp_path: Path) -> No
     assert abs(end - time.time()) < 15 * 60, deadlines
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.slurm.test_fault_tolerance import _baseline
-    return _baseline(tmp_path_factory.mktemp("baseline"))
-
-
 def sacct_times(env: dict[str, str], *job_ids: str) -> dict[str, tuple[str, str]]:
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,Start,End"],
                          env=env, capture_output=True, text=True).stdout

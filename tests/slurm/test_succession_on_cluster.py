@@ -21,8 +21,8 @@ from tests.slurm.test_fault_tolerance import (ELASTIC, assert_same_as_baseline, 
 
 pytestmark = pytest.mark.slurm
 
-# The fixtures `env` and `elastic_baseline` are test_fault_tolerance's (pytest finds them here).
-from tests.slurm.test_fault_tolerance import elastic_baseline, env  # noqa: E402,F401,F811
+# The fixture `env` is test_fault_tolerance's (pytest finds it here); `elastic_baseline` is conftest's.
+from tests.slurm.test_fault_tolerance import env  # noqa: E402,F401,F811
 
 
 def _manifests(job: Path) -> list[dict]:
