@@ -1,11 +1,13 @@
 """Checkpoints: barrier-guarded, verified, sharded saves on torch.distributed.checkpoint.
 
-Three modules, one concern each:
+Four modules, one concern each:
 
 * :mod:`runtime.checkpoint.checkpointer`: the save/load transaction across ranks (DCP, the
   barriers, rank 0's commit and the ``latest`` pointer, async saves);
 * :mod:`runtime.checkpoint.storage`: how bytes reach the disk (checksummed writer, retrying
-  reader, reused staging buffers);
+  reader, loading that runs no code);
+* :mod:`runtime.checkpoint.staging`: the copy an async save blocks for, into host buffers made
+  in the background ahead of the first save and reused;
 * :mod:`runtime.checkpoint.manifest`: the manifest, its verification and the retention rules
   (pure and torch-free: unit tests and ``hpc status`` read it without torch).
 

@@ -16,7 +16,11 @@ the manifest, its verification and the retention rules are :mod:`runtime.checkpo
 Async saves run DCP's thread-mode ``async_save`` on a dedicated gloo group; at most one is in
 flight. Rank 0 commits from the future's completion callback, so a finished async checkpoint is
 durable without any further collective; :meth:`Checkpointer.wait` (called by the next save, a
-load and :meth:`Checkpointer.close`) tells every rank the outcome.
+load and :meth:`Checkpointer.close`) tells every rank the outcome. What an async save blocks
+for is the copy of the local state into staging buffers that were made in the background
+beforehand (:mod:`runtime.checkpoint.staging`) plus one small all-gather that tells every rank
+whether every rank is ready; DCP's planning (cached while the structure holds) and the writes
+run on the writer thread.
 
 Usage::
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import logging
 import os
 import shutil
@@ -48,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
@@ -59,8 +65,8 @@ from runtime.checkpoint.manifest import (
     quarantine_name, quarantined_to_prune, read_latest, retry_transient, step_dirname, steps_to_prune,
     verify, write_atomic)
 from runtime.checkpoint.storage import (
-    ChecksummedWriter, RetryingReader, ReusedStaging, SafeLoadPlanner, kill_point, load_pickled,
-    local_name, unpickling_problem)
+    ChecksummedWriter, RetryingReader, SafeLoadPlanner, kill_point, load_pickled, local_name, unpickling_problem)
+from runtime.checkpoint.staging import Staging
 
 log = logging.getLogger("hpc.checkpoint")
 
@@ -69,6 +75,7 @@ ASSUMED_WRITE_BYTES_S = 100e6
 _RNG_KEY = "_rng"
 _FAILED = (Exception, CheckpointException)
 _write_atomic = retry_transient(write_atomic)
+_PLAN_KEYS = itertools.count()  # one plan-cache key per checkpointer, never reused
 
 
 class CheckpointError(RuntimeError):
@@ -131,6 +138,24 @@ def split_state(app_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     return sharded, local
 
 
+class _CachingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with torch's plan cache on, keyed to one checkpointer.
+
+    With the cache (``enable_plan_caching``, torch >= 2.6), a rank whose local plan equals the
+    last one sends an empty plan and the coordinator reuses the cached global plan and
+    metadata; any change of structure on any rank replans. torch keys the cache by class
+    name, process-wide; the key here names the checkpointer too, so two checkpointers (or
+    process groups) in one process never mix their plans. A key is never reused (a counter,
+    not ``id()``): a rank holding a cached local plan for a key whose coordinator has no
+    cached global plan would send an empty plan into a fresh global plan, and its shards
+    would be missing from the metadata.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = f"{type(self).__name__}:{key}"
+
+
 def _has_errno(exc: BaseException | None, code: int, depth: int = 0) -> bool:
     if exc is None or depth > 8:
         return False
@@ -175,8 +200,9 @@ class Checkpointer:
         save_rng: Save and restore each rank's RNG states (see ``runtime.rng``).
         seed: Base seed for re-seeding ranks that have no saved RNG state.
         thread_count: DCP writer threads per rank.
-        reuse_staging: Keep the async staging buffers between saves (faster ``save()``, one
-            extra copy of the local state in CPU memory).
+        reuse_staging: Keep the async staging buffers between saves and make them ahead of the
+            first save, in the background (faster ``save()``, one extra copy of the local
+            state in host memory; see :mod:`runtime.checkpoint.staging`).
         safe_globals: Types your own state objects hold besides tensors and plain data (their
             non-tensor values are unpickled with ``torch.load(weights_only=True)``); add only
             types whose unpickling runs no code (see docs/security.md).
@@ -203,7 +229,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._ctl = dist.new_group(backend="gloo") if self.distributed else None
         self._bg = dist.new_group(backend="gloo") if self.distributed and async_save else None
-        self._stager = ReusedStaging() if reuse_staging else None
+        self._stager = Staging() if async_save and reuse_staging else None
+        self._warm_state: Mapping[str, Any] | None = None  # state to make staging buffers for, once ready
+        self._plan_key = f"{next(_PLAN_KEYS)}-{self.world_size}"
         self._inflight: _InFlight | None = None
         self._pruner: threading.Thread | None = None
         self._latest: int | None = None
@@ -242,12 +270,15 @@ class Checkpointer:
         dist.broadcast_object_list(box, group=self._ctl, group_src=0)
         return box[0]
 
-    def _gather_errors(self, err: str | None) -> str | None:
+    def _gather(self, obj: Any) -> list[Any]:
         if self._ctl is None:
-            return err
-        errs: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(errs, err, group=self._ctl)
-        return next((e for e in errs if e), None)
+            return [obj]
+        objs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(objs, obj, group=self._ctl)
+        return objs
+
+    def _gather_errors(self, err: str | None) -> str | None:
+        return next((e for e in self._gather(err) if e), None)
 
     # --- public API ----------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -255,7 +286,12 @@ class Checkpointer:
         return self._latest
 
     def should_save(self, step: int, now: float | None = None) -> bool:
-        """Whether a save is due at ``step``; collective when a minute interval is set."""
+        """Whether a save is due at ``step``; collective when a minute interval is set.
+
+        Called every step, it also starts the background warm-up of the async staging buffers
+        once the state restored (or started fresh) by :meth:`load_latest` is complete.
+        """
+        self._maybe_warm_up()
         due = self.schedule.due(step, time.time() if now is None else now,
                                 last_step=self._last_save_step, last_time=self._last_save_time)
         if self.schedule.every_min is not None and self._ctl is not None:
@@ -289,29 +325,39 @@ class Checkpointer:
         self.wait()
         started = time.monotonic()
         tmp = self.directory / f"{step_dirname(step)}.tmp"
-        err = self._prepare(step, tmp) if self.rank == 0 else None
-        if (err := self._broadcast(err)) is not None:
-            raise ValueError(err)
+        problem: tuple[str, str] | None = None  # (kind, message): one all-gather settles every rank's
+        if self.rank == 0:
+            try:
+                if (exists := self._prepare(step, tmp)) is not None:
+                    problem = ("exists", exists)
+            except OSError as e:  # every rank must hear it, or they wait at the gather
+                problem = ("failed", f"cannot create {tmp}: {e.strerror or e}")
         meta = dict(metadata or {})
+        buf = io.BytesIO()
         try:
             sharded, local = split_state(app_state)
             if self._rng is not None:
                 local[_RNG_KEY] = self._rng
-            buf = io.BytesIO()
             torch.save({k: v.state_dict() for k, v in local.items()}, buf)
             meta.setdefault("samplers", {k: {"epoch": v.epoch, "cursor": v.cursor} for k, v in app_state.items()
                                          if hasattr(v, "cursor") and hasattr(v, "epoch")})
-            err = None
         except _FAILED as e:
-            err = f"rank {self.rank}: preparing the checkpoint state failed: {e!r}"
-        if (err := self._gather_errors(err)) is not None:
+            problem = problem or ("failed", f"rank {self.rank}: preparing the checkpoint state failed: {e!r}")
+        problems = [p for p in self._gather(problem) if p is not None]
+        if problems:
+            exists = next((msg for kind, msg in problems if kind == "exists"), None)
+            if exists is not None:
+                raise ValueError(exists)
             self._cleanup(tmp)
-            raise CheckpointError(err)
+            raise CheckpointError(problems[0][1])
         writer = ChecksummedWriter(tmp, self.rank, {local_name(self.rank): buf.getvalue()}, self.thread_count)
+        planner = _CachingSavePlanner(self._plan_key)
         self._last_save_step, self._last_save_time = step, time.time()
         if blocking or not self.async_save:
+            err: str | None = None
             try:
-                dcp.save(sharded, storage_writer=writer, process_group=self._ctl, no_dist=not self.distributed)
+                dcp.save(sharded, storage_writer=writer, planner=planner, process_group=self._ctl,
+                         no_dist=not self.distributed)
                 flight = _InFlight(step, tmp, writer, Future(), started, meta)
                 self._commit(flight) if self.rank == 0 else None
             except _FAILED as e:
@@ -320,12 +366,13 @@ class Checkpointer:
             self._finish(step, err, time.monotonic() - started)
             self.last_block_s = time.monotonic() - started
             return
-        future = dcp.async_save(sharded, storage_writer=writer, process_group=self._bg,
+        future = dcp.async_save(sharded, storage_writer=writer, planner=planner, process_group=self._bg,
                                 async_stager=self._stager, no_dist=not self.distributed)
         self._inflight = _InFlight(step, tmp, writer, future, started, meta)
         if self.rank == 0:
             future.add_done_callback(lambda f, flight=self._inflight: self._commit_async(flight))
         self.last_block_s = time.monotonic() - started
+        self._warm_state = None  # the first save made the buffers if no warm-up had
 
     def wait(self) -> None:
         """Waits for the async save in flight, if any, and tells every rank its outcome.
@@ -373,8 +420,10 @@ class Checkpointer:
         if err is not None:
             raise CheckpointError(err)
         sharded, local = split_state(app_state)
+        self._warm_state = app_state
         if choice is None:
             self._estimate_bytes = self._state_bytes_estimate(sharded)
+            self._maybe_warm_up()
             return None
         manifest = Manifest.from_json(choice)
         step_dir = self.directory / step_dirname(manifest.step)
@@ -405,15 +454,41 @@ class Checkpointer:
                 obj.reseed(manifest.step, self.rank)
         self._latest = self._last_save_step = manifest.step
         self.loaded_manifest = manifest
+        self._maybe_warm_up()
         if self.rank == 0:
             log.info("checkpoint: resumed from %s (saved at world size %d, now %d)",
                      step_dir, manifest.world_size, self.world_size)
         return manifest
 
     def close(self) -> None:
-        """Flushes the save in flight (call before exit on every rank)."""
+        """Flushes the save in flight (call before exit on every rank).
+
+        The staging buffers stay (a later save reuses them); they go with the checkpointer.
+        """
         self.wait()
         self._join_pruner()
+        if self._stager is not None:
+            self._stager.join_warm_up()
+
+    def _maybe_warm_up(self) -> None:
+        """Starts making the staging buffers in the background, once, when the state is complete.
+
+        "Complete" means every optimizer has its state: before its first step an optimizer has
+        none, and asking DCP for its state dict then runs a zero-lr step to create it, which
+        changes the training (Adam's step count). Until then, wait; :meth:`should_save` asks
+        again every step. Optimizers that never hold state (plain SGD) get their buffers from
+        the first save instead. Purely local: no collective, nothing that can fail a save.
+        """
+        if self._stager is None or self._warm_state is None:
+            return
+        if any(isinstance(v, torch.optim.Optimizer) and not v.state for v in self._warm_state.values()):
+            return
+        app_state, self._warm_state = self._warm_state, None
+        try:
+            sharded, _ = split_state(app_state)
+            self._stager.warm_up({k: v.state_dict() for k, v in sharded.items()})
+        except Exception as e:  # an optimization only: the first save makes the buffers then
+            log.warning("checkpoint: cannot warm up the staging buffers (%r); the first save makes them", e)
 
     # --- internals -----------------------------------------------------------------------
     def _prepare(self, step: int, tmp: Path) -> str | None:

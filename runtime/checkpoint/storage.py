@@ -1,11 +1,11 @@
-"""How checkpoint bytes reach the disk: DCP storage with checksums, retries and reused staging.
+"""How checkpoint bytes reach the disk: DCP storage with checksums and retries.
 
 :class:`ChecksummedWriter` is DCP's filesystem writer plus three things the transaction in
 :mod:`runtime.checkpoint` needs: each file's size and CRC-32, computed while it is written and
 sent to rank 0 inside DCP's own gather of write results (no extra collective); the rank-local
 file (RNG states) written next to the shards; and retries of transient filesystem errors.
-:class:`RetryingReader` retries reads. :class:`ReusedStaging` keeps async-save staging buffers
-between saves.
+:class:`RetryingReader` retries reads. (The async-save staging copy is
+:mod:`runtime.checkpoint.staging`.)
 
 Loading never runs code from the checkpoint directory. Three things in a checkpoint are
 pickles: DCP's ``.metadata`` (torch 2.13 reads it with a plain ``pickle.load``), the non-tensor
@@ -31,12 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from runtime.checkpoint.manifest import Crc32Stream, FileEntry, Manifest, retry_transient
@@ -311,38 +309,3 @@ def unpickling_problem(step_dir: Path, manifest: Manifest, extra_globals: Iterab
     except Exception as e:  # a damaged pickle: the same verdict as a bad checksum
         return f"unreadable: {e!r}".splitlines()[0]
     return None
-
-
-class ReusedStaging(BlockingAsyncStager):
-    """Async staging into CPU buffers kept between saves (pinned when CUDA is present).
-
-    DCP's default stager allocates a fresh copy of the state for every save; on 0.5 GB per rank
-    the page faults of that allocation cost more than the copy. The buffers are rebuilt when the
-    state's structure (keys, shapes, dtypes) changes. Costs one copy of the local state in RAM.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(cache_staged_state_dict=False)
-        self._buffers: dict[str, Any] | None = None
-        self._signature: tuple[Any, ...] = ()
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        signature = tuple(_tensor_signature(state_dict))
-        if self._buffers is None or signature != self._signature:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._signature = signature
-        return _copy_state_dict(state_dict, self._buffers, type_check=self.type_check)
-
-
-def _tensor_signature(obj: Any, path: str = "") -> Generator[tuple[str, Any, Any], None, None]:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _tensor_signature(v, f"{path}/{k}")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            yield from _tensor_signature(v, f"{path}[{i}]")
-    elif isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        yield path, tuple(local.shape), local.dtype
-    else:
-        yield path, type(obj), None

@@ -162,6 +162,41 @@ def main() -> None:
         ckpt.load_latest({"model": fresh, "optim": fresh_opt})
         result["mismatch"] = compare(ref, full_state(fresh, fresh_opt))
         result["block_s"] = ckpt.last_block_s
+    elif scenario == "staging":  # arg: kind -- buffers made ahead, reused, remade on a structure change
+        model, optim = build(kind, seed=1)
+        extra = Blob(0.01)
+        ckpt = Checkpointer(ckpt_dir, keep_last=10)
+        state: dict[str, Any] = {"model": model, "optim": optim}
+        ckpt.load_latest(state)  # fresh start: the optimizer has no state yet, so no warm-up either
+        train(model, optim, 1)
+        result["adam_step"] = [float(st["step"]) for st in optim.state.values()]
+        ckpt.should_save(1)  # the state is complete now: the warm-up starts
+        train(model, optim, 1)
+        checks = []
+        for step, size in ((2, None), (3, None), (4, 0.02), (5, 0.03)):
+            if size is not None:  # a structure change: a new entry, then a new shape
+                extra.t = torch.full((int(size * 2**20 / 4),), float(step))
+                state["extra"] = extra
+            ref = full_state(model, optim)
+            before = len(lines.lines)
+            ckpt.save(step, state, blocking=False)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1000.0)  # after save() returns, the saved copy must not see this
+            ckpt.wait()
+            fresh, fresh_opt = build(kind, seed=5)
+            fresh_state: dict[str, Any] = {"model": fresh, "optim": fresh_opt}
+            if "extra" in state:
+                fresh_state["extra"] = Blob(0.0)
+                fresh_state["extra"].t = torch.zeros_like(extra.t)
+            Checkpointer(ckpt_dir, async_save=False).load_latest(fresh_state)
+            got_extra = fresh_state["extra"].t if "extra" in state else None
+            checks.append({"step": step, "mismatch": compare(ref, full_state(fresh, fresh_opt)),
+                           "extra_ok": got_extra is None or torch.equal(got_extra, extra.t),
+                           "log": lines.lines[before:]})
+            train(model, optim, 1)
+        result["checks"] = checks
+        ckpt.close()
     elif scenario == "retention":  # arg: kind -- async saves 1..9, keep_last=2, keep_every=4
         model, optim = build(kind, seed=1)
         ckpt = Checkpointer(ckpt_dir, keep_last=2, keep_every=4)

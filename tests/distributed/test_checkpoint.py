@@ -170,6 +170,22 @@ def test_async_save_captures_state_at_save_time(tmp_path: Path, kind: str) -> No
     assert all(r["mismatch"] == [] for r in results), results
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_async_staging_buffers_made_ahead_reused_and_remade_when_the_structure_changes(
+        tmp_path: Path, kind: str) -> None:
+    results = run_ranks(2, "staging", tmp_path / "ck", tmp_path / "out", kind)
+    for r in results:
+        assert set(r["adam_step"]) == {1.0}, r  # the warm-up ran no zero step on a fresh optimizer
+        assert any("staging buffers ready" in line for line in r["log"]), r["log"]
+        by_step = {c["step"]: c for c in r["checks"]}
+        for c in r["checks"]:  # every async save holds the state as of save(), bit-exact
+            assert c["mismatch"] == [] and c["extra_ok"], c
+        made_in_save = {s for s, c in by_step.items() if any("made in the save" in line for line in c["log"])}
+        assert made_in_save == {4, 5}, by_step  # reused at 2 (made ahead) and 3; remade at 4 and 5
+        assert all("the state's structure changed" in line for s in (4, 5) for line in by_step[s]["log"]
+                   if "made in the save" in line)
+
+
 def test_retention_keeps_last_and_every_nth(tmp_path: Path) -> None:
     ckpt = tmp_path / "ck"
     results = run_ranks(2, "retention", ckpt, tmp_path / "out", "ddp")

@@ -1,0 +1,237 @@
+"""Async-save staging: the one copy an async save must block for, into buffers made ahead of time.
+
+An async save may return to the training loop only once it holds a copy of the local state
+that later steps cannot change. That copy is the physical floor of the stall (memory bandwidth
+on CPU, the device-to-host link on GPU); everything else is kept off the critical path:
+
+* **Buffers are made ahead.** Allocating them inside the stall is what made the first save
+  ~40x the floor (on this VM a first touch of fresh pages costs more than the copy itself).
+  :meth:`Staging.warm_up` allocates and first-touches them on a background thread; the
+  checkpointer calls it right after restore, or after the first optimizer step on a fresh
+  start (before it the optimizer has no state to size buffers from, and asking DCP for it
+  would run a zero step that changes the training, see ``Checkpointer``).
+* **Reused while the structure holds.** The buffers are kept while the state's layout
+  (:func:`layout_of`: tree, tensor shapes, dtypes, strides, devices, DTensor placements) is
+  unchanged, and remade when it changes: a save after such a change pays the allocation, as
+  every save did before.
+* **Nothing else on the stall.** CPU state is copied in one flat pass, tensor by tensor, into
+  the buffers (DCP's ``BlockingAsyncStager`` walks its generic iterator and its buffer creation
+  deep-copies every DTensor first). DCP's planning already runs on the writer thread.
+* **Accelerator state** goes through torch's own ``DefaultStager`` with ``StagingOptions`` for
+  pinned host buffers and non-blocking copies on its side stream (its own thread); its buffers
+  are cached per source storage, so they too are made once (by the warm-up) and reused. The
+  compute stream is synchronized first, so the copy sees the state as of the call. Which one a
+  state gets is :func:`staging_kind` (pure, tested without a GPU).
+
+Cost: one copy of the local state in host memory, kept between saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("hpc.checkpoint")
+
+CPU_BUFFERS = "cpu-buffers"
+PINNED_SIDE_STREAM = "pinned-side-stream"
+
+
+def leaf_layout(value: Any) -> tuple[Any, ...]:
+    """What a staging buffer for ``value`` depends on; for a non-tensor, only its type.
+
+    A DTensor contributes its local shard's shape, dtype, stride and device plus its global
+    shape and placements (the staged DTensor wraps the buffer with those).
+    """
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        return ("dtensor", tuple(local.shape), local.dtype, local.stride(), local.device.type,
+                tuple(value.shape), tuple(value.placements))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.stride(), value.device.type)
+    return ("value", type(value))
+
+
+def layout_of(state_dict: Any) -> tuple[Any, tuple[tuple[Any, ...], ...]]:
+    """The state's structure as staging sees it: the tree (keys, nesting) and each leaf's layout.
+
+    Two states with equal layouts can be staged into the same buffers; values of non-tensor
+    leaves (a learning rate, a step count) may differ.
+    """
+    leaves, spec = pytree.tree_flatten(state_dict)
+    return spec, tuple(leaf_layout(v) for v in leaves)
+
+
+def staging_kind(device_types: Iterable[str], accelerator_available: bool) -> str:
+    """Which staging a state gets: pinned buffers and a side-stream copy when any tensor is on
+    an accelerator (and one is present), else plain CPU buffers (pinning helps only a device copy).
+
+    Args:
+        device_types: ``tensor.device.type`` of every tensor in the state (local shards).
+        accelerator_available: ``torch.accelerator.is_available()``.
+    """
+    on_device = any(t not in ("cpu", "meta") for t in device_types)
+    return PINNED_SIDE_STREAM if on_device and accelerator_available else CPU_BUFFERS
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+class _CpuBuffers:
+    """One CPU buffer per tensor leaf of a given layout, and the staged tree that holds them."""
+
+    def __init__(self, state_dict: Any) -> None:
+        leaves, self.spec = pytree.tree_flatten(state_dict)
+        self.layout = (self.spec, tuple(leaf_layout(v) for v in leaves))
+        self.buffers: list[torch.Tensor | None] = []
+        self.staged: list[Any] = []
+        with torch.no_grad():
+            for value in leaves:
+                if not isinstance(value, torch.Tensor):
+                    self.buffers.append(None)
+                    self.staged.append(value)
+                    continue
+                src = _local(value)
+                buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu")
+                buf.copy_(src)  # first touch: the page faults happen here, not in a save
+                self.buffers.append(buf)
+                self.staged.append(DTensor.from_local(buf, value.device_mesh, value.placements, run_check=False,
+                                                      shape=value.shape, stride=value.stride())
+                                   if isinstance(value, DTensor) else buf)
+        self.nbytes = sum(b.nbytes for b in self.buffers if b is not None)
+
+    def copy_from(self, leaves: list[Any]) -> Any:
+        """Copies ``leaves`` (same layout) into the buffers; returns the staged tree."""
+        staged = list(self.staged)
+        with torch.no_grad():
+            for i, (value, buf) in enumerate(zip(leaves, self.buffers)):
+                if buf is None:
+                    staged[i] = value
+                else:
+                    buf.copy_(_local(value))
+        return pytree.tree_unflatten(staged, self.spec)
+
+
+class Staging(AsyncStager):
+    """DCP async stager with buffers made ahead (:meth:`warm_up`) and reused across saves.
+
+    Thread-safe against its own warm-up thread; ``stage`` is called by DCP on the caller's thread.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cpu: _CpuBuffers | None = None
+        self._pinned: DefaultStager | None = None
+        self._warming: threading.Thread | Future[Any] | None = None
+        self.rebuilds = 0
+        """How many times a save found no buffers of its state's layout (and made them in the stall)."""
+        self.last_kind: str | None = None
+
+    # --- warm-up ---------------------------------------------------------------------------
+    def warm_up(self, state_dict: Any) -> None:
+        """Makes (allocates and first-touches) buffers for ``state_dict``'s layout in the background.
+
+        Call on the training thread with a state dict taken there (the values it copies are
+        overwritten by the next save; only the buffers matter). A no-op when buffers of this
+        layout exist or a warm-up is running.
+        """
+        if self._warming is not None:
+            return
+        kind = self._kind(state_dict)
+        if kind == PINNED_SIDE_STREAM:
+            # DefaultStager stages on its own thread and side stream; its buffers are cached per
+            # source storage, so this one staging makes them (pinned) for every later save.
+            self._warming = self._pinned_stager().stage(state_dict)
+            return
+        if self._cpu is not None and self._cpu.layout == layout_of(state_dict):
+            return
+        self._warming = threading.Thread(target=self._build_cpu, args=(state_dict,), name="hpc-ckpt-staging",
+                                         daemon=True)
+        self._warming.start()
+
+    def _build_cpu(self, state_dict: Any) -> None:
+        t0 = time.monotonic()
+        try:
+            buffers = _CpuBuffers(state_dict)
+        except Exception as e:  # a warm-up is an optimization: the save makes them itself then
+            log.warning("checkpoint: staging warm-up failed (%r); the next save allocates its buffers", e)
+            return
+        with self._lock:
+            self._cpu = buffers
+        log.info("checkpoint: staging buffers ready (%.1f MB in %.2fs, background)", buffers.nbytes / 1e6,
+                 time.monotonic() - t0)
+
+    def join_warm_up(self) -> None:
+        """Waits for a warm-up in progress (if any)."""
+        warming, self._warming = self._warming, None
+        if isinstance(warming, threading.Thread):
+            warming.join()
+        elif warming is not None:
+            try:
+                warming.result()
+            except Exception as e:
+                log.warning("checkpoint: staging warm-up failed (%r)", e)
+
+    @property
+    def warm(self) -> bool:
+        """Whether a warm-up has finished (buffers of some layout exist)."""
+        done = self._warming is None or (self._warming.done() if isinstance(self._warming, Future)
+                                         else not self._warming.is_alive())
+        return done and (self._cpu is not None or self._pinned is not None)
+
+    # --- AsyncStager -----------------------------------------------------------------------
+    def stage(self, state_dict: Any) -> Any:  # type: ignore[override]
+        """Copies ``state_dict`` into the buffers (made now when its layout is new); returns the copy."""
+        self.join_warm_up()
+        kind = self.last_kind = self._kind(state_dict)
+        if kind == PINNED_SIDE_STREAM:
+            # the side stream must see the compute stream's last writes (DefaultStager does not order them)
+            torch.accelerator.current_stream().synchronize()
+            return self._pinned_stager().stage(state_dict).result()
+        leaves, spec = pytree.tree_flatten(state_dict)
+        layout = (spec, tuple(leaf_layout(v) for v in leaves))
+        with self._lock:
+            if self._cpu is None or self._cpu.layout != layout:
+                t0 = time.monotonic()
+                why = "no warm-up ran" if self._cpu is None else "the state's structure changed"
+                self._cpu = None  # free the old buffers before making the new ones
+                self._cpu = _CpuBuffers(state_dict)
+                self.rebuilds += 1
+                log.info("checkpoint: staging buffers made in the save (%.1f MB in %.2fs): %s",
+                         self._cpu.nbytes / 1e6, time.monotonic() - t0, why)
+                return pytree.tree_unflatten(list(self._cpu.staged), self._cpu.spec)
+            return self._cpu.copy_from(leaves)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a finished copy."""
+
+    def close(self) -> None:
+        """Waits for a warm-up and frees the buffers."""
+        self.join_warm_up()
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+        self._cpu = None
+
+    # --- internals -------------------------------------------------------------------------
+    def _kind(self, state_dict: Any) -> str:
+        types = {_local(v).device.type for v in pytree.tree_leaves(state_dict) if isinstance(v, torch.Tensor)}
+        return staging_kind(types, torch.accelerator.is_available())
+
+    def _pinned_stager(self) -> DefaultStager:
+        if self._pinned is None:  # made on the training thread: DefaultStager creates its stream here
+            self._pinned = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=True))
+        return self._pinned
