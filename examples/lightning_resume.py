@@ -66,13 +66,12 @@ class StopOnWarning(Callback):
 
     def __init__(self, last_path: str) -> None:
         self.last_path = last_path
-        self.received = False
         self.stopped = False
+        # A warning that reached this worker before its handler below existed (hpc recorded it).
+        self.received = bool(os.environ.get("HPC_PENDING_WARNING"))
         name = os.environ.get("HPC_WARNING_SIGNAL", "")
         if hasattr(signal, name) and name not in ("SIGTERM", "SIGINT"):
             signal.signal(getattr(signal, name), self._record)
-        # The launcher's forwarder may have warned this worker before the handler above existed.
-        self.received = bool(os.environ.get("HPC_PENDING_WARNING"))
 
     def _record(self, signum: int, frame: object) -> None:
         self.received = True
