@@ -44,7 +44,7 @@ from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.cpus import job_cpus, omp_threads
-from runtime import outcome, stopping, succession, wandb_env
+from runtime import exclusions, health, outcome, stopping, succession, wandb_env
 from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
@@ -540,6 +540,34 @@ def _setup_logging(plan: LaunchPlan) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None) -> int | None:
+    """The pre-join health check (:mod:`runtime.health`); an exit status when this node must
+    not join (it leaves, or cannot run at all), None to go on."""
+    host = socket.gethostname()
+    findings = health.run_checks(plan.job_dir, host=host, node_rank=plan.node_rank,
+                                 gpus_per_node=plan.spec.gpus_per_node,
+                                 network_problem=network_problem, env={**os.environ, **plan.worker_env})
+    failed = [f for f in findings if not f.ok]
+    log.info("health check: %s", "; ".join(f.describe() for f in findings))
+    if not failed:
+        return None
+    why = "; ".join(f"{f.check}: {f.detail}" for f in failed)
+    exclusions.add(plan.job_dir, host, "health", why, plan.allocation)
+    nodes = slurm.nnodes if slurm.active else plan.nnodes[1]
+    if not plan.is_rdzv_host and health.claim_leave(plan.job_dir, plan.allocation, nodes=nodes,
+                                                    min_nodes=plan.nnodes[0], host=host):
+        log.error("health check failed (%s): this node leaves the job; the other nodes go on "
+                  "without it (MIN %d of %d nodes)", why, plan.nnodes[0], nodes)
+        return 0
+    if network_problem is not None:
+        log.error("health check failed (%s) and the job needs this node: cannot start", why)
+        return EXIT_CODES["app_error"]
+    log.error("health check failed (%s); this node joins anyway: %s", why,
+              "it hosts the rendezvous" if plan.is_rdzv_host else
+              f"the job needs at least {plan.nnodes[0]} of its {nodes} nodes")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True, help="job directory holding jobspec.json")
@@ -565,12 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     slurm = SlurmEnv.from_env(os.environ)
     node_rank = args.node_rank if args.node_rank is not None else slurm.node_id
     run_id = args.run_id or (f"{slurm.job_id}-{slurm.restart_count}" if slurm.active else uuid.uuid4().hex[:12])
+    network_problem = None
     try:
         _, changes = detect(args.rdzv_host, multi_node=spec.max_nodes > 1 and not args.local,
                             env=os.environ)
     except NetworkError as e:
-        print(f"hpc launch: cannot start on {socket.gethostname()}: {e}", file=sys.stderr)
-        return EXIT_CODES["app_error"]
+        print(f"hpc launch: no usable network interface on {socket.gethostname()}: {e}", file=sys.stderr)
+        network_problem, changes = str(e), []
     extra = tuple(changes)
     known = job_env.JobEnvironment.from_env(os.environ)   # in a container: from the batch shell
     end, grace = (known.job_end_time, known.grace_s) if spec.container_image \
@@ -584,6 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(plan)
     log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,
              socket.gethostname(), plan.rdzv_endpoint, run_id)
+    if args.lost_host is None:
+        left = _health_check(plan, slurm, network_problem)
+        if left is not None:
+            return left
     forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
     forwarder.stop = stopping.StopTracker(
         stopping.notice_path(job_dir, plan.allocation), allocation=plan.allocation,
