@@ -40,7 +40,9 @@ from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv
 from runtime.events import LauncherRecorder
-from runtime.liveness.watchdog import Watchdog
+from runtime.liveness.deadline import policy_from_spec
+from runtime.liveness.nccl import nccl_defaults
+from runtime.liveness.watchdog import Watchdog, heartbeat_dir
 from runtime.lifeline import watch_parent
 from runtime.network import EnvChange, NetworkError, detect
 from runtime.cpus import job_cpus, omp_threads
@@ -140,6 +142,9 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         "OMP_NUM_THREADS": (str(omp_threads(job_cpus(), spec.nproc_per_node)),
                             "one share of the job's CPUs (affinity, cgroup quota) per worker"),
         **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
+        # GPU jobs: NCCL's watchdog and flight recorder, coherent with the stall watch.
+        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_from_spec(spec.stall_timeout),
+                        log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid())),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)
     for name, reason in INHERITED_ONLY.items():

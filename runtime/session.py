@@ -249,7 +249,9 @@ class Session:
         policy = policy_from_spec(self.spec.stall_timeout) if self.spec is not None else None
         if isinstance(self._beat, NullHeartbeat) or policy is None:
             return self.timeout
-        wanted = timedelta(seconds=policy.longest_s + 60)
+        from runtime.liveness.deadline import collective_timeout_s
+
+        wanted = timedelta(seconds=collective_timeout_s(policy))
         if wanted > self.timeout:
             self._timeout_note = (f"collective timeout {wanted.total_seconds():.0f}s (asked "
                                   f"{self.timeout.total_seconds():.0f}s): it must outlast the longest "

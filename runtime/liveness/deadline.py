@@ -65,6 +65,12 @@ class StallPolicy:
         return max([self.first_steps_s, USER_PHASE_S, *self.phase_budgets_s.values()])
 
 
+def collective_timeout_s(policy: StallPolicy) -> float:
+    """The process groups' (and NCCL's) timeouts with the stall watch on: only a backstop, it
+    must outlast the longest phase a peer may legitimately be in while others wait."""
+    return policy.longest_s + 60
+
+
 def policy_from_spec(stall_timeout: str) -> StallPolicy | None:
     """The policy for a JobSpec's ``stall_timeout`` (``auto``, ``off``, seconds); None: off."""
     if stall_timeout == OFF:

@@ -41,7 +41,7 @@ from pathlib import Path
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from runtime import exclusions
-from runtime.liveness import events, proc, stacks
+from runtime.liveness import events, nccl, proc, stacks
 from runtime.liveness.deadline import StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import read_all
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
@@ -50,13 +50,19 @@ from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
 PUBLISH_EVERY_S = 2.0
-PEER_RECORD_FRESH_S = 15.0   # a node record older than this says nothing about now
+PEER_RECORD_FRESH_S = 15.0
+NCCL_DUMP_WAIT_S = 2.0   # torch writes the flight recorder from its own thread   # a node record older than this says nothing about now
 
 
 def heartbeat_root() -> Path:
     """Node-local and memory-backed when possible: heartbeats must never wait on a disk."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def heartbeat_dir(agent_pid: int) -> Path:
+    """The node-local directory of one launcher's workers' heartbeats (and NCCL pipes)."""
+    return heartbeat_root() / f"hpc-liveness-{os.getuid()}-{agent_pid}"
 
 
 class Watchdog:
@@ -81,7 +87,7 @@ class Watchdog:
         self.agent_pid = agent_pid or os.getpid()
         self.poll_s = poll_s
         self.host = socket.gethostname()
-        self.directory = heartbeat_root() / f"hpc-liveness-{os.getuid()}-{self.agent_pid}"
+        self.directory = heartbeat_dir(self.agent_pid)
         self.hangs: list[events.HangEvent] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,6 +187,8 @@ class Watchdog:
     def _act(self, verdict: Verdict, pids: list[int]) -> Verdict:
         """Dumps, records and kills; returns the verdict with its suspect named."""
         log.error("stall detected: %s", verdict.reason)
+        if nccl.request_dumps(self.directory):   # NCCL jobs: the flight recorder, into the logs
+            time.sleep(NCCL_DUMP_WAIT_S)
         dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
         verdict = blame(verdict, dumps)
         logs = jobdir.alloc_log_dir(self.job_dir, self.allocation)

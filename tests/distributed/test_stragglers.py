@@ -25,8 +25,8 @@ def test_slowed_node_is_reported_as_the_straggler_and_nothing_restarts(tmp_path:
     job = tmp_path / "job"
     r = subprocess.run(
         [sys.executable, "-m", "hpc", "run", str(REPO / "examples" / "train_gpt.py"), "--nodes", "2",
-         "--nproc-per-node", "1", "--job-dir", str(job), "--env", "HPC_TEST_SLOW_NODE=1:0.25",
-         "--", "--preset", "tiny", "--max-steps", "45"],
+         "--nproc-per-node", "1", "--job-dir", str(job), "--env", "HPC_TEST_SLOW_NODE=1:0.8",
+         "--", "--preset", "tiny", "--max-steps", "30"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     found = [json.loads(x) for x in (job / "stragglers.jsonl").read_text().splitlines()]
