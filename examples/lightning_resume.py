@@ -89,12 +89,24 @@ class StopOnWarning(Callback):
                 print(f"lightning_resume: warning at step {trainer.global_step}: saved, stopping", flush=True)
 
 
+def wandb_logger() -> pl.loggers.Logger:
+    """W&B from rank 0; hpc sets WANDB_RUN_ID/WANDB_RESUME, so every allocation continues one run.
+
+    Do not pass ``id=`` or ``version=``. ``save_dir`` must be WANDB_DIR (the job directory):
+    WandbLogger's default ``"."`` overrides it, and `hpc sync` would not find the offline runs.
+    """
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(project="hpc-elastic-examples", save_dir=os.environ.get("WANDB_DIR", "."))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--out", default="", help="rank 0 writes the final weights and loss here (JSON)")
+    p.add_argument("--wandb", action="store_true", help="log to W&B: one run for the whole job")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,7 +125,8 @@ def main() -> None:
         strategy="ddp" if world > 1 else "auto", max_epochs=args.steps,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=1,
                                    every_n_epochs=1), stopper],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=wandb_logger() if args.wandb else False, log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=os.environ.get("HPC_JOB_DIR", "."))
     model = Regressor(step_sleep=args.step_sleep)
     if trainer.is_global_zero:

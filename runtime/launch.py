@@ -319,7 +319,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         fence.relaunch = lambda: not forwarder.received
         fence.start()
     started = time.time()
-    reason, result, exit_code = "", "succeeded", None
+    reason, result, exit_codes = "", "succeeded", ()
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
@@ -329,7 +329,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     except ChildFailedError as e:
         result = "failed"
         rank, failure = outcome.root_failure(e.failures)
-        exit_code = failure.exitcode
+        exit_codes = tuple(sorted({f.exitcode for f in e.failures.values()}))
         reason = f"rank {rank} exited with {failure.exitcode}: {outcome.failure_message(failure.message)}".strip()
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"
@@ -353,7 +353,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
-    return outcome.AgentEnd(result, reason, started, watchdog, exit_code=exit_code)
+    return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes)
 
 
 def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.AgentEnd,

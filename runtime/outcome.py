@@ -62,7 +62,7 @@ class AgentEnd:
     reason: str
     started: float
     watchdog: Any = None         # runtime.liveness.watchdog.Watchdog (its verdict amends the kind)
-    exit_code: int | None = None  # the root failing rank's exit status, when workers failed
+    exit_codes: tuple[int, ...] = ()  # the failed workers' exit statuses
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,7 +160,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     if end.watchdog is not None:
         kind, reason, hangs = end.watchdog.amend(kind, reason)   # "hang" when a stall ended it
     kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice,
-                                          exit_code=end.exit_code)
+                                          exit_codes=end.exit_codes)
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))

@@ -192,17 +192,18 @@ def enforce_in(notice: StopNotice, now: float) -> float | None:
 
 
 def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
-                  exit_code: int | None = None) -> tuple[str, str]:
+                  exit_codes: tuple[int, ...] = ()) -> tuple[str, str]:
     """The outcome of an allocation whose workers failed after a stop began (pure).
 
     Workers of a script that ignores the warning die of the SIGTERM that follows it: that is
     the stop, not an application error, and the job must be requeued. So is a script that
-    saved on the warning and exited with ``STOPPED_EXIT`` (75) ("not done yet"); an exit
-    status 0 means the work is done, and stays ``finished``.
+    saved on the warning and exited with ``STOPPED_EXIT`` (75, "not done yet"), whichever rank
+    torch's agent saw end first (the others may be stopped by the agent or lose their peers);
+    an exit status 0 means the work is done, and stays ``finished``.
     """
     if notice is None or kind != "app_error":
         return kind, reason
-    if exit_code == STOPPED_EXIT:
+    if STOPPED_EXIT in exit_codes:
         return notice.kind, f"{notice.signal} ({notice.kind}): the script stopped for it (exit {STOPPED_EXIT})"
     said = f"{notice.signal} ({notice.kind}): the workers did not stop by themselves"
     return notice.kind, f"{said}; {reason}" if reason else said

@@ -1,9 +1,10 @@
-"""Lightning's own SIGTERM handler does not swallow a stop (examples/lightning_resume.py, for real).
+"""examples/lightning_resume.py under `hpc run` meets the stop contract, for real.
 
-Lightning 2.x installs a SIGTERM handler in every process (it broadcasts from inside it and
-later raises ``SIGTERMException``, a ``SystemExit`` with status 0, which would read as a
-finished job). Ours stays behind it: the worker still dies of the SIGTERM, and the launcher
-records the stop and restarts nothing. docs/own-script.md says so; this checks it.
+On the warning it saves and exits 75, recorded as the stop. And Lightning's own SIGTERM
+handler (in every process; it broadcasts from inside the handler, then the loop raises
+``SIGTERMException``, a ``SystemExit`` with status 0 that would read as a finished job) does
+not swallow a stop: ours stays behind it, the worker still dies of the SIGTERM, and the
+launcher records the stop and restarts nothing. docs/own-script.md says so; this checks it.
 """
 
 from __future__ import annotations
@@ -23,23 +24,42 @@ pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "examples" / "lightning_resume.py"
 
 
-@pytest.mark.timeout(240)
-def test_sigterm_to_a_lightning_job_is_recorded_as_the_stop(tmp_path: Path):
-    job = tmp_path / "job"
-    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "2",
-                          "--max-restarts", "3", "--job-dir", str(job), "--", "--steps", "1000",
-                          "--step-sleep", "0.2"], cwd=REPO, env=env_for(tmp_path),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+def start(tmp_path: Path, job: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "2",
+                             "--max-restarts", "3", "--job-dir", str(job), "--", "--steps", "1000",
+                             "--step-sleep", "0.2"], cwd=REPO, env=env_for(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def stop_with(job: Path, p: subprocess.Popen[str], sig: signal.Signals) -> str:
     try:
         wait_for(lambda: (job / "checkpoints" / "last.ckpt").exists(), 150, "Lightning's last.ckpt")
-        os.kill(launcher_pid(job), signal.SIGTERM)   # a SIGTERM-only stop, no warning first
+        os.kill(launcher_pid(job), sig)
         out, _ = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
     assert p.returncode == 75, out[-3000:]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_on_the_warning_the_lightning_example_saves_and_exits_75(tmp_path: Path):
+    job = tmp_path / "job"
+    stop_with(job, start(tmp_path, job), signal.SIGUSR2)   # a time-limit warning, 120 s ahead
+    rank0 = (job / "logs/alloc-0/restart-0/rank-0.log").read_text(errors="replace")
+    assert "saved, stopping" in rank0, rank0[-2000:]
+    [record] = outcomes(job)
+    assert (record["kind"], record["exit_code"]) == ("time_limit", 75), record
+    assert record["reason"] == "SIGUSR2 (time_limit): the script stopped for it (exit 75)", record["reason"]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_a_lightning_job_is_recorded_as_the_stop(tmp_path: Path):
+    job = tmp_path / "job"
+    stop_with(job, start(tmp_path, job), signal.SIGTERM)   # a SIGTERM-only stop, no warning
     rank0 = (job / "logs/alloc-0/restart-0/rank-0.log").read_text(errors="replace")
     assert "cluster environment TorchElasticEnvironment" in rank0
     assert "Received SIGTERM" in rank0, "Lightning's handler did not run: " + rank0[-2000:]
