@@ -23,6 +23,13 @@ evidence kept:
   re-form the group (without a node that cannot reach the rendezvous any more) and the
   workers resume from the last checkpoint.
 - :mod:`.events`: the ``hangs.jsonl`` event log in the job directory (any node appends).
+- :mod:`.stragglers`: ranks persistently slower than the others (work before their first
+  collective), reported by rank 0, never killed.
+- :mod:`.nccl`: NCCL's watchdog and flight-recorder settings for GPU jobs, coherent with the
+  stall deadline.
+
+Bad nodes (stalled, lost, failing their pre-join health check) are kept out of the next
+allocations by :mod:`runtime.exclusions`; the check itself is :mod:`runtime.health`.
 
 Nothing here imports torch: the launcher's thread and ``hpc status`` use it too.
 """

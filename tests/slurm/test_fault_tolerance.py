@@ -183,6 +183,10 @@ def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_
     assert result["world_size"] == 4, "the survivors (2 nodes x 2) finished the job"
     assert outcomes(job)[-1]["kind"] == "finished"
     assert restarts(env, job_id) in (0, -1), "the job was not requeued: the survivors went on"
+    # The crashed node is kept out of the job's next allocations (runtime/exclusions.py).
+    excluded = [json.loads(x) for x in (job / "exclusions.jsonl").read_text().splitlines()]
+    assert ("node3", "lost") in {(e["node"], e["kind"]) for e in excluded}, excluded
+    assert "node3 (lost" in " ".join(outcomes(job)[-1]["excluded"]), outcomes(job)
 
 
 def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
