@@ -130,7 +130,8 @@ def main() -> None:
         default_root_dir=os.environ.get("HPC_JOB_DIR", "."))
     model = Regressor(step_sleep=args.step_sleep)
     if trainer.is_global_zero:
-        env = type(trainer.strategy.cluster_environment).__name__
+        cluster = getattr(trainer.strategy, "cluster_environment", None)   # none: one process
+        env = type(cluster).__name__ if cluster is not None else "none"
         print(f"lightning_resume: world {world}, cluster environment {env}, "
               f"{'resuming from ' + ckpt_dir if resumed else 'fresh start'}", flush=True)
     trainer.fit(model, data, ckpt_path="last" if resumed else None)
