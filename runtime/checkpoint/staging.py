@@ -44,6 +44,8 @@ log = logging.getLogger("hpc.checkpoint")
 
 CPU_BUFFERS = "cpu-buffers"
 PINNED_SIDE_STREAM = "pinned-side-stream"
+_DESCRIPTION = {CPU_BUFFERS: "reused CPU buffers, one flat copy",
+                PINNED_SIDE_STREAM: "pinned host buffers, non-blocking copies on a side stream (torch DefaultStager)"}
 
 
 def leaf_layout(value: Any) -> tuple[Any, ...]:
@@ -195,7 +197,10 @@ class Staging(AsyncStager):
     def stage(self, state_dict: Any) -> Any:  # type: ignore[override]
         """Copies ``state_dict`` into the buffers (made now when its layout is new); returns the copy."""
         self.join_warm_up()
-        kind = self.last_kind = self._kind(state_dict)
+        kind = self._kind(state_dict)
+        if kind != self.last_kind:
+            log.info("checkpoint: async staging: %s", _DESCRIPTION[kind])
+            self.last_kind = kind
         if kind == PINNED_SIDE_STREAM:
             # the side stream must see the compute stream's last writes (DefaultStager does not order them)
             torch.accelerator.current_stream().synchronize()
