@@ -4,12 +4,11 @@ Builds an FSDP2-sharded model whose model + AdamW state is about ``--size-mb`` (
 ``--world-size`` ranks and measures two things.
 
 **First save** (``--rounds`` fresh process groups, one sample each: the first save of a process is
-once per process). Each builds the model, restores (nothing to restore: a fresh start), trains
-``--warm-steps`` steps calling ``should_save`` as a training loop does, and times how long the
-first async ``save()`` blocks. For reference the same process then times the first save of a
-second checkpointer that had no warm-up (what every first save cost before: buffers allocated and
-first touched inside the stall), and the floor: a copy of the local state into buffers that
-already exist.
+once per process). Each builds the model, trains a step and times the process's first async save
+the old way (a checkpointer with no restore, hence no warm-up: buffers allocated and first
+touched inside the stall); then a second checkpointer restores (starting the warm-up), trains
+``--warm-steps`` steps calling ``should_save`` as a training loop does, and its first async
+``save()`` is timed; then the floor: a copy of the local state into buffers that already exist.
 
 **Steady state** (one process group, ``--rounds`` rounds; every figure is per round, so ratios
 are paired within a round, taken close together in time):
@@ -17,7 +16,8 @@ are paired within a round, taken close together in time):
 * ``sync_save``: :class:`runtime.checkpoint.Checkpointer` blocking save (shards + CRC-32 +
   manifest + fsyncs + rename + ``latest``), the whole transaction;
 * ``async_block``: how long an async save blocks the training loop; ``async_total`` until committed;
-* ``load``: resume, including rank 0's verification of every checksum (same world: no reshard);
+* ``load``: resume, including rank 0's verification of every checksum (same world: no reshard),
+  with a default checkpointer, which starts the staging warm-up in the background as it returns;
 * ``rank0_torch_save``: gather the full state to rank 0 and ``torch.save`` it (what tutorials
   teach), with an fsync so that both sides are durable;
 * ``plain_dcp_save``: ``dcp.save`` into a fresh directory with no manifest or checksums;
@@ -174,26 +174,27 @@ def first_save_worker(rank: int, world: int, port: int, args: argparse.Namespace
 
     root = Path(args.dir) / f"first-{port}"
     state = {"model": model, "optim": optim}
+    _train_step(torch, model, optim)
+    # the process's first save, the old way: no restore, no warm-up, buffers made in the stall
+    cold = Checkpointer(root / "cold", keep_last=1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    cold.save(1, state)
+    cold_block = _slowest(dist, world, time.perf_counter() - t0)
+    cold.close()  # its buffers stay alive: the next checkpointer cannot reuse their pages
     ckpt = Checkpointer(root / "warm", keep_last=1)
-    ckpt.load_latest(state)  # a fresh start: nothing to load
+    ckpt.load_latest(state)  # nothing to load here; a restore starts the warm-up as it returns
     t0 = time.perf_counter()
     for step in range(args.warm_steps):
         _train_step(torch, model, optim)
-        ckpt.should_save(step + 1)
+        ckpt.should_save(step + 2)
     steps_s = time.perf_counter() - t0
     warm_before = ckpt._stager is not None and ckpt._stager.warm  # noqa: SLF001 (reported, not used)
     dist.barrier()
     t0 = time.perf_counter()
-    ckpt.save(args.warm_steps, state)
+    ckpt.save(args.warm_steps + 1, state)
     block = _slowest(dist, world, time.perf_counter() - t0)
     ckpt.close()
-    dist.barrier()
-    cold = Checkpointer(root / "cold", keep_last=1)  # no restore, no warm-up: buffers made in the stall
-    dist.barrier()
-    t0 = time.perf_counter()
-    cold.save(args.warm_steps, state)
-    cold_block = _slowest(dist, world, time.perf_counter() - t0)
-    cold.close()
     floor = _copy_floor(torch, _local_tensors(torch, model, optim))
     floors = []
     for _ in range(3):
@@ -246,7 +247,12 @@ def steady_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         times["sync_save_s"].append(timed(lambda: ckpt.save(step, state, blocking=True)))
         ckpt.close()  # joins the background prune of the previous step: it must not overlap the next timing
         barrier()     # (rank 0 alone prunes: without this, rank 1 would time its wait for rank 0)
+        barrier()  # the floor right before the async save: the same writeback of the sync save behind both
+        t0 = time.perf_counter()
+        floor()
+        times["copy_floor_s"].append(_slowest(dist, world, time.perf_counter() - t0))
         step += 1
+        barrier()
         t0 = time.perf_counter()
         ckpt.save(step, state, blocking=False)
         block = time.perf_counter() - t0
@@ -256,11 +262,10 @@ def steady_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
         times["async_block_s"].append(_slowest(dist, world, block))
         ckpt.close()
         barrier()
-        times["load_s"].append(timed(lambda: Checkpointer(root / "ours", async_save=False).load_latest(state)))
-        barrier()
-        t0 = time.perf_counter()
-        floor()
-        times["copy_floor_s"].append(_slowest(dist, world, time.perf_counter() - t0))
+        loader = Checkpointer(root / "ours")  # as a job restores: the load starts the staging warm-up
+        times["load_s"].append(timed(lambda: loader.load_latest(state)))
+        loader.close()  # joins that warm-up (untimed): it must not overlap the floor's timing
+        del loader
 
         here = step  # a new location per round; the previous round's is deleted after timing
 

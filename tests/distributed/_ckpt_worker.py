@@ -197,6 +197,37 @@ def main() -> None:
             train(model, optim, 1)
         result["checks"] = checks
         ckpt.close()
+    elif scenario == "prepfail":  # a step saved twice, and a rank whose state cannot be prepared
+        model, optim = build(kind, seed=1)
+        train(model, optim, 1)
+        ckpt = Checkpointer(ckpt_dir)
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+        try:
+            ckpt.save(1, {"model": model, "optim": optim})
+            result["again"] = None
+        except ValueError as e:
+            result["again"] = str(e)
+
+        class Picky:
+            rank_local = True
+
+            def state_dict(self) -> dict[str, Any]:
+                if rank == 1:
+                    raise RuntimeError("cannot snapshot on rank 1")
+                return {}
+
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                pass
+        try:
+            ckpt.save(2, {"model": model, "optim": optim, "picky": Picky()})
+            ckpt.wait()
+            result["picky"] = None
+        except CheckpointError as e:
+            result["picky"] = str(e)
+        result["dirs_after_failure"] = sorted(d.name for d in ckpt_dir.iterdir()) if rank == 0 else None
+        ckpt.save(2, {"model": model, "optim": optim})  # and the group is not stuck
+        ckpt.close()
+        result["latest"] = ckpt.latest_step()
     elif scenario == "retention":  # arg: kind -- async saves 1..9, keep_last=2, keep_every=4
         model, optim = build(kind, seed=1)
         ckpt = Checkpointer(ckpt_dir, keep_last=2, keep_every=4)

@@ -186,6 +186,17 @@ def test_async_staging_buffers_made_ahead_reused_and_remade_when_the_structure_c
                    if "made in the save" in line)
 
 
+def test_a_step_saved_twice_or_a_rank_that_cannot_prepare_fails_every_rank_alike(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    results = run_ranks(2, "prepfail", ckpt, tmp_path / "out", "ddp")
+    for r in results:
+        assert "already exists" in r["again"], r
+        assert "rank 1: preparing the checkpoint state failed" in r["picky"] and "cannot snapshot" in r["picky"], r
+        assert r["latest"] == 2
+    assert results[0]["dirs_after_failure"] == ["latest", "step-000001"]  # no torn step-000002.tmp
+    assert _dirs(ckpt) == ["latest", "step-000001", "step-000002"]
+
+
 def test_retention_keeps_last_and_every_nth(tmp_path: Path) -> None:
     ckpt = tmp_path / "ck"
     results = run_ranks(2, "retention", ckpt, tmp_path / "out", "ddp")
