@@ -211,6 +211,48 @@ def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
     return out
 
 
+def running_notes(job_dir: Path) -> str:
+    """What the allocation still running found so far, from the job directory: stragglers
+    (``stragglers.jsonl``) and recovered stalls (``hangs.jsonl``); "" when nothing."""
+    try:
+        ended = [o.allocation for o in jobdir.read_outcomes(job_dir)]
+    except (OSError, ValueError, TypeError):
+        return ""
+    first_open = max(ended) + 1 if ended else 0
+
+    def records(name: str) -> list[dict]:
+        try:
+            lines = (job_dir / name).read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and int(rec.get("allocation", -1)) >= first_open:
+                out.append(rec)
+        return out
+
+    notes = [f"straggler: rank {r.get('rank')} on {r.get('node')} (node rank {r.get('node_rank')})"
+             for r in records("stragglers.jsonl")]
+    stalls = records("hangs.jsonl")
+    if stalls:
+        notes.append(f"{len(stalls)} stall(s) recovered so far, last on {stalls[-1].get('node')}")
+    return "; ".join(notes)
+
+
+def with_running_notes(view: JobView, notes: str) -> JobView:
+    """Adds ``notes`` to the view's running allocation (one with no outcome yet) (pure)."""
+    if not notes or not view.allocations:
+        return view
+    last = view.allocations[-1]
+    if last.slurm_state != "RUNNING" or last.detail:
+        return view
+    return replace(view, allocations=(*view.allocations[:-1], replace(last, detail=notes)))
+
+
 def _with_chain(view: JobView) -> JobView:
     """Says which job a continuation continues, and which job continued this one."""
     links = resubmissions.read(Path(view.job_dir)) if view.job_dir and view.job_id else []
@@ -232,7 +274,9 @@ def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None 
         accounting = client.accounting(ids)
     except SlurmError:  # no accounting storage on this cluster: squeue is all we have
         accounting = ()
-    return [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)]
+    views = [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)]
+    return [with_running_notes(v, running_notes(Path(v.job_dir)) if v.job_dir and v.state == "RUNNING" else "")
+            for v in views]
 
 
 class Poller:

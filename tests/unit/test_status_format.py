@@ -197,3 +197,21 @@ def test_notes_on_valid_but_probably_unmeant_requests() -> None:
     assert any(f"never grow beyond {part.total_nodes}" in n for n in said)
     assert notes(JobSpec(script="t.py", job_dir="/j", nodes=(2, 2), nproc_per_node=4, cpus_per_task=32),
                  part) == []
+
+
+def test_running_allocation_shows_its_stragglers_and_stalls_so_far(tmp_path: Path) -> None:
+    from hpc.status import running_notes, with_running_notes
+
+    jobdir.append_outcome(tmp_path, jobdir.Outcome(allocation=0, kind="preempted", exit_code=75))
+    (tmp_path / "stragglers.jsonl").write_text(
+        '{"allocation": 0, "rank": 5, "node": "old", "node_rank": 2}\n'
+        '{"allocation": 1, "rank": 3, "node": "node2", "node_rank": 1}\n')
+    (tmp_path / "hangs.jsonl").write_text('{"allocation": 1, "node": "node1"}\nnot json\n')
+    notes = running_notes(tmp_path)
+    assert notes == ("straggler: rank 3 on node2 (node rank 1); 1 stall(s) recovered so far, "
+                     "last on node1")
+    queue = {e.job_id: e for e in parse_squeue((FIX / "squeue_running_sacct_lagging.txt").read_text())}
+    acct = parse_sacct((FIX / "sacct_lagging_pending.txt").read_text())
+    view = with_running_notes(build_views([_rec("28")], queue, acct, {})[0], notes)
+    assert view.allocations[-1].describe() == f"#0 RUNNING ({notes})"
+    assert running_notes(tmp_path / "missing") == ""
