@@ -61,6 +61,13 @@ def node_report(rdzv_host: str, *, multi_node: bool) -> Report:
     rep.checks["infiniband"] = [asdict(p) for p in ports]
     rep.checks["versions"] = versions()
     rep.checks["gpus"] = gpus()
+    if shutil.which("nvidia-smi"):   # the launchers' pre-join GPU check (runtime.health)
+        from runtime import health
+
+        finding = health.gpus(0)
+        rep.checks["gpu_health"] = finding.detail
+        if not finding.ok:
+            rep.problems.append(f"GPU health: {finding.detail}")
     return rep
 
 

@@ -262,7 +262,8 @@ class Session:
 
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
-             mixed_precision: bool | None = None, reproducible_resume: bool = True) -> torch.nn.Module:
+             mixed_precision: bool | None = None, reproducible_resume: bool = True,
+             pace_hook: bool = True) -> torch.nn.Module:
         """Moves ``model`` to the device and wraps it in DDP, or FSDP2 (``fully_shard``).
 
         Args:
@@ -272,6 +273,9 @@ class Session:
             mixed_precision: bf16 compute with fp32 reductions under FSDP2 (default: on CUDA).
             reproducible_resume: DDP only: keep one gradient-bucket layout for the whole run, so
                 a resumed run is bit-identical to an uninterrupted one at any world size.
+            pace_hook: DDP only: register a comm hook (DDP's own all-reduce, timed) that tells
+                stragglers apart. DDP takes one comm hook: pass False to register your own;
+                straggler reports then time the whole step body, where DDP hides a slow rank.
         """
         model = model.to(self.device)
         if fsdp:
@@ -298,7 +302,7 @@ class Session:
                      "(wrap(..., reproducible_resume=False) skips the extra graph walk)")
         ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=reproducible_resume)
-        if self.world_size > 1:
+        if self.world_size > 1 and pace_hook:
             ddp.register_comm_hook(self, _timed_allreduce)   # straggler accounting (same sums)
         return ddp
 
