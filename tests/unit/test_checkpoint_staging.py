@@ -108,3 +108,22 @@ def test_a_warm_up_for_the_current_layout_is_a_no_op_and_close_frees() -> None:
     assert stager.join_warm_up() is None and stager.rebuilds == 1
     stager.close()
     assert not stager.warm
+
+
+def test_flatten_and_unflatten_round_trip_every_container_a_state_dict_holds() -> None:
+    from collections import OrderedDict, namedtuple
+
+    from runtime.checkpoint.staging import flatten, unflatten
+
+    Pair = namedtuple("Pair", "a b")
+    state = {"od": OrderedDict(x=torch.ones(2), y=3), "pair": Pair(torch.zeros(1), "s"),
+             "tup": (1, [2.0, {"z": None}]), "empty": {}, "nested": [[], ()]}
+    leaves: list[Any] = []
+    tree = flatten(state, leaves)
+    assert len(leaves) == 7  # ones, 3, zeros, "s", 1, 2.0, None
+    back = unflatten(tree, leaves)
+    assert isinstance(back["pair"], Pair) and back["pair"].b == "s"
+    assert back["tup"] == (1, [2.0, {"z": None}]) and back["empty"] == {} and back["nested"] == [[], ()]
+    assert torch.equal(back["od"]["x"], torch.ones(2)) and back["od"]["y"] == 3
+    other: list[Any] = []
+    assert flatten({**state, "tup": (1, [2.0, {"w": None}])}, other) != tree  # a key deep down
