@@ -263,3 +263,18 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     first = [o for o in outcomes(job) if o["allocation"] == 0]
     assert any(o["kind"] == "preempted" and o["hangs"] for o in first), outcomes(job)
     assert outcomes(job)[-1]["kind"] == "finished"
+
+
+def test_node_failing_its_health_check_stays_out(env, slurm_cluster, tmp_path):
+    """node3's pre-join check fails (HPC_TEST_HEALTH_FAIL points its real job-directory probe
+    at a path that cannot be written): it leaves without joining, the others form the group
+    at MIN 2, the job completes (srun status 0), and node3 is excluded."""
+    job = tmp_path / "health"
+    job_id = submit(env, job, "--nodes", "2:3", "--env", "HPC_TEST_HEALTH_FAIL=2",
+                    train=("--max-steps", "6", *ELASTIC))
+    wait_done(env, job_id, job, timeout=300)
+    assert json.loads((job / "result.json").read_text())["world_size"] == 4
+    assert [o["kind"] for o in outcomes(job)] == ["finished"]
+    excluded = [json.loads(x) for x in (job / "exclusions.jsonl").read_text().splitlines()]
+    assert [(e["node"], e["kind"]) for e in excluded] == [("node3", "health")], excluded
+    assert "srun exited with status 0" in "".join(p.read_text() for p in job.glob("logs/slurm-*.out"))
