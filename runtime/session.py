@@ -40,6 +40,7 @@ from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
+from runtime.metrics import BackgroundSink, NullSink, reduce_metrics
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
 
 log = logging.getLogger("hpc.session")
@@ -377,18 +378,19 @@ class Session:
             yield step
             self.step = step + 1
             now = time.perf_counter()
-            step_times.append(now - tick)
+            done = self.step - start
+            if done <= CALIBRATE_AFTER_STEPS:    # kept only until the interval is fixed
+                step_times.append(now - tick)
             # The first step (compilation, warm-up) is no sample of an ordinary one. Work
             # before the first collective (DDP's first bucket; else the whole body) tells a
             # straggler (runtime.liveness.stragglers).
             compute = (self._arrived or now) - tick
-            self._beat.step_done(self.step, now - tick if len(step_times) > 1 else None, compute)
+            self._beat.step_done(self.step, now - tick if done > 1 else None, compute)
             tick = now
             if self._stragglers is not None and self._stragglers.due():
                 self._report_stragglers()
             self._rec.step_done(self.step)
             self._end_of_step(last=self.step == stop)
-            done = self.step - start
             if done == CALIBRATE_AFTER_STEPS:
                 self._poll_every = self._agree_poll_interval(step_times)
             request = None
@@ -493,8 +495,6 @@ class Session:
                 print(line, flush=True)
         if not (self.step % self.log_every == 0 or last) or not self._pending_metrics:
             return
-        from runtime.metrics import reduce_metrics
-
         local = {k: sum(v) / len(v) for k, v in self._pending_metrics.items()}
         reduced = reduce_metrics(local, self._metric_ops,
                                  group=self.cpu_group if self.world_size > 1 else None)
@@ -508,11 +508,13 @@ class Session:
             from runtime.wandb_sink import run_metadata
 
             config = self.spec.wandb if self.spec else WandbConfig(mode=wandb_mode(None, os.environ))
-            self._sink = make_sink(
+            sink = make_sink(
                 self.rank, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
                 resume_step=resume_step, run_id=run_id,
                 # Offline init touches no network: a long bound only guards a starved node.
                 init_timeout_s=30.0 if config.mode == "online" else 120.0)
+            # Rank 0's W&B calls (and the exactly-once mark) run off the training loop's path.
+            self._sink = sink if isinstance(sink, NullSink) else BackgroundSink(sink)
         return self._sink
 
     def finish(self) -> None:

@@ -202,3 +202,61 @@ def test_session_wandb_mode_passes_an_unknown_value_on_to_be_rejected_by_name() 
 
     with pytest.raises(ValueError, match="'cloud' is not one of offline, online, disabled"):
         WandbSettings(mode=wandb_mode(None, {"WANDB_MODE": "cloud"}))
+
+
+class _Recording:
+    """A sink that records its calls (pure logic: what BackgroundSink hands it, and in what order)."""
+
+    def __init__(self, fail_on: str = "") -> None:
+        self.calls: list[tuple] = []
+        self.fail_on = fail_on
+        self.run_id = "abc123"
+
+    def log(self, metrics, step):
+        if self.fail_on == "log" and step == 2:
+            raise RuntimeError("boom")
+        self.calls.append(("log", dict(metrics), step))
+
+    def event(self, name, step=None, **fields):
+        self.calls.append(("event", name, step, fields))
+
+    def config(self, update):
+        self.calls.append(("config", dict(update)))
+
+    def close(self, exit_code=0):
+        self.calls.append(("close", exit_code))
+
+
+def test_background_sink_keeps_the_order_and_drains_on_close():
+    from runtime.metrics import BackgroundSink
+
+    inner = _Recording()
+    sink = BackgroundSink(inner)
+    row = {"loss": 1.5}
+    for step in range(1, 101):
+        sink.log(row, step=step)
+        if step == 50:
+            sink.event("preempted", step=50, signal="SIGUSR2")
+    row["loss"] = 9.0                       # the caller's dict is copied when queued
+    sink.config({"goodput/ratio": 0.9})
+    assert sink.run_id == "abc123"          # attributes are the wrapped sink's
+    sink.close(exit_code=1)
+    sink.close()                            # safe twice
+    sink.log({"loss": 0.0}, step=101)       # after close: ignored
+    logs = [c for c in inner.calls if c[0] == "log"]
+    assert [c[2] for c in logs] == list(range(1, 101))
+    assert all(c[1] == {"loss": 1.5} for c in logs)
+    assert inner.calls.index(("event", "preempted", 50, {"signal": "SIGUSR2"})) == 50
+    assert inner.calls[-2:] == [("config", {"goodput/ratio": 0.9}), ("close", 1)]
+
+
+def test_background_sink_goes_on_after_a_failing_call_and_flush_waits():
+    from runtime.metrics import BackgroundSink
+
+    inner = _Recording(fail_on="log")
+    sink = BackgroundSink(inner)
+    for step in (1, 2, 3):
+        sink.log({"loss": float(step)}, step=step)
+    sink.flush()
+    assert [c[2] for c in inner.calls if c[0] == "log"] == [1, 3]
+    sink.close()
