@@ -7,7 +7,9 @@ re-checked until the measured step is within 2 % of the target, and the bare ste
 rounds actually measured is reported. Fixed work, not a sleep: a Session that takes CPU from
 the training (threads, the W&B process) shows up as a slower step, as it would in a job.
 
-The Session loop is what a user gets: ``s.steps()`` (heartbeat to the node's stall watch,
+The Session loop is what a user gets: the model wrapped by ``s.wrap()`` (DDP with the
+Session's bucket-timing comm hook for the straggler watch and one bucket layout for bit-exact
+resumes; the bare loop uses plain ``DDP(model)``), ``s.steps()`` (heartbeat to the node's stall watch,
 events.jsonl summary, progress.json, the progress line, the preemption agreement, spaced to
 ~100 ms after 20 steps), the resumable sampler, and ``s.log(loss=...)`` reduced across ranks
 and logged to an offline W&B run every ``--log-every`` steps. Parts of it also run alone on
@@ -63,6 +65,7 @@ class Work:
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, mode: str = "busy") -> None:
         self.model, self.opt, self.mode = model, opt, mode
         self.x = torch.randn(32, 64)
+        self.session: Work = self     # the same work on the Session-wrapped model
         self.a, self.b = torch.randn(UNIT_N, UNIT_N), torch.randn(UNIT_N, UNIT_N)
         self.units = 0
 
@@ -158,7 +161,8 @@ class Loops:
         return self._part(name, steps)
 
     def _session(self, steps: int) -> float:
-        s, gen, work, sampler, rank_slice = self.s, self.gen, self.work, self.sampler, self.rank_slice
+        s, gen, work, sampler, rank_slice = self.s, self.gen, self.work.session, self.sampler, self.rank_slice
+        work.units = self.work.units
         inside, kinds = self.boundary_s, self.boundary_kind
         clock = time.perf_counter
         if self.profiler is not None:
@@ -294,14 +298,21 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str)
     from runtime.session import Session
 
     with Session(seed=0, job_dir=Path(tmp) / "job", log_every=args.log_every) as s:
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        work = Work(model, opt, args.work)
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+        bare_model = DDP(model())
+        work = Work(bare_model, torch.optim.SGD(bare_model.parameters(), lr=1e-3), args.work)
+        # The Session's own wrap, as a user gets it (its bucket-timing comm hook for the straggler
+        # watch, one bucket layout for bit-exact resumes); the same work otherwise.
+        session_model = s.wrap(model())
+        work.session = Work(session_model, torch.optim.SGD(session_model.parameters(), lr=1e-3), args.work)
         sampler = ResumableSampler(10**7, global_batch=64, seed=0)
         # The agreement alone: the same overlapped all-reduce on its own gloo group.
         watcher = PreemptionWatcher(("SIGUSR2",), dist.new_group(backend="gloo"))
         timed_bare(work, 30)     # warm-up: allocator, DDP's first steps
+        timed_bare(work.session, 30)
         results = {key: run_step_length(s, work, sampler, watcher, args, key)
                    for key in args.steps_ms}
         if rank == 0:
@@ -325,7 +336,10 @@ def table(res: dict[str, Any]) -> list[str]:
                 ("ok" if summ["trusted"] else "untrusted")
             lines.append(f"{key:>6} | {LABELS[part]:<28} | {r['step_s_median'][part]:8.5f} | "
                          f"{summ['median']:6.4f} | {ci:>15} | {half:>6} | {summ['n']:>3} | {goal:>7} | {verdict}")
-            if not summ["trusted"]:
+            if summ["lo"] is None:
+                notes.append(f"  {key} {LABELS[part]}: cannot be trusted: {summ['n']} pairs are too few "
+                             "for a 95% interval (6 at least)")
+            elif not summ["trusted"]:
                 notes.append(f"  {key} {LABELS[part]}: cannot be trusted: its 95% interval (+-{half}) is "
                              f"wider than the +-{r['target_pct']:.0f}% this step length needs")
     return lines + notes
