@@ -228,8 +228,9 @@ class Outcome:
             parts.append(f"{len(self.hangs)} stall(s) recovered, last: {self.hangs[-1]}")
         if self.stragglers:
             parts.append(f"straggler: {self.stragglers[-1]}")
-        if self.excluded:
-            parts.append(f"excluded next time: {'; '.join(self.excluded)}")
+        if self.excluded:   # "node3 (stall in allocation 0: why...)": the why is in the file
+            short = [x.split(": ", 1)[0] + (")" if ": " in x else "") for x in self.excluded]
+            parts.append(f"excluded next time: {', '.join(short)}")
         return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
 
     def __post_init__(self) -> None:
