@@ -52,9 +52,10 @@ def test_categories_add_up_to_the_allocated_time(job: dict) -> None:
         total = sum(alloc["categories"].values())
         assert total == pytest.approx(alloc["wall_s"], rel=0.01)
         # The allocation's frame is the launcher's life: inside the measured `hpc run`, and
-        # missing at most the CLI's own start-up and exit (well under a second each).
+        # missing only the CLI's own start-up and exit (under a second each on a quiet machine,
+        # 2 s and more on CI's 2 CPUs shared with the slurm tier's jobs).
         assert t0 - 0.5 <= alloc["start"] and alloc["end"] <= t1 + 0.5
-        assert alloc["wall_s"] == pytest.approx(t1 - t0, abs=2.0)
+        assert 0 <= (t1 - t0) - alloc["wall_s"] < 5.0, (t1 - t0, alloc["wall_s"])
         assert alloc["categories"]["unaccounted"] < 0.01 * alloc["wall_s"]
     assert sum(ledger["categories"].values()) == pytest.approx(ledger["allocated_node_s"], rel=1e-6)
     assert 0 < ledger["goodput"] < 1

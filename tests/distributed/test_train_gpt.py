@@ -40,13 +40,19 @@ def result(job: Path) -> dict:
 
 def interrupt_after(p: subprocess.Popen, job: Path, seconds: float,
                     signals: tuple[int, ...] = (signal.SIGUSR2,)) -> tuple[int, str]:
-    """Waits until training runs, lets it go `seconds`, then sends the warning signal."""
+    """Waits until this run trains, lets it go `seconds`, then sends the warning signal."""
     log = job / "logs"
+
+    def started() -> int:
+        return sum("start step" in f.read_text(errors="replace")
+                   for f in log.glob("alloc-*/restart-*/rank-0.log"))
+
+    # A resumed job's logs of earlier runs also say "start step": wait for one more. (A signal
+    # sent before this run's launcher is up would kill it before it could handle the signal.)
+    before = started()
     end = time.time() + 120
-    while time.time() < end and not any("start step" in f.read_text(errors="replace")
-                                        for f in log.glob("alloc-*/restart-*/rank-0.log")):
+    while time.time() < end and started() <= before:
         time.sleep(0.1)
-    # A resumed run's log from the previous stop also says "start step"; wait for this one.
     time.sleep(seconds)
     for sig in signals:
         p.send_signal(sig)
