@@ -142,7 +142,8 @@ class _CpuBuffers:
                     self.staged.append(value)
                     continue
                 src = _local(value)
-                buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu")
+                # same strides where they are dense; a dense layout for expanded or gapped views
+                buf = torch.empty_like(src, device="cpu", memory_format=torch.preserve_format)
                 buf.copy_(src)  # first touch: the page faults happen here, not in a save
                 self.buffers.append(buf)
                 self.staged.append(DTensor.from_local(buf, value.device_mesh, value.placements, run_check=False,

@@ -127,3 +127,14 @@ def test_flatten_and_unflatten_round_trip_every_container_a_state_dict_holds() -
     assert torch.equal(back["od"]["x"], torch.ones(2)) and back["od"]["y"] == 3
     other: list[Any] = []
     assert flatten({**state, "tup": (1, [2.0, {"w": None}])}, other) != tree  # a key deep down
+
+
+def test_views_with_odd_strides_are_staged_by_value() -> None:
+    base = torch.arange(12.0)
+    state = {"expanded": torch.ones(3, 1).expand(3, 4), "strided": base[::3], "t": torch.ones(2, 3).t()}
+    stager = Staging()
+    staged = stager.stage(state)
+    base.add_(100.0)
+    again = stager.stage(state)
+    assert _same(again, state) and stager.rebuilds == 1
+    assert torch.equal(staged["strided"], base[::3])  # the same buffers, refilled
