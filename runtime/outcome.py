@@ -33,6 +33,7 @@ from runtime.resubmit import continue_as_new_job
 
 if TYPE_CHECKING:
     from runtime.launch import LaunchPlan, SignalForwarder
+    from hpc.contract.slurm import SlurmClient
 
 log = logging.getLogger("hpc.launch")
 
@@ -121,6 +122,27 @@ def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Ou
         time.sleep(0.5)
 
 
+def left_behind(job_id: str, host: str, client: "SlurmClient | None" = None) -> str | None:
+    """Why this node, not node 0, is the one lost (None when it is still part of the job).
+
+    A node whose link was cut loses the rendezvous store like the survivors lose it when node 0
+    dies; what tells them apart is Slurm: the cut node cannot reach the controller (during the
+    cut), or the controller no longer counts it in the running job (it marked it down and
+    ``--no-kill`` kept the job on the others). Without this check a cut node that came back
+    recorded a second, wrong outcome for an allocation that was still running.
+    """
+    from hpc.contract.slurm import SlurmClient, SlurmError
+    from hpc.contract.slurm_parse import JobState
+
+    try:
+        info = (client or SlurmClient(retry_total_s=10)).show_job(job_id)
+    except SlurmError as e:
+        return f"cannot reach Slurm's controller ({e})"
+    if info.state == JobState.RUNNING and info.nodes and host not in info.nodes:
+        return f"Slurm no longer counts {host} in running job {job_id} (nodes {', '.join(info.nodes)})"
+    return None
+
+
 def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
     """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart.
 
@@ -179,6 +201,12 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
         if theirs is not None:
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code
+        me = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        if slurm.active and (why := left_behind(slurm.job_id, me)):
+            # The failed node is this one (a cut link): the others went on and record it.
+            log.warning("%s: the nodes that went on record this allocation; this node records nothing",
+                        why)
+            return code
     if (kind == "preempted" and slurm.active and not spec.container_image
             and cancelled_by_user(slurm.job_id, plan.job_dir, plan.allocation)):
         kind, code = "cancelled", EXIT_CODES["cancelled"]

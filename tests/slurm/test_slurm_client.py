@@ -12,6 +12,7 @@ import pytest
 
 from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, UnknownJobError
 from hpc.contract.slurm_parse import JobState
+from runtime.outcome import left_behind
 
 pytestmark = pytest.mark.slurm
 
@@ -67,7 +68,7 @@ def client(slurm_cluster) -> SlurmClient:
     return SlurmClient(slurm_cluster.env, retry_total_s=30.0, command_timeout_s=20.0)
 
 
-def test_submit_queue_accounting_cancel(client: SlurmClient, tmp_path, tag: str) -> None:
+def test_submit_queue_accounting_cancel(client: SlurmClient, slurm_cluster, tmp_path, tag: str) -> None:
     script = tmp_path / "job.sh"
     script.write_text(SLEEP)
     job = client.submit(script, ["-N", "2", "--job-name", "two nodes"], tag=tag)
@@ -79,6 +80,10 @@ def test_submit_queue_accounting_cancel(client: SlurmClient, tmp_path, tag: str)
     info = client.show_job(job)
     assert info.nodes == entry.nodes and info.batch_host == entry.nodes[0]
     assert info.restarts == 0 and info.time_limit_s == 3600
+    # A launcher tells a cut-off node (no longer counted in the running job) from a survivor.
+    other = next(n for n in slurm_cluster.nodes if n not in entry.nodes)
+    assert left_behind(job, entry.nodes[1], client) is None
+    assert f"no longer counts {other} in running job {job}" in left_behind(job, other, client)
 
     client.cancel(job)
     wait_for("CANCELLED in squeue", lambda: client.queue([job])[job].state is JobState.CANCELLED)
