@@ -50,8 +50,8 @@ from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
 PUBLISH_EVERY_S = 2.0
-PEER_RECORD_FRESH_S = 15.0
-NCCL_DUMP_WAIT_S = 2.0   # torch writes the flight recorder from its own thread   # a node record older than this says nothing about now
+PEER_RECORD_FRESH_S = 15.0   # a node record older than this says nothing about now
+NCCL_DUMP_WAIT_S = 2.0       # torch writes the flight recorder from its own thread
 
 
 def heartbeat_root() -> Path:
