@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from hpc.contract.stall import AUTO, OFF, stall_seconds
 
 STEP = "step"
+# A worker that publishes no heartbeat (a script without the Session): its output is all that
+# tells progress. Watched only against an explicit ``--stall-timeout SECONDS``: how often such a
+# script prints is unknown, so ``auto`` never calls it stalled (a stopped process excepted).
+OUTPUT = "output"
 # Budgets of the phases known to be long, in seconds.
 # Generous: they hold only until a phase has been measured once in the process (see above).
 PHASE_BUDGETS_S: Mapping[str, float] = {
@@ -110,6 +114,8 @@ def deadline_s(policy: StallPolicy, *, phase: str, steps_done: int, p99_s: float
         budget_s: The budget the phase was opened with (``session.phase(name, budget_s=)``).
         measured_s: The longest earlier run of this phase in this process, if any.
     """
+    if phase == OUTPUT:
+        return policy.fixed_s if policy.fixed_s is not None else math.inf
     ordinary = step_deadline_s(policy, p99_s, samples)
     if phase == STEP:
         if steps_done < policy.first_steps:

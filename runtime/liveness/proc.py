@@ -8,6 +8,7 @@ the strongest evidence of which rank froze.
 from __future__ import annotations
 
 import os
+import stat
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -54,3 +55,39 @@ def workers(ppid: int, marker: bytes = b"runtime.worker") -> list[int]:
         except OSError:
             continue
     return out
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` started with ({} when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def started_at(pid: int) -> float | None:
+    """Wall-clock time ``pid`` started (from its start tick and the boot time), None if gone."""
+    fields = _stat(pid)
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK") if fields else None
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def last_output(pid: int) -> float | None:
+    """When ``pid`` last wrote to its stdout or stderr, when those are files (the agent's rank
+    logs), else None."""
+    latest = None
+    for fd in (1, 2):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")   # follows the link to the open file
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            latest = max(latest or 0.0, st.st_mtime)
+    return latest

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.liveness.deadline import STEP, StallPolicy, deadline_s
+from runtime.liveness.deadline import OUTPUT, STEP, StallPolicy, deadline_s
 from runtime.liveness.heartbeat import Heartbeat
 
 # Frames (path fragments) that mean "this thread waits in a collective or in the autograd
@@ -51,6 +51,9 @@ class RankState:
     def describe(self) -> str:
         b = self.beat
         flags = " STOPPED" if self.stopped else ""
+        if b.phase == OUTPUT:   # no heartbeats: its output is all we know
+            return (f"rank {b.rank} (local {b.local_rank}, pid {b.pid}){flags}: phase output, no "
+                    f"output for {self.age_s:.1f}s (deadline {self.deadline_s:.1f}s)")
         return (f"rank {b.rank} (local {b.local_rank}, pid {b.pid}){flags}: phase {b.phase}, "
                 f"step {b.step}, no progress for {self.age_s:.1f}s (deadline {self.deadline_s:.1f}s)")
 

@@ -42,8 +42,8 @@ from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from runtime import exclusions
 from runtime.liveness import events, nccl, proc, stacks
-from runtime.liveness.deadline import StallPolicy, policy_from_spec
-from runtime.liveness.heartbeat import read_all
+from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_from_spec
+from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
 from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
 
@@ -63,6 +63,23 @@ def heartbeat_root() -> Path:
 def heartbeat_dir(agent_pid: int) -> Path:
     """The node-local directory of one launcher's workers' heartbeats (and NCCL pipes)."""
     return heartbeat_root() / f"hpc-liveness-{os.getuid()}-{agent_pid}"
+
+
+def output_beats(pids: set[int]) -> list[Heartbeat]:
+    """Stand-in heartbeats of workers that publish none (scripts without the Session): their
+    progress is their output (the rank log the agent gave them as stdout and stderr), or their
+    start while they have written nothing. Judged in phase :data:`~.deadline.OUTPUT`."""
+    out = []
+    for pid in sorted(pids):
+        env = proc.environ(pid)
+        start = proc.started_at(pid)
+        if start is None or "RANK" not in env:   # gone, or not a worker of ours
+            continue
+        last = max(start, proc.last_output(pid) or 0.0)
+        out.append(Heartbeat(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                             restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), phase=OUTPUT,
+                             step=0, steps_done=0, time=last, p99_s=None, samples=0))
+    return out
 
 
 class Watchdog:
@@ -128,6 +145,9 @@ class Watchdog:
                  step, p.first_steps, p.first_steps_s,
                  ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s,
                  p.k if p.fixed_s is None else 2, LOST_AFTER_S)
+        log.info("stall watch of ranks without heartbeats (a script without the Session): %s",
+                 f"{p.fixed_s:g}s without output" if p.fixed_s else
+                 "stopped processes and lost peers only (--stall-timeout SECONDS watches their output)")
         self._thread = threading.Thread(target=self._run, name="hpc-stall-watchdog", daemon=True)
         self._thread.start()
         if self.beacon is not None:
@@ -168,6 +188,7 @@ class Watchdog:
         assert self.policy is not None
         pids = set(proc.workers(self.agent_pid))
         beats = [b for b in read_all(self.directory) if b.pid in pids and b.pid not in self._acted_on]
+        beats += output_beats(pids - {b.pid for b in beats} - self._acted_on)
         self._forget_dead(pids)
         if not beats:
             return None

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.liveness.deadline import OUTPUT
+from runtime.liveness.watchdog import output_beats
 from tests.conftest import REPO
 from tests.wandb_offline import read_run
 
@@ -176,3 +178,46 @@ def test_watchdog_dumps_records_and_kills_a_stalled_worker(tmp_path: Path) -> No
     [event] = events.read(tmp_path)
     report = (tmp_path / event.stacks).read_text()
     assert "suspect: rank 3" in report and "in stuck_here" in report, report
+
+
+def test_script_without_the_session_is_watched_by_its_output(tmp_path: Path):
+    """No heartbeats: with --stall-timeout SECONDS, a rank whose output stopped (frozen in its
+    own code, nothing died) is found by its stack, its node's workers restarted, and the script
+    runs to its end."""
+    job = tmp_path / "plain"
+    job.mkdir()
+    script = REPO / "tests" / "distributed" / "scripts" / "plain_freeze.py"
+    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "2",
+                          "--job-dir", str(job), "--stall-timeout", "8", "--", "--out", str(job)],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    out = finish(p)
+    done = json.loads((job / "done.json").read_text())
+    assert done == {"steps": 8, "total": 16.0, "restart": 1}, out[-3000:]
+    hangs = [json.loads(x) for x in (job / "hangs.jsonl").read_text().splitlines()]
+    assert len(hangs) == 1 and hangs[0]["suspect_rank"] == 1, hangs
+    assert "phase output" in hangs[0]["reason"], hangs
+    stacks = (job / hangs[0]["stacks"]).read_text()
+    assert "stuck_in_own_code" in stacks, stacks[-3000:]
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["hangs"], outcome
+
+
+def test_output_beats_of_a_real_process_follow_its_output(tmp_path: Path):
+    """A child whose stdout is a file (as the agent's rank logs are): its stand-in heartbeat
+    carries its rank and the time it last wrote."""
+    log = tmp_path / "rank-3.log"
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-c", "import time; print('x', flush=True); time.sleep(30)"],
+                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RANK": "3", "LOCAL_RANK": "1"})
+    try:
+        deadline = time.time() + 20
+        while log.stat().st_size == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        [b] = output_beats({child.pid})
+        assert (b.rank, b.local_rank, b.phase) == (3, 1, OUTPUT)
+        assert b.time == pytest.approx(log.stat().st_mtime, abs=0.01)
+        assert output_beats({os.getpid() + 10_000_000}) == []    # gone: nothing
+    finally:
+        child.kill()
+        child.wait()

@@ -16,7 +16,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobdir import Outcome
 from hpc.contract.stall import check_stall_timeout, parse_stall_timeout
 from runtime.liveness import events
-from runtime.liveness.deadline import StallPolicy, deadline_s, p99, policy_from_spec, step_deadline_s
+from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_from_spec, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, HeartbeatWriter, read_all
 from runtime.liveness.stacks import main_thread_first
 from runtime.liveness.verdict import assess, blame, judge, main_thread_in_collective
@@ -350,3 +350,14 @@ def test_the_outcome_is_hang_only_when_the_watchdogs_kill_ended_the_allocation(t
     assert kind == "hang" and reason.startswith("stall on n1") and len(lines) == 1
     assert w.amend("app_error", "rank 1 exited with 1: ValueError: x")[0] == "app_error"
     assert w.amend("finished", "")[:2] == ("finished", "")
+
+
+def test_a_rank_without_heartbeats_is_judged_by_its_output_only_with_a_fixed_deadline():
+    silent = [Heartbeat(pid=300 + r, rank=r, local_rank=r, restart=0, phase=OUTPUT, step=0,
+                        steps_done=0, time=0.0, p99_s=None, samples=0) for r in (0, 1)]
+    auto = assess(silent, {}, 10_000.0, POLICY)
+    assert not judge(auto).stalled                    # auto: how often it prints is unknown
+    fixed = assess(silent, {}, 31.0, StallPolicy(fixed_s=30.0))
+    assert judge(fixed).stalled and "no output for 31.0s (deadline 30.0s)" in fixed[0].describe()
+    stopped = assess(silent, {301: True}, 25.0, POLICY)   # a stopped process: in any mode
+    assert judge(stopped).stalled and blame(judge(stopped), {}).suspect_rank == 1
