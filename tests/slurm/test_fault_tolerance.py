@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.wandb_offline import read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,15 +68,6 @@ def latest_step(job: Path) -> int:
         return int(latest.read_text().strip().split("-")[-1])
     except (FileNotFoundError, ValueError):
         return 0
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def squeue(env: dict[str, str], job_id: str) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.wandb_offline import read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,15 +30,6 @@ STEPS = 40
 @pytest.fixture
 def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
     return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def outcomes(job: Path) -> list[dict]:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_gpt.py"
@@ -36,15 +37,6 @@ def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
 def squeue(env: dict[str, str], job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
                           text=True).stdout.strip()
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def outcomes(job: Path) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import hpc
+from tests.conftest import hpc, wait_until
 from tests.wandb_offline import read_run
 
 pytestmark = pytest.mark.slurm
@@ -79,15 +79,6 @@ def _outcomes(task: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def _latest(task: Path) -> int:
     try:
         return int((task / "checkpoints" / "latest").read_text().strip().split("-")[-1])
@@ -108,7 +99,7 @@ def test_a_preempted_task_requeues_and_resumes_alone(slurm_cluster, tmp_path: Pa
     assert r.returncode == 0, r.stderr
     array_id = (root / "slurm_job_id").read_text().strip()
     tasks = [root / f"task-{i}" for i in range(3)]
-    _wait_until(lambda: all(_latest(t) >= 2 for t in tasks), 180, "every task's first checkpoint")
+    wait_until(lambda: all(_latest(t) >= 2 for t in tasks), 180, "every task's first checkpoint")
     node = subprocess.run(["squeue", "-h", "-j", f"{array_id}_1", "-o", "%N"], env=env,
                           capture_output=True, text=True).stdout.strip()
     assert node.startswith("node"), node
@@ -145,11 +136,11 @@ def test_cancel_one_task_leaves_the_others_running(slurm_cluster, tmp_path: Path
                              capture_output=True, text=True).stdout.split()
         return dict(zip(out[::2], out[1::2]))
 
-    _wait_until(lambda: states().get(f"{array_id}_0") == states().get(f"{array_id}_1") == "RUNNING",
-                60, "both tasks running")
+    wait_until(lambda: states().get(f"{array_id}_0") == states().get(f"{array_id}_1") == "RUNNING",
+               60, "both tasks running")
     c = hpc(env, "cancel", f"{array_id}_1")
     assert c.returncode == 0 and f"Cancelled job {array_id}_1" in c.stdout, c.stderr
-    _wait_until(lambda: f"{array_id}_1" not in states(), 60, "task 1 gone")
+    wait_until(lambda: f"{array_id}_1" not in states(), 60, "task 1 gone")
     assert states().get(f"{array_id}_0") == "RUNNING"
     assert hpc(env, "cancel", array_id).returncode == 0
-    _wait_until(lambda: not states(), 60, "the whole array gone")
+    wait_until(lambda: not states(), 60, "the whole array gone")
