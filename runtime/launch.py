@@ -287,6 +287,14 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
     return outcome.finish(plan, forwarder, end, batch_host_lost=lost_batch_host)
 
 
+def _disk_full(plan: LaunchPlan) -> str | None:
+    """The full disk under the job or checkpoint directory, if one is (restarts are futile)."""
+    for path in dict.fromkeys((plan.job_dir, Path(plan.spec.resolved_checkpoint_dir))):
+        if diskspace.is_full(path):
+            return f"the disk is full (ENOSPC): {diskspace.describe(path)}"
+    return None
+
+
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
@@ -324,7 +332,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
-                lambda: bool(forwarder.received) or (fence is not None and fence.acted)):
+                lambda: bool(forwarder.received) or (fence is not None and fence.acted),
+                futile=lambda: _disk_full(plan)):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"

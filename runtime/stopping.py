@@ -210,7 +210,8 @@ def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
 
 
 @contextlib.contextmanager
-def no_restarts_once_stopping(stopping: Callable[[], bool]) -> Iterator[None]:
+def no_restarts_once_stopping(stopping: Callable[[], bool],
+                              futile: Callable[[], str | None] = lambda: None) -> Iterator[None]:
     """While inside, torch's elastic agent restarts no workers once ``stopping()`` is true.
 
     ``launch_agent`` builds a ``LocalElasticAgent`` by its module-global name; inside this
@@ -218,6 +219,10 @@ def no_restarts_once_stopping(stopping: Callable[[], bool]) -> Iterator[None]:
     began (torch does the same for a wedged worker), so failed workers end the run instead of
     being started again. Without that name (another torch), the worker-side guard
     (:func:`exit_if_stopping`) still keeps the user's script from running again.
+
+    ``futile()`` names a reason why failed workers would fail again (the job's disk is full),
+    or None: with a reason, a failed group is not restarted either. The restarts are for
+    faults that go away; these would spend them all redoing work from the last checkpoint.
     """
     try:
         from torch.distributed.launcher import api as launcher_api
@@ -234,9 +239,15 @@ def no_restarts_once_stopping(stopping: Callable[[], bool]) -> Iterator[None]:
     class StopAwareAgent(base):  # type: ignore[misc, valid-type]
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if stopping() and getattr(self, "_remaining_restarts", 0):
+            left = getattr(self, "_remaining_restarts", 0)
+            if left and stopping():
                 log.warning("the allocation is stopping: no restart of the workers "
-                            "(%d left unused)", self._remaining_restarts)
+                            "(%d left unused)", left)
+                self._remaining_restarts = 0
+            elif left and getattr(getattr(result, "state", None), "name", "") == "FAILED" \
+                    and (why := futile()):
+                log.error("the workers failed and %s: no restart (%d left unused), it would "
+                          "only fail the same way", why, left)
                 self._remaining_restarts = 0
             return result
 

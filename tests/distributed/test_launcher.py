@@ -333,7 +333,7 @@ def test_disk_filling_up_ends_with_an_outcome_that_names_the_disk(small_disk: Pa
     job = small_disk / "job"
     filler = REPO / "tests" / "distributed" / "scripts" / "disk_filler.py"
     p = subprocess.run([sys.executable, "-m", "hpc", "run", str(filler), "--nproc-per-node", "2",
-                        "--job-dir", str(job), "--max-restarts", "0"], cwd=REPO, timeout=120,
+                        "--job-dir", str(job), "--max-restarts", "3"], cwd=REPO, timeout=120,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = "\n".join(x for x in p.stdout.splitlines() if not x.endswith("xxxxxxxxxx"))
     assert p.returncode == 1, out
@@ -342,6 +342,9 @@ def test_disk_filling_up_ends_with_an_outcome_that_names_the_disk(small_disk: Pa
     assert "disk full (ENOSPC)" in last["reason"] and str(job) in last["reason"], last
     assert " free of 4.0 MiB" in last["reason"], last
     assert "hpc run: app_error (disk full (ENOSPC)" in out, out[-2000:]
+    # Restarts would only fail the same way (and redo work each time): none is spent.
+    assert "the disk is full (ENOSPC)" in out and "no restart (3 left unused)" in out, out[-3000:]
+    assert last["restarts"] == 0 and not (job / "logs" / "alloc-0" / "restart-1").exists(), last
 
 
 def test_full_disk_before_start_is_refused(small_disk: Path):
