@@ -243,6 +243,39 @@ def reduce_metrics(
     Raises:
         ValueError: an op is not one of mean/sum/max/min, or an op names an unknown metric.
     """
+    return start_reduce(values, ops, group).result()
+
+
+class PendingReduction:
+    """Metrics whose all-reduces are posted; :meth:`result` waits for them (see
+    :func:`start_reduce`)."""
+
+    def __init__(self, done: dict[str, float], posted: list[tuple[str, list[str], Any, Any]],
+                 world: int) -> None:
+        self._done, self._posted, self._world = done, posted, world
+
+    def result(self) -> dict[str, float]:
+        """The reduced metrics, identical on every rank (waits for the posted collectives)."""
+        out = dict(self._done)
+        for op, names, packed, work in self._posted:
+            work.wait()
+            if op == "mean":
+                packed /= self._world
+            out.update(zip(names, packed.tolist()))
+        self._posted = []
+        self._done = out
+        return out
+
+
+def start_reduce(
+    values: Mapping[str, float | torch.Tensor],
+    ops: Mapping[str, ReduceOp],
+    group: dist.ProcessGroup | None = None,
+) -> PendingReduction:
+    """As :func:`reduce_metrics`, without waiting: posts the all-reduces (``async_op``) and
+    returns at once, so the training loop does not wait for a metric row. Every rank must
+    call it at the same point of its sequence of collectives; the result can be taken later
+    (the Session takes it at the next step)."""
     bad = {k: v for k, v in ops.items() if v not in REDUCE_OPS}
     if bad:
         raise ValueError(f"unknown reduce op(s) {bad}; valid ops: {', '.join(REDUCE_OPS)}")
@@ -254,26 +287,23 @@ def reduce_metrics(
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return scalars
+        return PendingReduction(scalars, [], 1)
     import torch
 
-    world = dist.get_world_size(group)
     by_op: dict[str, list[str]] = {}
     for name in sorted(scalars):
         by_op.setdefault(ops.get(name, "mean"), []).append(name)
-    out: dict[str, float] = {}
     torch_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
                 "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    posted = []
     for op in REDUCE_OPS:  # the same fixed order on every rank
         names = by_op.get(op)
         if not names:
             continue
         packed = torch.tensor([scalars[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(packed, op=torch_op[op], group=group)
-        if op == "mean":
-            packed /= world
-        out.update(zip(names, packed.tolist()))
-    return out
+        posted.append((op, names, packed, dist.all_reduce(packed, op=torch_op[op], group=group,
+                                                          async_op=True)))
+    return PendingReduction({}, posted, dist.get_world_size(group))
 
 
 def _to_float(value: float | torch.Tensor) -> float:
