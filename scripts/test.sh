@@ -1,10 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system packages, the venv, then every tier
 # (unit, distributed, slurm; the slurm tier brings up a real 3-node Slurm cluster itself).
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m unit`. The slurm tier runs beside the
-# others (two pytest-xdist lanes, see tests/conftest.py); HPC_TEST_WORKERS=0 runs all in one process.
+# Extra arguments go to one pytest run, e.g. `bash scripts/test.sh -m unit`. Without any, the
+# slurm tier (which mostly waits on the test cluster) runs beside the others, its lines
+# prefixed with [slurm]; HPC_TEST_LANES=1 runs everything in one pytest instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-system.sh
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n "${HPC_TEST_WORKERS:-2}" --dist loadgroup "$@"
+if [ $# -gt 0 ] || [ "${HPC_TEST_LANES:-2}" = 1 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+( set -o pipefail
+  .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
+slurm=$!
+set +e
+.venv/bin/python -m pytest -m "not slurm"
+local_rc=$?
+wait "$slurm"
+slurm_rc=$?
+echo "test lanes: unit+distributed+gpu exit $local_rc, slurm exit $slurm_rc"
+[ "$local_rc" -eq 0 ] && [ "$slurm_rc" -eq 0 ]

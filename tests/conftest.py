@@ -18,16 +18,6 @@ PYTHON = sys.executable
 HOSTILE_NAMES = ["plain", "with space", "quote's \"dq\"", "semi;colon $HOME `x`"]
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Two lanes for ``pytest -n 2 --dist loadgroup`` (scripts/test.sh): the slurm tier, which
-    mostly waits on the one test cluster, runs in one worker while everything else runs in the
-    other. Within a lane tests stay serial, so no two torch jobs fight for the 2 CPUs of CI."""
-    for item in items:
-        lane = "slurm" if item.get_closest_marker("slurm") else "local"
-        item.add_marker(pytest.mark.xdist_group(lane))
-
-
 def wait_until(pred, timeout: float, what: str, interval: float = 0.3) -> None:
     """Polls ``pred`` until it is true; fails naming ``what`` after ``timeout`` seconds."""
     end = time.monotonic() + timeout

@@ -100,7 +100,7 @@ class SlurmTestCluster:
         sc.restore(self.cluster)
 
 
-# One cluster per machine: concurrent test sessions (several checkouts, pytest-xdist workers) take
+# One cluster per machine: concurrent test sessions (several checkouts, test lanes) take
 # turns. Not /tmp/hpc-slurm.lock, which people wrap whole pytest runs in by hand.
 CLUSTER_LOCK = Path("/run/hpc-test-cluster.lock")
 
