@@ -202,7 +202,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code
         me = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        if slurm.active and (why := left_behind(slurm.job_id, me)):
+        if slurm.active and not spec.container_image and (why := left_behind(slurm.job_id, me)):
             # The failed node is this one (a cut link): the others went on and record it.
             log.warning("%s: the nodes that went on record this allocation; this node records nothing",
                         why)
@@ -217,7 +217,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     records = plan.node_rank == 0 or (
         kind == "node_failure" and claim(plan.job_dir, plan.allocation, "record"))
     if records:
-        if slurm.active:
+        if slurm.active and not spec.container_image:   # no Slurm commands in a container
             _note_lost_nodes(plan, slurm)
         _record(plan, kind, code, reason, hangs, end, slurm)
     log.info("requeue: %s", decision.reason)

@@ -12,7 +12,7 @@ if [ $# -gt 0 ] || [ "${HPC_TEST_LANES:-2}" = 1 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 ( set -o pipefail
-  .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
+  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
 slurm=$!
 set +e
 .venv/bin/python -m pytest -m "not slurm"

@@ -52,8 +52,9 @@ class RankState:
         b = self.beat
         flags = " STOPPED" if self.stopped else ""
         if b.phase == OUTPUT:   # no heartbeats: its output is all we know
+            limit = f"deadline {self.deadline_s:.1f}s" if self.deadline_s != float("inf") else "no deadline"
             return (f"rank {b.rank} (local {b.local_rank}, pid {b.pid}){flags}: phase output, no "
-                    f"output for {self.age_s:.1f}s (deadline {self.deadline_s:.1f}s)")
+                    f"output for {self.age_s:.1f}s ({limit})")
         return (f"rank {b.rank} (local {b.local_rank}, pid {b.pid}){flags}: phase {b.phase}, "
                 f"step {b.step}, no progress for {self.age_s:.1f}s (deadline {self.deadline_s:.1f}s)")
 

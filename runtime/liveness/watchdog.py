@@ -110,6 +110,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._published = 0.0
         self._acted_on: set[int] = set()
+        self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self.beacon = beacon
 
     @classmethod
@@ -188,7 +189,10 @@ class Watchdog:
         assert self.policy is not None
         pids = set(proc.workers(self.agent_pid))
         beats = [b for b in read_all(self.directory) if b.pid in pids and b.pid not in self._acted_on]
-        beats += output_beats(pids - {b.pid for b in beats} - self._acted_on)
+        self._beating.update(b.pid for b in beats)
+        # Stand-ins only for workers that never published a heartbeat: a Session worker's
+        # record is gone once it closes (exiting, it must not be judged by its output).
+        beats += output_beats(pids - self._beating - self._acted_on)
         self._forget_dead(pids)
         if not beats:
             return None
@@ -251,6 +255,7 @@ class Watchdog:
 
     def _forget_dead(self, live: set[int]) -> None:
         self._acted_on &= live
+        self._beating &= live
         for p in self.directory.glob("*-*.*"):
             try:
                 pid = int(p.stem.split("-", 1)[1])
