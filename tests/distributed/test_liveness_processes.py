@@ -221,3 +221,36 @@ def test_output_beats_of_a_real_process_follow_its_output(tmp_path: Path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_whose_heartbeat_is_gone_is_not_judged_by_its_output(tmp_path: Path):
+    """A Session worker removes its heartbeat when it closes; while it exits it must not get a
+    stand-in (with a peer lost, an exiting run was killed and waited out torch's timeouts)."""
+    from dataclasses import asdict
+
+    from runtime.liveness.deadline import StallPolicy
+    from runtime.liveness.heartbeat import Heartbeat, path_for
+    from runtime.liveness.watchdog import Watchdog
+
+    def worker(rank: int) -> subprocess.Popen:   # "runtime.worker" in argv: a worker to proc.workers
+        out = open(tmp_path / f"rank-{rank}.log", "w")   # noqa: SIM115 (closed with the process)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "runtime.worker"],
+                                stdout=out, stderr=out, env={**os.environ, "RANK": str(rank)})
+
+    session_worker, plain_worker = worker(0), worker(1)
+    dog = Watchdog(tmp_path / "job", allocation=0, node_rank=0, policy=StallPolicy(floor_s=20))
+    dog.directory.mkdir(parents=True, exist_ok=True)
+    try:
+        beat = Heartbeat(pid=session_worker.pid, rank=0, local_rank=0, restart=0, phase="step", step=5,
+                         steps_done=5, time=time.time(), p99_s=None, samples=0)
+        path_for(dog.directory, session_worker.pid).write_text(json.dumps(asdict(beat)))
+        seen = dog.check()
+        assert {(r.beat.rank, r.beat.phase) for r in seen.ranks} == {(0, "step"), (1, OUTPUT)}
+        path_for(dog.directory, session_worker.pid).unlink()      # the Session closed
+        seen = dog.check()
+        assert {(r.beat.rank, r.beat.phase) for r in seen.ranks} == {(1, OUTPUT)}
+    finally:
+        for p in (session_worker, plain_worker):
+            p.kill()
+            p.wait()
+        dog.stop()
