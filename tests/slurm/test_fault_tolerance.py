@@ -147,11 +147,12 @@ def test_sigterm_only_preemption_saves_within_grace(env, slurm_cluster, tmp_path
 def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_path, baseline):
     # slurmctld checks for due warnings every 30 s and sends one at the first check within
     # lead + 30 s of the end, so with --time 2 and a 30 s lead it comes 60-90 s into each
-    # allocation, and an allocation starts training ~17 s in (2 nodes x 2 workers on this 2-CPU
-    # host). 40 steps of 2 s never fit in one such window and always fit in two.
+    # allocation, and an allocation starts training 10-17 s in (2 nodes x 2 workers on this
+    # 2-CPU host). 40 steps of 2.3 s (92 s) never fit in one such window (with 2 s and a quick
+    # start-up they once did, the warning coming at the last step); they fit in two or three.
     job = tmp_path / "timelimit"
     job_id = submit(env, job, "--nodes", "2", "--time", "2", "--signal-lead", "30",
-                    train=("--step-sleep", "2"))
+                    train=("--step-sleep", "2.3"))
     wait_done(env, job_id, job, timeout=600)
     kinds = [o["kind"] for o in outcomes(job)]
     assert kinds.count("time_limit") >= 1 and kinds[-1] == "finished", outcomes(job)
