@@ -12,7 +12,7 @@ agent stays alive, so the workers can agree, save a checkpoint and exit cleanly 
 agent would otherwise kill them on SIGTERM). When the agent is done, node 0's launcher
 records why the allocation ended in ``outcomes.jsonl``.
 
-Planning (what to set, what to run) is pure (:func:`plan_launch`); :func:`run` executes.
+Planning (what to set, what to run) is pure (:func:`runtime.plan.plan_launch`); :func:`run` executes.
 """
 
 from __future__ import annotations
@@ -28,26 +28,23 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
-from hpc.contract import resubmissions
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv
 from runtime.events import LauncherRecorder
-from runtime.liveness.deadline import policy_from_spec
-from runtime.liveness.nccl import nccl_defaults
-from runtime.liveness.watchdog import Watchdog, heartbeat_dir
+from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
-from runtime.network import EnvChange, NetworkError, detect
-from runtime.cpus import job_cpus, omp_threads
-from runtime import exclusions, health, outcome, stopping, succession, wandb_env
+from runtime.network import NetworkError, detect
+from runtime import exclusions, health, outcome, stopping, succession
 from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
+from runtime.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
+from runtime.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
 
@@ -62,112 +59,6 @@ RDZV_CONF: dict[str, Any] = {
 
 # A rendezvous store silent this long (from a node that is not its host): the host is lost.
 STORE_LOST_S = 10.0
-
-# Variables that only make sense in the process that set them, never in a job's workers.
-INHERITED_ONLY = {
-    # wandb writes its service's socket here in any process that used wandb (a notebook, a
-    # wrapper script, the submitting process): rank 0 would log through that process's service,
-    # on another host or gone, instead of its own, and a crash would lose the run's history.
-    "WANDB_SERVICE": "points at the W&B service of the process that started this job; rank 0 "
-                     "starts its own",
-}
-
-def env_defaults(current: Mapping[str, str], wanted: Mapping[str, tuple[str, str]]) -> list[EnvChange]:
-    """Plans setting ``wanted`` (name -> (value, reason)) without overriding user values."""
-    changes = []
-    for name, (value, reason) in wanted.items():
-        old = current.get(name)
-        changes.append(EnvChange(name, value, old, reason, kept_user_value=old is not None and old != value))
-    return changes
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Everything the agent needs, decided before anything runs."""
-
-    spec: JobSpec
-    job_dir: Path
-    allocation: int
-    node_rank: int
-    nnodes: tuple[int, int]
-    rdzv_endpoint: str
-    is_rdzv_host: bool
-    run_id: str
-    env_changes: tuple[EnvChange, ...]
-    worker_env: dict[str, str] = field(default_factory=dict)
-    worker_unset: tuple[str, ...] = ()
-    argv: tuple[str, ...] = ()
-    epoch: int = 0                  # the rendezvous epoch (runtime.succession)
-
-    @property
-    def log_dir(self) -> Path:
-        return jobdir.alloc_log_dir(self.job_dir, self.allocation)
-
-
-def rdzv_port(spec: JobSpec, slurm: SlurmEnv) -> int:
-    """The rendezvous port: the spec's, else one derived from the job id (pure).
-
-    Slurm may place several jobs on one node; a fixed port would make the second job's store
-    fail to bind. Every node of a job derives the same port from the same job id.
-    """
-    if spec.rdzv_port:
-        return spec.rdzv_port
-    digits = "".join(ch for ch in slurm.job_id if ch.isdigit())
-    return 29400 + int(digits) % 1000 if digits else 29400
-
-
-def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_host: str,
-                node_rank: int, run_id: str, extra_changes: tuple[EnvChange, ...] = ()) -> LaunchPlan:
-    """Decides the agent's configuration and the workers' environment (pure).
-
-    Args:
-        spec: The job.
-        job_dir: Its directory.
-        env: The launcher's environment (``os.environ``).
-        rdzv_host: Host (name or address) of the c10d rendezvous, the first node.
-        node_rank: This node's index in the allocation (0 hosts the rendezvous).
-        run_id: Rendezvous run id, the same on every node of one allocation.
-        extra_changes: Planned changes from elsewhere (network interface detection).
-    """
-    slurm = SlurmEnv.from_env(env)
-    inherited = JobEnvironment.from_env(env).allocation
-    allocation = inherited if inherited is not None else slurm.restart_count + \
-        resubmissions.allocation_base(resubmissions.read(job_dir), slurm.job_id)   # a continuation
-    wanted = {
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": (
-            "1", "torch 2.13 elastic restarts fail against a dead worker's store without it"),
-        "PYTHONUNBUFFERED": ("1", "worker logs appear as they are written"),
-        "WANDB_SILENT": ("true", "keep rank-0 output readable; W&B runs are in "
-                         f"{env.get('WANDB_DIR') or job_dir}/wandb unless the script passes dir="),
-        "OMP_NUM_THREADS": (str(omp_threads(job_cpus(), spec.nproc_per_node)),
-                            "one share of the job's CPUs (affinity, cgroup quota) per worker"),
-        **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
-        # GPU jobs: NCCL's watchdog and flight recorder, coherent with the stall watch.
-        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_from_spec(spec.stall_timeout),
-                        log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid())),
-    }
-    changes = list(extra_changes) + env_defaults(env, wanted)
-    for name, reason in INHERITED_ONLY.items():
-        if name in env:
-            changes.append(EnvChange(name, None, env[name], reason))
-    # The user's --env is an explicit request for this job: it wins over the inherited env.
-    for name, value in spec.env:
-        changes.append(EnvChange(name, value, env.get(name), "--env"))
-    ours = JobEnvironment(job_dir=str(job_dir), allocation=allocation,
-                          warning_signal=f"SIG{spec.signal}", agent_pid=os.getpid(),
-                          merge_stderr=True, checkpoint_dir=spec.resolved_checkpoint_dir,
-                          resumed=stopping.is_resumed(job_dir, allocation), requeue_count=allocation,
-                          warning_lead_s=float(spec.signal_lead_s),
-                          stop_file=str(stopping.notice_path(job_dir, allocation))).to_env()
-    worker_env = {c.name: c.new for c in changes
-                  if c.new is not None and not c.kept_user_value} | ours
-    return LaunchPlan(
-        spec=spec, job_dir=job_dir, allocation=allocation, node_rank=node_rank,
-        nnodes=spec.nodes, rdzv_endpoint=f"{rdzv_host}:{rdzv_port(spec, slurm)}",
-        is_rdzv_host=node_rank == 0, run_id=run_id, env_changes=tuple(changes),
-        worker_env=worker_env, worker_unset=tuple(c.name for c in changes if c.new is None),
-        argv=("-m", "runtime.worker", spec.script, *spec.script_args),
-    )
 
 
 def _logs_specs(plan: LaunchPlan) -> Any:
@@ -200,54 +91,6 @@ def _logs_specs(plan: LaunchPlan) -> Any:
     return HpcLogsSpecs()
 
 
-class SignalForwarder:
-    """Records warning signals and forwards them to the workers; never raises in the agent.
-
-    Slurm's ``--signal`` and a preemption's SIGTERM reach the launcher; torch's agent would
-    kill the workers on SIGTERM. Instead we pass the signal on to our child processes (the
-    workers), whose own handlers only record it; they then agree, save and exit.
-    """
-
-    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
-        self.signals = signals
-        self.received: list[tuple[float, str]] = []
-        self.stop: stopping.StopTracker | None = None   # writes the stop notice (HPC_STOP_FILE)
-
-    def install(self) -> None:
-        for sig in self.signals:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        now = time.time()
-        self.received.append((now, name))
-        if self.stop is not None:
-            self.stop.on_signal(name, now)
-        # Workers (re)started from now on learn of the warning from their environment.
-        os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
-        for pid in _children(os.getpid()):
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        log.warning("received %s: forwarded to workers %s", name, _children(os.getpid()))
-
-
-def _children(ppid: int) -> list[int]:
-    """PIDs whose parent is ``ppid`` (from /proc; the agent's workers)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields_after_comm = stat.rsplit(")", 1)[1].split()
-        if int(fields_after_comm[1]) == ppid:
-            out.append(int(entry.name))
-    return out
 
 
 def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None = None) -> int:

@@ -32,7 +32,8 @@ from runtime.requeue import claim, decide_requeue, request_batch_requeue
 from runtime.resubmit import continue_as_new_job
 
 if TYPE_CHECKING:
-    from runtime.launch import LaunchPlan, SignalForwarder
+    from runtime.forwarding import SignalForwarder
+    from runtime.plan import LaunchPlan
     from hpc.contract.slurm import SlurmClient
 
 log = logging.getLogger("hpc.launch")

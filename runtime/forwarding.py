@@ -1,0 +1,70 @@
+"""The launcher's signal forwarding: warnings go on to the workers while the agent stays alive.
+
+Slurm's ``--signal`` and a preemption's SIGTERM reach the per-node launcher; torch's elastic
+agent would kill its workers on SIGTERM. :class:`SignalForwarder` records each signal, writes
+the stop notice, and passes the signal on to the launcher's children (the workers), whose own
+handlers only record it; they then agree, save and exit (:mod:`runtime.preemption`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from hpc.contract import environment as job_env
+from runtime import stopping
+
+log = logging.getLogger("hpc.launch")
+
+
+class SignalForwarder:
+    """Records warning signals and forwards them to the workers; never raises in the agent.
+
+    Slurm's ``--signal`` and a preemption's SIGTERM reach the launcher; torch's agent would
+    kill the workers on SIGTERM. Instead we pass the signal on to our child processes (the
+    workers), whose own handlers only record it; they then agree, save and exit.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.signals = signals
+        self.received: list[tuple[float, str]] = []
+        self.stop: stopping.StopTracker | None = None   # writes the stop notice (HPC_STOP_FILE)
+
+    def install(self) -> None:
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        now = time.time()
+        self.received.append((now, name))
+        if self.stop is not None:
+            self.stop.on_signal(name, now)
+        # Workers (re)started from now on learn of the warning from their environment.
+        os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
+        for pid in children(os.getpid()):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        log.warning("received %s: forwarded to workers %s", name, children(os.getpid()))
+
+
+def children(ppid: int) -> list[int]:
+    """PIDs whose parent is ``ppid`` (from /proc; the agent's workers)."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields_after_comm = stat.rsplit(")", 1)[1].split()
+        if int(fields_after_comm[1]) == ppid:
+            out.append(int(entry.name))
+    return out
