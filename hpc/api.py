@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc import backends
+from hpc import backends, prechecks
 from hpc.contract import joblock, jobdir
 from hpc.contract.errors import UsageError
 from hpc.contract.jobspec import JobSpec
@@ -53,12 +53,11 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
             use by another job; nothing was submitted.
     """
     from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.submission import check_partition, explain_rejection, notes
 
     chosen = backends.get(backend)
     plan = chosen.plan(spec)  # renders and refuses secrets before anything is created
     client = SlurmClient()
-    advice = notes(spec, check_partition(spec, client.partitions()))
+    advice = prechecks.notes(spec, prechecks.check_partition(spec, client.partitions()))
     if advice and on_notes is not None:
         on_notes(advice)
     job_dir = Path(spec.job_dir)
@@ -72,7 +71,7 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
     except SlurmError as e:
         if fresh:
             shutil.rmtree(job_dir, ignore_errors=True)
-        message = explain_rejection(e.stderr or str(e))
+        message = prechecks.explain_rejection(e.stderr or str(e))
         if message is None:
             raise
         raise UsageError(message) from e
@@ -101,11 +100,10 @@ def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0
     """
     from hpc import sweeps
     from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.submission import check_partition, explain_rejection, notes
 
     plan = sweeps.plan(spec, arg_sets, throttle=throttle)
     client = SlurmClient()
-    advice = notes(spec, check_partition(spec, client.partitions()))
+    advice = prechecks.notes(spec, prechecks.check_partition(spec, client.partitions()))
     if advice and on_notes is not None:
         on_notes(advice)
     fresh = not Path(spec.job_dir).exists()
@@ -114,7 +112,7 @@ def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0
     except SlurmError as e:
         if fresh:
             shutil.rmtree(spec.job_dir, ignore_errors=True)
-        message = explain_rejection(e.stderr or str(e))
+        message = prechecks.explain_rejection(e.stderr or str(e))
         if message is None:
             raise
         raise UsageError(message) from e

@@ -111,11 +111,11 @@ def test_bad_requests_fail_before_submission(env, tmp_path: Path, args, words) -
 
 def test_sbatch_rejection_is_explained(env, tmp_path: Path, monkeypatch, capsys) -> None:
     """Skip our own check: sbatch itself refuses, and the user gets the same kind of message."""
-    from hpc import cli, submission
+    from hpc import cli, prechecks
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(submission, "check_partition", lambda spec, parts: None)
+    monkeypatch.setattr(prechecks, "check_partition", lambda spec, parts: None)
     job_dir = tmp_path / "job"
     assert cli.main(["submit", str(CHECK), "--job-name", "t", "--job-dir", str(job_dir),
                      "--nodes", "9"]) == 2
