@@ -19,6 +19,7 @@ from hpc import __version__, backends
 from hpc.contract import values
 from hpc.contract.errors import HpcError, SpecError, UsageError
 from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
+from hpc.parser import HpcParser, subparser, unknown_arguments
 
 EXIT_USAGE = 2
 
@@ -63,7 +64,7 @@ def _show(value: Any) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HpcParser(
         prog="hpc",
         description="Take a PyTorch training job from a Slurm login node to many nodes and keep "
                     "it alive there: preemption, time limits and node loss included.",
@@ -156,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, script_args = argv[:i], argv[i + 1:]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:   # the subcommand's usage, "did you mean", and where a script's arguments go
+        command = subparser(parser, args.command)
+        command.error(unknown_arguments(command, extras, argv, script_args))
     args.script_args = script_args
     try:
         return _dispatch(args)

@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry for ``python -m runtime.doctor`` (``hpc doctor`` runs it, through srun for
     ``--nodes``)."""
-    p = argparse.ArgumentParser(prog="python -m runtime.doctor", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runtime.doctor", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--rdzv-host", default="")
     p.add_argument("--multi-node", action="store_true", help="run one per node under srun")

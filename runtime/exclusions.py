@@ -201,7 +201,8 @@ def enforce(job_dir: Path, env: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.exclusions", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runtime.exclusions", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True)
     args = p.parse_args(argv)
     try:

@@ -426,7 +426,8 @@ def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.launch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m runtime.launch", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True, help="job directory holding jobspec.json")
     p.add_argument("--rdzv-host", default=None,
                    help="host of the c10d rendezvous (default: HPC_RDZV_HOST, else the "

@@ -94,3 +94,68 @@ def test_help_lists_every_issue_flag():
                  "--qos", "--mem", "--cpus-per-task", "--signal-lead", "--max-restarts", "--profile",
                  "--job-dir", "--dry-run"):
         assert flag in out, flag
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_typo_in_an_option_gets_the_subcommands_usage_and_did_you_mean(script, capsys):
+    err = _usage_error(["run", "--nprocs-per-node", "2", str(script)], capsys)
+    assert err.startswith("usage: hpc run ")          # the subcommand's usage, not hpc's
+    assert "--nprocs-per-node: did you mean --nproc-per-node?" in err
+    assert not (script.parent / "jobs").exists()
+
+
+def test_a_prefix_of_an_option_is_not_accepted_and_runs_nothing(script, capsys):
+    err = _usage_error(["run", str(script), "--nproc-per-nod", "2"], capsys)
+    assert "did you mean --nproc-per-node?" in err
+    assert not (script.parent / "jobs").exists()
+    parser = build_parser()
+    _, extras = parser.parse_known_args(["submit", str(script), "--part", "gpu"])
+    assert extras == ["--part", "gpu"]                 # no abbreviation in any subcommand
+
+
+def test_every_parser_refuses_abbreviations():
+    from hpc.parser import subparser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert not parser.allow_abbrev
+    assert commands and all(not subparser(parser, c).allow_abbrev for c in commands)
+
+
+def test_script_argument_before_the_dashes_gets_the_command_rewritten_with_them_after(script, capsys):
+    err = _usage_error(["run", str(script), "--nproc-per-node", "2", "--lr", "3e-4"], capsys)
+    assert err.startswith("usage: hpc run ")
+    assert "did you mean" not in err
+    assert "put the script's arguments after --" in err
+    assert f"hpc run {script} --nproc-per-node 2 -- --lr 3e-4" in err
+    assert not (script.parent / "jobs").exists()
+
+
+def test_typo_and_script_argument_together(script, capsys):
+    err = _usage_error(["run", str(script), "--max-steps", "3", "--nodez", "2", "--", "--x"], capsys)
+    assert "--nodez: did you mean --nodes?" in err
+    assert "does not take --max-steps" in err
+    assert f"hpc run {script} --nodes 2 -- --max-steps 3 --x" in err
+
+
+def test_typo_in_a_command_without_a_script_has_no_dashes_hint(capsys):
+    err = _usage_error(["status", "--jsn"], capsys)
+    assert err.startswith("usage: hpc status ")
+    assert "did you mean --json?" in err and "after --" not in err
+
+
+@pytest.mark.parametrize("argv,suggestion", [(["sumbit", "train.py"], "'submit'"),
+                                             (["stauts"], "'status'"),
+                                             (["submit", "x.py", "--backend", "sbtach"], "'sbatch'")])
+def test_unknown_command_or_choice_suggests_the_closest(capsys, argv, suggestion):
+    err = _usage_error(argv, capsys)
+    assert f"did you mean {suggestion}?" in err
