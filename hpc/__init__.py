@@ -14,6 +14,7 @@ The Python API (:mod:`hpc.api`) is importable from here, lazily::
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"
@@ -31,3 +32,11 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'hpc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public API (what a notebook's completion offers for ``hpc.``), though it is loaded
+    only when used; plus the subpackages already imported."""
+    loaded = [k for k, v in globals().items()
+              if isinstance(v, ModuleType) and v.__name__ == f"{__name__}.{k}"]
+    return sorted({*__all__, *loaded})

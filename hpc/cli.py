@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc import __version__, backends
-from hpc.contract import values
+from hpc.contract import spec_terms, values
 from hpc.contract.errors import HpcError, SpecError, UsageError
 from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
 from hpc.parser import HpcParser, subparser, unknown_arguments
@@ -147,7 +147,8 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     merged["job_dir"] = str(Path(merged["job_dir"]).expanduser().absolute())
     if merged.get("checkpoint_dir"):
         merged["checkpoint_dir"] = str(Path(merged["checkpoint_dir"]).expanduser().absolute())
-    return JobSpec(script=str(script.absolute()), script_args=tuple(args.script_args), **merged)
+    with spec_terms.cli_terms():   # errors name flags (--time), not fields (time_limit_s)
+        return JobSpec(script=str(script.absolute()), script_args=tuple(args.script_args), **merged)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import components, interval, jobdir, stall, values
+from hpc.contract import components, interval, jobdir, spec_terms, stall, values
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -429,26 +429,52 @@ class JobSpec:
                             "--profile mycluster")
 
     def __post_init__(self) -> None:
+        self._normalize()
+        cli = spec_terms.in_cli_terms()
         for f in fields(self):
             check = f.metadata.get("check")
             if check is not None:
-                check(getattr(self, f.name), _CHECK_FLAGS.get(f.name) or flag_name(f.name))
+                flag = _CHECK_FLAGS.get(f.name) or flag_name(f.name)
+                try:
+                    check(getattr(self, f.name), flag if cli else f.name)
+                except SpecError as e:   # from Python: the field, its unit, a Python example
+                    raise e if cli else spec_terms.api_error(f, getattr(self, f.name), flag, e) from None
         if isinstance(self.checkpoint_every_min, int):
             object.__setattr__(self, "checkpoint_every_min", float(self.checkpoint_every_min))
+        pick, name = spec_terms.pick, _term
         if self.gpus_per_node and self.nproc_per_node and self.nproc_per_node != self.gpus_per_node:
+            n = self.gpus_per_node
             raise SpecError(
-                "--nproc-per-node", self.nproc_per_node,
-                f"equal to --gpus-per-node ({self.gpus_per_node}): one worker per GPU",
-                f"--gpus-per-node {self.gpus_per_node} --nproc-per-node {self.gpus_per_node}")
+                name("nproc_per_node"), self.nproc_per_node,
+                f"equal to {name('gpus_per_node')} ({n}): one worker per GPU",
+                pick(f"--gpus-per-node {n} --nproc-per-node {n}",
+                     f"gpus_per_node={n}, nproc_per_node={n}"))
         if not self.nproc_per_node:
             object.__setattr__(self, "nproc_per_node", self.gpus_per_node or 1)
         if self.gpu_type and not self.gpus_per_node:
-            raise SpecError("--gpu-type", self.gpu_type, "used with --gpus-per-node N (typed GPUs "
-                            "are gres=gpu:TYPE:N)", f"--gpus-per-node 8 --gpu-type {self.gpu_type}")
+            raise SpecError(name("gpu_type"), self.gpu_type,
+                            f"used with {pick('--gpus-per-node N', 'gpus_per_node=N')} (typed "
+                            "GPUs are gres=gpu:TYPE:N)",
+                            pick(f"--gpus-per-node 8 --gpu-type {self.gpu_type}",
+                                 f"gpus_per_node=8, gpu_type={self.gpu_type!r}"))
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
-            raise SpecError("--signal-lead", self.signal_lead_s,
-                            f"shorter than the time limit ({self.time_limit_s} s)",
-                            "--time 4:00:00 --signal-lead 120")
+            raise SpecError(name("signal_lead_s"), self.signal_lead_s,
+                            f"shorter than the time limit ({name('time_limit_s')}: "
+                            f"{self.time_limit_s} s)",
+                            pick("--time 4:00:00 --signal-lead 120",
+                                 "time_limit_s=4 * 3600, signal_lead_s=120"))
+
+    def _normalize(self) -> None:
+        """What Python callers naturally write, in the fields' own types: ``nodes=3`` is
+        ``(3, 3)``, and a list where the field holds a tuple (``script_args=["--lr", "1"]``,
+        ``env=[("A", "1")]``) is that tuple."""
+        if isinstance(self.nodes, int) and not isinstance(self.nodes, bool):
+            object.__setattr__(self, "nodes", (self.nodes, self.nodes))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list) and isinstance(f.default, tuple):
+                object.__setattr__(self, f.name, tuple(
+                    tuple(x) if isinstance(x, list) else x for x in value))
 
     # --- derived values ------------------------------------------------------------------
     @property
@@ -588,6 +614,11 @@ def flag_name(name: str) -> str:
 FLAG_ALIASES = {"time_limit_s": "time", "signal_lead_s": "signal-lead"}
 # How the fields that are not flags are named in errors (as the CLI's usage names them).
 _CHECK_FLAGS = {"script": "SCRIPT", "script_args": "SCRIPT_ARGS"}
+
+
+def _term(name: str) -> str:
+    """A field as errors name it: its flag inside :func:`spec_terms.cli_terms`, else itself."""
+    return (_CHECK_FLAGS.get(name) or flag_name(name)) if spec_terms.in_cli_terms() else name
 CONFIG_KEYS = {flag_name(f.name)[2:].replace("-", "_"): f.name for f in option_fields()}
 """Config-file key (``time``, ``signal_lead``, ``partition``...) -> field name."""
 

@@ -69,8 +69,8 @@ def _ids(cases: list[tuple[str, str]]) -> list[str]:
 def test_constructor_refuses(field: str, kind: str) -> None:
     with pytest.raises(SpecError) as e:
         JobSpec(**{**BASE, field: HOSTILE[kind]})
-    assert e.value.flag == flag_name(field)
-    assert "Example:" in str(e.value) and len(str(e.value).splitlines()) == 1
+    assert e.value.flag == field                      # Python's name for it, not the flag
+    assert f"Example: {field}=" in str(e.value) and len(str(e.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize(("field", "kind"), REFUSED[::7], ids=_ids(REFUSED[::7]))
@@ -81,12 +81,12 @@ def test_replace_refuses_too(field: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["newline", "cr", "nul", "tab", "u2028", "nel"])
 def test_env_values_are_one_line(kind: str) -> None:
-    with pytest.raises(SpecError, match="--env"):
+    with pytest.raises(SpecError, match="^env "):
         JobSpec(**BASE, env=(("X", HOSTILE[kind]),))
 
 
 def test_script_args_refuse_only_nul() -> None:
-    with pytest.raises(SpecError, match="SCRIPT_ARGS"):
+    with pytest.raises(SpecError, match="^script_args "):
         JobSpec(**BASE, script_args=("--x", "a\x00b"))
     # A line break in an argument is fine: every backend shell-quotes arguments.
     assert JobSpec(**BASE, script_args=("--prompt", "a\nb; $(x)")).script_args[1] == "a\nb; $(x)"

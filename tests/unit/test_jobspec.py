@@ -22,12 +22,12 @@ def test_nproc_defaults_to_gpus_then_one():
 
 
 def test_nproc_must_match_gpus():
-    with pytest.raises(SpecError, match="--nproc-per-node .*--gpus-per-node 8"):
+    with pytest.raises(SpecError, match="nproc_per_node .*gpus_per_node=8, nproc_per_node=8"):
         JobSpec(script="s", gpus_per_node=8, nproc_per_node=4)
 
 
 def test_lead_must_be_shorter_than_time():
-    with pytest.raises(SpecError, match="--signal-lead"):
+    with pytest.raises(SpecError, match="signal_lead_s 120 .*time_limit_s: 60 s"):
         JobSpec(script="s", time_limit_s=60, signal_lead_s=120)
 
 
@@ -74,14 +74,14 @@ def _spec_data(**changes: object) -> str:
 @pytest.mark.parametrize(("changes", "fragment"), [
     ({"future_option": 1}, "unknown keys future_option"),
     ({"nodes": 5}, "malformed value"),
-    ({"env": [["A"]]}, "--env"),
+    ({"env": [["A"]]}, "env"),
     ({"env": 5}, "malformed value"),
-    ({"partition": "gpu\necho x"}, "--partition"),
-    ({"rdzv_port": 70000}, "--rdzv-port"),
-    ({"gpus_per_node": "8"}, "--gpus-per-node"),
-    ({"checkpoint_every_min": None}, "--checkpoint-every-min"),
+    ({"partition": "gpu\necho x"}, "partition"),
+    ({"rdzv_port": 70000}, "rdzv_port"),
+    ({"gpus_per_node": "8"}, "gpus_per_node"),
+    ({"checkpoint_every_min": None}, "checkpoint_every_min"),
 ])
-def test_jobspec_json_values_are_checked_like_flags(changes: dict, fragment: str) -> None:
+def test_jobspec_json_values_are_checked_like_flags_and_named_by_key(changes: dict, fragment: str) -> None:
     with pytest.raises(SpecError, match="jobspec.json") as e:
         JobSpec.from_json(_spec_data(**changes))
     assert fragment in str(e.value)
