@@ -111,6 +111,13 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -
     check_renderable(spec)
     root = spec.job_dir.rstrip("/")
     container = spec.container_runtime if spec.container_image else ""
+    if container and spec.min_nodes < spec.max_nodes:
+        # runtime.exclusions runs in the batch shell, on the host, where the image's Python is not.
+        raise SpecError("--nodes", spec.nodes_text,
+                        "a fixed node count under --container-image: the batch shell cannot give "
+                        "the nodes the job found bad back to Slurm from outside the container, so "
+                        "an elastic job would run on them again", f"--nodes {spec.max_nodes}",
+                        "Or run without --container-image to keep --nodes MIN:MAX")
     return _environment().get_template(template).render(
         spec=spec,
         nodes_range=slurm_options.nodes_range(spec),

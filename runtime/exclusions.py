@@ -22,7 +22,10 @@ of its partition:
 * the batch host (the allocation's first node, where the batch script runs) cannot leave a
   running allocation (Slurm refuses: measured); it stays and is named in the log.
 
-Backends without our batch script (submitit, torchx) record exclusions but do not enforce them.
+Every backend's batch script runs this step or refuses the job that needs it (the
+``exclusions`` step of :data:`hpc.backends.BATCH_STEPS`): the sbatch template and submitit's
+setup lines run it; TorchX runs only fixed-size jobs, which never shrink; a container job
+must have a fixed size (its batch shell has no Python of the job to run this with).
 """
 
 from __future__ import annotations

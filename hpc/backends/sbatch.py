@@ -25,6 +25,10 @@ from hpc.contract.slurm import TAG_PREFIX
 if TYPE_CHECKING:
     from hpc.contract.slurm import SlurmClient
 
+# The template's batch shell gives excluded nodes back before srun and, for a container, does
+# the deadlines and the requeue outside it (hpc.backends.BATCH_STEPS).
+ENFORCES = frozenset({"exclusions", "container"})
+
 # sbatch's default is --export=ALL, but a site's SBATCH_EXPORT would silently change it; the
 # submitter's environment (secrets included) must reach the job, so the argv says it.
 SBATCH_OPTIONS = ("--export=ALL",)

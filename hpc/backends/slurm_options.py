@@ -12,6 +12,8 @@ in one backend and another elsewhere (``--signal-lead 0`` used to: no signal in 
 * :func:`gres`: the GPU request (typed with ``--gpu-type``);
 * :func:`batch_setup_lines` / :func:`node_setup_script`: ``--setup`` in the batch shell and on
   each node before the launcher;
+* :func:`exclusion_lines`: the batch shell's step that gives the nodes the job found bad back
+  to Slurm before ``srun`` (the ``exclusions`` step of :data:`hpc.backends.BATCH_STEPS`);
 * :func:`container_mounts` / :func:`apptainer_argv`: what a container gets mounted and how
   Apptainer is started.
 
@@ -28,6 +30,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
 LAUNCHER_MODULE = "runtime.launch"
+EXCLUSIONS_MODULE = "runtime.exclusions"
 SETUP_ARGV0 = "hpc-setup"   # $0 of the per-node setup shell (names it in error messages)
 
 
@@ -84,6 +87,17 @@ def batch_setup_lines(spec: JobSpec, *, nounset: bool = True) -> list[str]:
         return []
     lines = _guarded(spec.setup, "in the batch shell on $(hostname)")
     return ["set +u", *lines, "set -u"] if nounset else lines
+
+
+def exclusion_lines(spec: JobSpec) -> list[str]:
+    """The batch shell's lines, before ``srun``, that give the nodes this job found bad back to
+    Slurm and point ``srun`` at the kept ones (``python -m runtime.exclusions``, whose output
+    is evaluated; it never fails the job). ``[]`` for a one-node job, which has none to give
+    back, and in a container, whose Python the batch shell does not have."""
+    if spec.max_nodes <= 1 or spec.container_image:
+        return []
+    command = shlex.join([spec.python, "-m", EXCLUSIONS_MODULE, "--job-dir", spec.job_dir])
+    return [f'eval "$({command} || true)"']
 
 
 def node_setup_script(spec: JobSpec) -> str:

@@ -16,6 +16,11 @@ How submitit's own preemption handling is reconciled with ours (docs/backends.md
   ``additional_parameters`` because submitit would otherwise write ``USR2@90``.
 * ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit node 0's
   launcher asks Slurm for the requeue itself (``runtime.requeue``), as under the template.
+* The nodes the job found bad before (``exclusions.jsonl``) go back to Slurm in the batch
+  shell before ``srun``, as under the template (:func:`slurm_options.exclusion_lines` in
+  submitit's ``setup``); ``srun`` then runs on the kept nodes. There is no
+  ``--ntasks-per-node`` on the allocation (with it, Slurm 22.05 grants the minimum of a
+  ``MIN-MAX`` node range), only on ``srun``.
 
 submitit writes the batch script; the ``sbatch`` call goes through :class:`hpc.contract.slurm.SlurmClient`
 like every other backend's (retries while the controller is unreachable, a unique tag looked up
@@ -38,12 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpc import render
 from hpc.backends import slurm_options
-from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
 if TYPE_CHECKING:
     from hpc.contract.slurm import SlurmClient
 
+# Exclusions in submitit's setup lines; no containers (see plan) (hpc.backends.BATCH_STEPS).
+ENFORCES = frozenset({"exclusions"})
 
 
 def executor_parameters(spec: JobSpec) -> dict[str, Any]:
@@ -60,9 +66,10 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
     if signal:
         extra["signal"] = signal
     params: dict[str, Any] = {
-        "job_name": spec.job_name, "ntasks_per_node": 1, "stderr_to_stdout": True,
-        # srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05)
-        "srun_args": ["--no-kill", "--kill-on-bad-exit=0",
+        "job_name": spec.job_name, "stderr_to_stdout": True,
+        # One task per node on srun, not on the allocation (which would then get MIN nodes of a
+        # range); srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05).
+        "srun_args": ["--no-kill", "--kill-on-bad-exit=0", "--ntasks-per-node=1",
                       *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])],
         "time": math.ceil(spec.time_limit_s / 60) if spec.time_limit_s else None,
     }
@@ -90,8 +97,10 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         extra["reservation"] = spec.reservation
     # --sbatch: written as #SBATCH --KEY=VALUE (submitit shell-quotes the value), or --KEY.
     extra.update({key: value or True for key, value in spec.sbatch})
-    if spec.setup:   # the batch shell's part; run_node runs the per-node part
-        params["setup"] = slurm_options.batch_setup_lines(spec, nounset=False)
+    # --setup's batch-shell part (run_node runs the per-node part), then the exclusions step.
+    setup = slurm_options.batch_setup_lines(spec, nounset=False) + slurm_options.exclusion_lines(spec)
+    if setup:
+        params["setup"] = setup
     params["additional_parameters"] = extra
     return params
 
@@ -129,15 +138,11 @@ class SubmititPlan:
 
 
 def plan(spec: JobSpec) -> SubmititPlan:
-    """Plans the submission (pure). Secrets in ``spec.env`` are refused, as for sbatch, and so
-    is ``--container-image`` (submitit's own process would have to run in the image, and its
-    batch script cannot do the requeue outside it): use the sbatch backend."""
+    """Plans the submission (pure). Secrets in ``spec.env`` are refused, as for sbatch.
+    ``--container-image`` is refused by the backend contract (``container`` is not in
+    :data:`ENFORCES`: submitit's own process would have to run in the image, and its batch
+    script does not do the deadlines and the requeue outside it): use the sbatch backend."""
     render.check_renderable(spec)
-    if spec.container_image:
-        raise SpecError("--backend submitit", f"--container-image {spec.container_image}",
-                        "no container: submitit's own process would run inside the image",
-                        "hpc submit --backend sbatch --container-image IMAGE ...",
-                        "Use --backend sbatch, which runs containers (pyxis or Apptainer)")
     return SubmititPlan(spec=spec, folder=Path(spec.job_dir) / "submitit",
                         parameters=executor_parameters(spec))
 

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
     from hpc.contract.slurm import SlurmClient
 
+# No batch step (hpc.backends.BATCH_STEPS): TorchX writes its own batch script, with no place
+# before srun. Both are refused anyway by check_carried: exclusions matter only to an elastic
+# job (a heterogeneous job has a fixed size) and containers are not run.
+ENFORCES: frozenset[str] = frozenset()
+
 
 def check_carried(spec: JobSpec) -> None:
     """Refuses every option TorchX's Slurm scheduler cannot carry (pure).

@@ -82,3 +82,31 @@ def test_torchx_run_cli_with_component(env, tmp_path: Path) -> None:
     result = json.loads((job_dir / "allreduce.json").read_text())
     assert result["world_size"] == 4 and result["sum"] == 10.0
 
+
+
+def test_submitit_gives_an_excluded_node_back_before_training(env, tmp_path: Path) -> None:
+    """A job directory resumed after an earlier allocation found node3 bad: the submitit job's
+    batch shell gives node3 back to Slurm before srun (runtime.exclusions in submitit's setup
+    lines), so the launchers and workers run on node1 and node2 only. Before, a submitit job
+    recorded exclusions and ran on the excluded nodes anyway."""
+    from hpc.contract.jobspec import JobSpec
+    from runtime.exclusions import add
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir(mode=0o700)
+    (job_dir / "jobspec.json").write_text(JobSpec(script=str(CHECK), job_dir=str(job_dir)).to_json())
+    assert add(job_dir, "node3", "health", "job directory: not writable", 0)
+    r = hpc(env, tmp_path, "submit", "--backend", "submitit", str(CHECK), "--nodes", "2:3",
+            "--nproc-per-node", "2", "--job-dir", str(job_dir), "--time", "10")
+    assert r.returncode == 0, r.stderr
+    job_id = (job_dir / "slurm_job_id").read_text().strip()
+    took = wait_gone(env, job_id)
+    batch_out = "".join(p.read_text() for p in (job_dir / "submitit").rglob("*.out"))
+    print(f"\nsubmitit 2:3 with node3 excluded: submit->done {took:.1f} s")
+    assert "hpc: gave back excluded node(s) node3; running on node1,node2" in batch_out, batch_out[-3000:]
+    result = json.loads((job_dir / "allreduce.json").read_text())
+    assert result["world_size"] == 4 and result["sum"] == 10.0
+    assert sorted(set(result["hosts"])) == ["node1", "node2"]
+    assert not list(job_dir.glob("logs/alloc-0/node-node3.log")), "node3 ran a launcher"
+    outcomes = [json.loads(l) for l in (job_dir / "outcomes.jsonl").read_text().splitlines()]
+    assert [o["kind"] for o in outcomes] == ["finished"]
