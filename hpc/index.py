@@ -12,16 +12,15 @@ that have ``cluster == ""``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, jobpaths, records
 from hpc.contract.errors import SpecError
+from hpc.contract.records import JobRecord
 
 if TYPE_CHECKING:
     from hpc.contract.slurm import SlurmClient
@@ -30,30 +29,6 @@ if TYPE_CHECKING:
 def hpc_home(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
     """Where the job index lives: ``$HPC_HOME``, else ``~/.hpc``."""
     return Path(env.get("HPC_HOME") or Path.home() / ".hpc")
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """One line of the job index: a submitted job and where its directory is."""
-
-    job_id: str
-    job_dir: str
-    name: str
-    backend: str
-    submitted: float
-    cluster: str = ""
-
-    @property
-    def key(self) -> str:
-        """Unique across clusters: ``CLUSTER:ID``; the id alone for older records, the job
-        directory for a job with no Slurm id (``hpc run``)."""
-        if not self.job_id:
-            return self.job_dir
-        return f"{self.cluster}:{self.job_id}" if self.cluster else self.job_id
-
-    def elsewhere(self, cluster: str) -> bool:
-        """Whether this job belongs to another cluster than ``cluster`` (known names only)."""
-        return bool(self.cluster and cluster and self.cluster != cluster)
 
 
 _CLUSTER: dict[str, str] = {}
@@ -80,24 +55,12 @@ def record_job(record: JobRecord, home: Path | None = None) -> None:
     """Appends a job to ``$HPC_HOME/jobs.jsonl`` (private to the user)."""
     home = home or hpc_home()
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(home / "jobs.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (json.dumps(asdict(record), sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
+    records.append(home / jobpaths.JOBS, record)
 
 
 def read_index(home: Path | None = None) -> list[JobRecord]:
-    """All recorded jobs, oldest first (unreadable lines are skipped)."""
-    path = (home or hpc_home()) / "jobs.jsonl"
-    out: list[JobRecord] = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(JobRecord(**json.loads(line)))
-            except (ValueError, TypeError):
-                continue
-    return out
+    """All recorded jobs, oldest first (damaged lines skipped and reported)."""
+    return records.read((home or hpc_home()) / jobpaths.JOBS, JobRecord)
 
 
 def resolve(ref: str, home: Path | None = None, cluster: str = "") -> JobRecord:
@@ -112,8 +75,8 @@ def resolve(ref: str, home: Path | None = None, cluster: str = "") -> JobRecord:
         SpecError: when neither the index nor the directory knows the job.
     """
     path = Path(ref).expanduser()
-    if path.is_dir() and (path / jobdir.SLURM_JOB_ID).exists():
-        job_id = (path / jobdir.SLURM_JOB_ID).read_text().strip()
+    job_id = jobdir.read_slurm_job_id(path) if path.is_dir() else None
+    if job_id is not None:
         records = [r for r in read_index(home) if r.job_id == job_id
                    and Path(r.job_dir) == path.absolute()]
         named = records[-1].cluster if records else ""

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc import sweeps
-from hpc.contract import jobdir, resubmissions, values
+from hpc.contract import jobdir, records, resubmissions, values
 from hpc.contract.errors import UsageError
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
 from hpc.index import JobRecord, current_cluster, read_index, resolve
@@ -198,10 +199,7 @@ def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
     out: dict[str, list[jobdir.Outcome]] = {}
     for job in jobs:
         if job.job_dir:
-            try:
-                found = jobdir.read_outcomes(Path(job.job_dir))
-            except (OSError, ValueError, TypeError):
-                found = []
+            found = jobdir.read_outcomes(Path(job.job_dir))
             links = resubmissions.read(Path(job.job_dir)) if job.job_id else []
             if links:
                 lo, hi = resubmissions.allocation_range(links, job.job_id)
@@ -211,33 +209,24 @@ def read_outcomes(jobs: Iterable[JobRecord]) -> dict[str, list[jobdir.Outcome]]:
     return out
 
 
+def _note(data: object) -> dict:
+    """A straggler or hang record, as far as a running note needs it: an object with an integer
+    allocation (the note shows whatever else the record holds, so a partial record still
+    counts; a record of another shape is skipped and reported by the reader)."""
+    if not isinstance(data, dict) or type(data.get("allocation", -1)) is not int:
+        raise ValueError("not an object with an integer allocation")
+    return data
+
+
 def running_notes(job_dir: Path) -> str:
     """What the allocation still running found so far, from the job directory: stragglers
     (``stragglers.jsonl``) and recovered stalls (``hangs.jsonl``); "" when nothing."""
-    try:
-        ended = [o.allocation for o in jobdir.read_outcomes(job_dir)]
-    except (OSError, ValueError, TypeError):
-        return ""
+    paths = JobPaths(job_dir)
+    ended = [o.allocation for o in jobdir.read_outcomes(job_dir)]
     first_open = max(ended) + 1 if ended else 0
-
-    def records(name: str) -> list[dict]:
-        try:
-            lines = (job_dir / name).read_text().splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and int(rec.get("allocation", -1)) >= first_open:
-                out.append(rec)
-        return out
-
     notes = [f"straggler: rank {r.get('rank')} on {r.get('node')} (node rank {r.get('node_rank')})"
-             for r in records("stragglers.jsonl")]
-    stalls = records("hangs.jsonl")
+             for r in records.read(paths.stragglers, _note) if r.get("allocation", -1) >= first_open]
+    stalls = [h for h in records.read(paths.hangs, _note) if h.get("allocation", -1) >= first_open]
     if stalls:
         notes.append(f"{len(stalls)} stall(s) recovered so far, last on {stalls[-1].get('node')}")
     return "; ".join(notes)

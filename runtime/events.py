@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc.contract import records
 from hpc.contract.events import EVENTS
 
 log = logging.getLogger("hpc.events")
@@ -80,7 +81,7 @@ class EventLog(NullEventLog):
             return
         record = {"t": round(time.time() if t is None else t, 4), "ev": ev, **self._base, **fields}
         try:
-            os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+            os.write(self._fd, records.encode(record, compact=True))
             self._dirty = True
         except OSError as e:
             log.warning("cannot record event %s: %s (no more events from this process)", ev, e)

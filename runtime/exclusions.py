@@ -31,34 +31,23 @@ must have a fixed size (its batch shell has no Python of the job to run this wit
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-EXCLUSIONS = "exclusions.jsonl"
-KINDS = ("stall", "lost", "health")
+from hpc.contract import jobpaths, records
+from hpc.contract.jobpaths import JobPaths
+from hpc.contract.records import EXCLUSION_KINDS, Exclusion
+
+EXCLUSIONS = jobpaths.EXCLUSIONS
+KINDS = EXCLUSION_KINDS
 
 log = logging.getLogger("hpc.exclusions")
-
-
-@dataclass(frozen=True)
-class Exclusion:
-    """One node gone bad, and why."""
-
-    node: str
-    kind: str           # stall, lost (Slurm dropped it from the job), health
-    reason: str
-    allocation: int
-    time: float
-
-    def describe(self) -> str:
-        return f"{self.node} ({self.kind} in allocation {self.allocation}: {self.reason})"
 
 
 def add(job_dir: Path, node: str, kind: str, reason: str, allocation: int) -> Exclusion | None:
@@ -68,11 +57,7 @@ def add(job_dir: Path, node: str, kind: str, reason: str, allocation: int) -> Ex
         return None
     ex = Exclusion(node=node, kind=kind, reason=reason[:300], allocation=allocation, time=time.time())
     try:
-        fd = os.open(Path(job_dir) / EXCLUSIONS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, (json.dumps(asdict(ex), sort_keys=True) + "\n").encode())
-        finally:
-            os.close(fd)
+        records.append(JobPaths(job_dir).exclusions, ex)
     except OSError as e:
         log.warning("cannot record excluding %s: %s", node, e)
         return None
@@ -81,19 +66,8 @@ def add(job_dir: Path, node: str, kind: str, reason: str, allocation: int) -> Ex
 
 
 def read(job_dir: Path) -> list[Exclusion]:
-    """Every recorded exclusion, oldest first (unreadable lines skipped)."""
-    try:
-        lines = (Path(job_dir) / EXCLUSIONS).read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            data = json.loads(line)
-            out.append(Exclusion(**{k: data[k] for k in Exclusion.__dataclass_fields__}))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return sorted(out, key=lambda e: e.time)
+    """Every recorded exclusion, oldest first (damaged lines skipped and reported)."""
+    return sorted(records.read(JobPaths(job_dir).exclusions, Exclusion), key=lambda e: e.time)
 
 
 def effective(records: Sequence[Exclusion], *, min_nodes: int,
@@ -190,7 +164,7 @@ def enforce(job_dir: Path, env: dict[str, str]) -> str:
     if not plan.released:
         return ""
     reasons = "; ".join(ex.describe() for ex in excluded if ex.node in plan.released)
-    logs = Path(job_dir) / "logs"
+    logs = JobPaths(job_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     os.chdir(logs)   # scontrol writes its slurm_job_J_resize.sh into the working directory
     try:

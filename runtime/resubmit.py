@@ -104,10 +104,7 @@ def continue_as_new_job(job_dir: Path, spec: JobSpec, *, job_id: str, allocation
         return None
     link = resubmissions.Link(job_id=new_id, previous=job_id, allocation_base=allocation + 1,
                               reason=reason, time=time.time())
-    with open(Path(job_dir) / resubmissions.FILE, "a", encoding="utf-8") as f:
-        f.write(link.to_line())
-        f.flush()
-        os.fsync(f.fileno())
+    resubmissions.append(Path(job_dir), link)
     jobdir.write_atomic(Path(job_dir) / jobdir.SLURM_JOB_ID, new_id + "\n")   # it holds the lock now
     try:
         from hpc.index import JobRecord, current_cluster, record_job

@@ -131,7 +131,9 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
     # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
     # SIGHUP (terminal gone) and SIGTERM stop the same way; our own death sends them SIGTERM.
     # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
-    env = dict(os.environ, **{job_env.ALLOCATION: str(len(jobdir.read_outcomes(job_dir)))})
+    earlier = jobdir.read_outcomes(job_dir)
+    allocation = max([len(earlier), *(o.allocation + 1 for o in earlier)])
+    env = dict(os.environ, **{job_env.ALLOCATION: str(allocation)})
     me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
     procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]
@@ -162,8 +164,8 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     code = codes[0] if codes[0] != 0 else max(codes, key=abs)
-    outcomes = jobdir.read_outcomes(job_dir)
-    last = outcomes[-1] if outcomes else None
+    outcomes = [o for o in jobdir.read_outcomes(job_dir) if o.allocation == allocation]
+    last = outcomes[-1] if outcomes else None   # never an earlier allocation's
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
     _say(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
     if last and last.kind in ("preempted", "time_limit"):

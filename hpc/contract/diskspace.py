@@ -17,7 +17,9 @@ import errno
 import os
 from pathlib import Path
 
-RESERVE = ".hpc-reserve"
+from hpc.contract import jobpaths
+
+RESERVE = jobpaths.RESERVE
 RESERVE_BYTES = 256 * 1024
 # Below this much free space a job directory counts as full: the launcher's and the workers'
 # logs, the job spec and the outcome records need at least this much to say anything useful.

@@ -29,26 +29,16 @@ Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-EVENTS = "events.jsonl"
+from hpc.contract import jobpaths, records
+
+EVENTS = jobpaths.EVENTS
 
 
 def read_events(job_dir: str | Path) -> list[dict[str, Any]]:
-    """All events of a job, in time order; a torn or foreign line is skipped."""
-    out = []
-    try:
-        text = (Path(job_dir) / EVENTS).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and isinstance(ev.get("t"), (int, float)) and "ev" in ev:
-            out.append(ev)
+    """All events of a job, in time order; a torn or foreign line is skipped (and reported)."""
+    out = records.read(jobpaths.JobPaths(Path(job_dir)).events, records.event)
     out.sort(key=lambda e: e["t"])
     return out

@@ -36,36 +36,29 @@ refused instead of being made private and filled with a job's files.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import diskspace
+from hpc.contract import jobpaths, records
+from hpc.contract.jobpaths import JobPaths
+from hpc.contract.records import OUTCOME_KINDS, Outcome
 from hpc.contract.errors import SpecError
 
-JOBSPEC = "jobspec.json"
-OUTCOMES = "outcomes.jsonl"
-EXIT_INTENT = "exit-intent.json"
-PROGRESS = "progress.json"
-RESULT = "result.json"
-SBATCH = "job.sbatch"
-SLURM_JOB_ID = "slurm_job_id"
-LOCK = ".hpc-lock.json"
+# The names are declared in hpc.contract.jobpaths; these aliases keep the callers' spelling.
+JOBSPEC, OUTCOMES, EXIT_INTENT, PROGRESS = jobpaths.JOBSPEC, jobpaths.OUTCOMES, jobpaths.EXIT_INTENT, jobpaths.PROGRESS
+RESULT, SBATCH, SLURM_JOB_ID, LOCK = jobpaths.RESULT, jobpaths.SBATCH, jobpaths.SLURM_JOB_ID, jobpaths.LOCK
 # Any of these makes a directory a job directory that `hpc run`/`hpc submit` may reuse.
 JOB_MARKERS = (JOBSPEC, LOCK, OUTCOMES)
-CHECKPOINTS = "checkpoints"            # the default checkpoint directory
-WANDB_RUN_ID = "wandb_run_id"
-WANDB_STATE = "wandb_state.json"       # the last step logged to W&B (exactly-once history)
-METRICS_JSONL = "metrics.jsonl"        # rank 0's metrics when W&B is disabled or failing
-
-OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled",
-                 "hang")
+CHECKPOINTS = jobpaths.CHECKPOINTS     # the default checkpoint directory
+WANDB_RUN_ID = jobpaths.WANDB_RUN_ID
+WANDB_STATE = jobpaths.WANDB_STATE     # the last step logged to W&B (exactly-once history)
+METRICS_JSONL = jobpaths.METRICS_JSONL  # rank 0's metrics when W&B is disabled or failing
+REQUEUE_REQUEST_PREFIX = jobpaths.REQUEUE_REQUEST_PREFIX
 
 
 def default_job_dir(name: str, root: Path | None = None, now: float | None = None) -> Path:
@@ -113,7 +106,7 @@ def create(job_dir: Path) -> Path:
                     f"{job_dir} exists, is not a job directory and holds {len(entries)} "
                     f"entr{'y' if len(entries) == 1 else 'ies'} ({shown}): a job's logs and "
                     "checkpoints would be mixed into it") from None
-    (job_dir / "logs").mkdir(exist_ok=True, mode=0o700)
+    JobPaths(job_dir).logs.mkdir(exist_ok=True, mode=0o700)
     return job_dir
 
 
@@ -163,137 +156,85 @@ def write_atomic(path: Path, text: str, mode: int = 0o600, *, durable: bool = Tr
 
 def sweep_task_dir(sweep_dir: Path, index: int) -> Path:
     """Where task ``index`` of a sweep (a Slurm job array) runs: a job directory of its own."""
-    return Path(sweep_dir) / f"task-{index}"
+    return JobPaths(sweep_dir).sweep_task(index)
 
 
 def claim_path(job_dir: Path, allocation: int, duty: str) -> Path:
     """The file whose atomic creation claims ``duty`` (requeue, record) for one allocation."""
-    return Path(job_dir) / f"{duty}-claim-alloc-{allocation}"
-
-
-REQUEUE_REQUEST_PREFIX = "requeue-request-alloc-"
+    return JobPaths(job_dir).claim(allocation, duty)
 
 
 def requeue_request_path(job_dir: Path, allocation: int) -> Path:
     """Under a container, node 0's launcher asks the batch shell (outside it, where scontrol
     works) to requeue the job by writing this file; the shell requeues after srun returns."""
-    return Path(job_dir) / f"{REQUEUE_REQUEST_PREFIX}{allocation}"
+    return JobPaths(job_dir).requeue_request(allocation)
 
 
 def alloc_log_dir(job_dir: Path, allocation: int) -> Path:
-    return Path(job_dir) / "logs" / f"alloc-{allocation}"
+    return JobPaths(job_dir).alloc_logs(allocation)
 
 
 def rank_log(job_dir: Path, allocation: int, restart: int, rank: int, epoch: int = 0) -> Path:
     """A worker's log: ``alloc-A/restart-K/rank-R.log``; after the rendezvous host was lost and
     the survivors went on in epoch E (runtime.succession), ``alloc-A/epoch-E-restart-K/``."""
-    restart_dir = f"restart-{restart}" if not epoch else f"epoch-{epoch}-restart-{restart}"
-    return alloc_log_dir(job_dir, allocation) / restart_dir / f"rank-{rank}.log"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """Why one allocation (one run of the job on some nodes) ended."""
-
-    allocation: int
-    kind: str
-    exit_code: int
-    step: int | None = None
-    reason: str = ""
-    node: str = ""
-    slurm_job_id: str = ""
-    time: float = 0.0
-    restarts: int = 0
-    world_size: int = 0
-    start_step: int | None = None   # the step this allocation started (resumed) at
-    last_step: int | None = None    # the last step it completed (from progress.json)
-    lost_steps: int | None = None   # steps done after the last committed checkpoint
-    hangs: tuple[str, ...] = ()     # stalls the watchdogs acted on (hangs.jsonl), one line each
-    succession: tuple[str, ...] = ()  # rendezvous hosts lost and who took over, one line each
-    excluded: tuple[str, ...] = ()  # nodes kept out of the next allocations (exclusions.jsonl)
-    stragglers: tuple[str, ...] = ()  # ranks persistently slower than the others, one line each
-
-    def describe(self) -> str:
-        """One line for ``hpc status``: what happened and what it cost."""
-        parts = [self.kind]
-        if self.start_step is not None and self.last_step is not None:
-            parts.append(f"steps {self.start_step}->{self.last_step}")
-        if self.step is not None:
-            parts.append(f"checkpoint {self.step}")
-        if self.lost_steps:
-            parts.append(f"{self.lost_steps} steps lost")
-        if self.succession:
-            parts.append(f"rendezvous moved: {self.succession[-1]}")
-        if self.hangs and self.kind != "hang":
-            parts.append(f"{len(self.hangs)} stall(s) recovered, last: {self.hangs[-1]}")
-        if self.stragglers:
-            parts.append(f"straggler: {self.stragglers[-1]}")
-        if self.excluded:   # "node3 (stall in allocation 0: why...)": the why is in the file
-            short = [x.split(": ", 1)[0] + (")" if ": " in x else "") for x in self.excluded]
-            parts.append(f"excluded next time: {', '.join(short)}")
-        return ", ".join(parts) + (f": {self.reason}" if self.reason else "")
-
-    def __post_init__(self) -> None:
-        assert self.kind in OUTCOME_KINDS, self.kind
+    return JobPaths(job_dir).rank_log(allocation, restart, rank, epoch)
 
 
 def append_outcome(job_dir: Path, outcome: Outcome) -> None:
-    """Appends one record to ``outcomes.jsonl`` (a single write, so lines never interleave).
-
-    On a full disk the job's reserve (:mod:`hpc.contract.diskspace`) is given back and the
-    write tried again: the one record that says the disk filled up must not be lost to it.
-    """
-    data = asdict(outcome)
-    data["time"] = data["time"] or time.time()
-    line = (json.dumps(data, sort_keys=True) + "\n").encode()
-    fd = os.open(Path(job_dir) / OUTCOMES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        written = 0
-        try:
-            written = os.write(fd, line)
-            if written < len(line):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError as e:
-            if e.errno not in diskspace.DISK_FULL_ERRNOS or not diskspace.give_back_reserve(job_dir):
-                raise
-            os.write(fd, (b"\n" if written else b"") + line)   # a torn line stays a line of its own
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Appends one record to ``outcomes.jsonl`` (durable; on a full disk the job's reserve is
+    given back: the one record that says the disk filled up must not be lost to it)."""
+    records.append(JobPaths(job_dir).outcomes, outcome, durable=True, job_dir=Path(job_dir))
 
 
 def read_outcomes(job_dir: Path) -> list[Outcome]:
-    path = Path(job_dir) / OUTCOMES
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue        # torn by a full disk; the record follows on the next line
-            known = {k: v for k, v in data.items() if k in Outcome.__dataclass_fields__}
-            for name in ("hangs", "succession", "excluded", "stragglers"):
-                if name in known:
-                    known[name] = tuple(known[name] or ())   # null: an older writer
-            out.append(Outcome(**known))
-    return out
+    """Every readable outcome, oldest first (damaged lines skipped and reported)."""
+    return records.read(JobPaths(job_dir).outcomes, Outcome)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
     """A bookkeeping file's content, or None when it is missing or unreadable (a node that
-    crashed before a non-durable write reached the disk can leave an empty file)."""
+    crashed before a non-durable write reached the disk can leave an empty file; a damaged
+    one may hold anything but a JSON object)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, ValueError):
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
+
+
+SLURM_JOB_ID_RE = re.compile(r"[0-9]+(_[0-9]+)?")   # a job, or a task of a job array
+
+
+def read_slurm_job_id(job_dir: Path) -> str | None:
+    """The Slurm job id in ``JOB_DIR/slurm_job_id`` (None when there is none), checked.
+
+    The value goes to ``scancel``, ``squeue`` and ``sacct``: ``--me`` in the file would
+    cancel every job of the user. Only a job id (``1234``) or a job array's task
+    (``1234_5``) is accepted.
+
+    Raises:
+        SpecError: the file holds anything else (named, with its value).
+    """
+    path = JobPaths(job_dir).slurm_job_id
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text:
+        return None
+    if not SLURM_JOB_ID_RE.fullmatch(text) or len(text) > 40:
+        raise SpecError(str(path), text[:80], "a Slurm job id (digits, or ARRAY_TASK such as 1234_5) "
+                        "as hpc submit wrote it", "1234",
+                        "The file was changed or damaged; nothing was sent to Slurm. Put the job's "
+                        "id back (`squeue --me` lists your jobs) or remove the file if no job runs")
+    return text
 
 
 def latest_checkpoint_step(checkpoint_dir: Path) -> int | None:
     """The step the ``latest`` pointer names (``step-000123``), or None."""
     try:
-        name = (Path(checkpoint_dir) / "latest").read_text().strip()
+        name = (Path(checkpoint_dir) / jobpaths.CHECKPOINT_LATEST).read_text().strip()
         return int(name.rsplit("-", 1)[-1])
     except (OSError, ValueError):
         return None

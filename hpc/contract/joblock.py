@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import time
@@ -37,9 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, records
 from hpc.contract.errors import SpecError
 
+log = logging.getLogger("hpc.joblock")
 LOCK = jobdir.LOCK
 SLURM_JOB_ID = jobdir.SLURM_JOB_ID
 # A lock file that is still being written (the O_EXCL fallback) is never broken while younger.
@@ -70,11 +72,25 @@ class Holder:
         return json.dumps(asdict(self), sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> Holder:
-        data = json.loads(text)
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        known["processes"] = tuple((int(p), t) for p, t in known.get("processes", ()))
-        return cls(**known)
+    def from_json(cls, text: str | bytes) -> Holder:
+        """The holder a lock file names.
+
+        Raises:
+            ValueError: the text is not UTF-8, not JSON, or not a holder's shape (a damaged
+                lock file: it names no one).
+        """
+        data = json.loads(text)     # bytes: UnicodeDecodeError, a ValueError
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but {type(data).__name__}")
+        try:
+            processes = tuple((int(p), None if t is None else int(t))
+                              for p, t in data.get("processes", ()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"processes: {e}") from None
+        return records.from_dict(cls, {**data, "processes": ()}).with_processes(processes)
+
+    def with_processes(self, processes: tuple[tuple[int, int | None], ...]) -> Holder:
+        return replace(self, processes=processes)
 
 
 class JobDirInUse(SpecError):
@@ -176,7 +192,7 @@ def _submission_held(job_dir: Path, holder: Holder, here: Holder, rebooted: bool
     try:
         id_file = job_dir / SLURM_JOB_ID
         if id_file.stat().st_mtime >= holder.since - 1:   # else an older job's id
-            job_id = id_file.read_text().strip() or None
+            job_id = jobdir.read_slurm_job_id(job_dir)
     except OSError:
         pass
     if job_id is None:                                   # not submitted (yet)
@@ -204,10 +220,8 @@ def read_holder(job_dir: Path) -> Holder | None:
     """The current holder, or None when the directory is not locked (or the file is being
     written or is unreadable)."""
     try:
-        return Holder.from_json((Path(job_dir) / LOCK).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError, KeyError):
+        return Holder.from_json((Path(job_dir) / LOCK).read_bytes())
+    except (OSError, ValueError):
         return None
 
 
@@ -249,7 +263,7 @@ def _publish_excl(lock: Path, text: str) -> bool:
     return True
 
 
-def _break_stale(lock: Path, stale_text: str) -> bool:
+def _break_stale(lock: Path, stale_text: bytes) -> bool:
     """Removes ``lock`` if it still holds ``stale_text``; one breaker at a time. False when
     another taker is breaking it.
 
@@ -266,7 +280,7 @@ def _break_stale(lock: Path, stale_text: str) -> bool:
         return False
     try:
         try:
-            if lock.read_text() == stale_text:
+            if lock.read_bytes() == stale_text:
                 lock.unlink()
         except FileNotFoundError:
             pass
@@ -328,19 +342,21 @@ def acquire(job_dir: Path, command: str, *,
         if _publish(lock, text):
             return JobLock(job_dir, holder)
         try:
-            current_text = lock.read_text()
+            current_text = lock.read_bytes()
             current = Holder.from_json(current_text)
         except FileNotFoundError:
             continue                                      # released meanwhile: try again
-        except (OSError, ValueError, TypeError, KeyError):
+        except (OSError, ValueError) as e:
             try:
                 age = time.time() - lock.stat().st_mtime
                 if age < _WRITING_GRACE_S:
                     time.sleep(0.2)
                     continue
-                current_text, current = lock.read_text(), None
+                current_text, current = lock.read_bytes(), None
             except FileNotFoundError:
                 continue
+            log.warning("the lock %s names no holder (%s) and is %.0f s old: taking it over", lock,
+                        str(e)[:120], age)
         if current is not None:
             held = why_held(job_dir, current, here=holder, slurm_active=slurm_active)
             if held is not None:

@@ -14,43 +14,29 @@ Pure readers over the file's lines, shared by the launcher (the allocation numbe
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FILE = "resubmissions.jsonl"
+from hpc.contract import jobpaths, records
+from hpc.contract.jobpaths import JobPaths
+from hpc.contract.records import Link
 
+__all__ = ["FILE", "Link", "allocation_base", "allocation_range", "append", "continued_as", "parse", "read"]
 
-@dataclass(frozen=True)
-class Link:
-    """One resubmission: ``job_id`` continues ``previous`` from allocation ``allocation_base``."""
-
-    job_id: str
-    previous: str
-    allocation_base: int
-    reason: str = ""
-    time: float = 0.0
-
-    def to_line(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True) + "\n"
+FILE = jobpaths.RESUBMISSIONS
 
 
 def parse(text: str) -> list[Link]:
-    """The links in a ``resubmissions.jsonl`` text, in order (unreadable lines skipped)."""
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(Link(**json.loads(line)))
-        except (ValueError, TypeError):
-            continue
-    return out
+    """The links in a ``resubmissions.jsonl`` text, in order (damaged lines skipped)."""
+    return records.parse(text.encode(), Link)[0]
 
 
 def read(job_dir: Path) -> list[Link]:
-    try:
-        return parse((Path(job_dir) / FILE).read_text())
-    except (OSError, UnicodeDecodeError):
-        return []
+    return records.read(JobPaths(job_dir).resubmissions, Link)
+
+
+def append(job_dir: Path, link: Link) -> None:
+    """Records one link (durable: the new job must find it)."""
+    records.append(JobPaths(job_dir).resubmissions, link, durable=True)
 
 
 def allocation_base(links: list[Link], job_id: str) -> int:

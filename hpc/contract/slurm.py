@@ -21,6 +21,7 @@ import datetime
 import getpass
 import logging
 import os
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -97,6 +98,17 @@ def _clean_stderr(stderr: str) -> str:
         if line and line not in lines:
             lines.append(line)
     return "; ".join(lines) or "(no error message)"
+
+
+_JOB_ID = re.compile(r"[0-9]+([_+][0-9]+)?")
+
+
+def _job_id(job_id: str) -> str:
+    """``job_id`` if it is one (``1234``, an array task ``1234_5``, a het component ``1234+1``):
+    the last guard before a command that acts on jobs (``--me`` would cancel all of the user's)."""
+    if not _JOB_ID.fullmatch(str(job_id)):
+        raise ValueError(f"{job_id!r} is not a Slurm job id (such as 1234 or 1234_5)")
+    return job_id
 
 
 def _subprocess_runner(argv: Sequence[str], stdin: str | None, timeout_s: float,
@@ -313,12 +325,12 @@ class SlurmClient:
 
     def requeue(self, job_id: str) -> None:
         """Requeue a job (``scontrol requeue``): it ends and goes back to pending, same id."""
-        self._run(["scontrol", "requeue", job_id], f"could not requeue job {job_id}")
+        self._run(["scontrol", "requeue", _job_id(job_id)], f"could not requeue job {job_id}")
 
     def resize(self, job_id: str, nodes: Sequence[str]) -> None:
         """Shrinks a running job to ``nodes`` (``scontrol update JobId=J NodeList=...``); the
         others go back to Slurm. Slurm refuses to drop the batch host."""
-        self._run(["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(nodes)}"],
+        self._run(["scontrol", "update", f"JobId={_job_id(job_id)}", f"NodeList={','.join(nodes)}"],
                   f"could not shrink job {job_id} to {','.join(nodes)}")
 
     def cancel(self, job_id: str, signal: str | None = None, batch_only: bool = False) -> None:
@@ -335,7 +347,7 @@ class SlurmClient:
         if batch_only:
             argv.append("--batch")
         what = f"could not signal job {job_id}" if signal else f"could not cancel job {job_id}"
-        self._run([*argv, job_id], what)
+        self._run([*argv, _job_id(job_id)], what)
 
     def srun(self, argv: Sequence[str], *, nodes: int, extra: Sequence[str] = ()) -> int:
         """Run ``argv`` once per node of the current allocation (``srun --ntasks-per-node=1``).

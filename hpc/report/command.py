@@ -21,15 +21,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from hpc.contract import jobdir
+    from hpc.contract.jobpaths import JobPaths
     from hpc.index import resolve
     from hpc.report.load import load
     from hpc.report.table import format_table, to_json
 
     path = Path(args.job).expanduser()
-    if path.is_dir() and (jobdir.is_job_dir(path) or (path / "events.jsonl").exists()):
+    if path.is_dir() and (jobdir.is_job_dir(path) or JobPaths(path).events.exists()):
         job_dir = path
-        job_id = (path / jobdir.SLURM_JOB_ID).read_text().strip() \
-            if (path / jobdir.SLURM_JOB_ID).exists() else ""
+        job_id = jobdir.read_slurm_job_id(path) or ""
     else:
         try:
             record = resolve(args.job)

@@ -7,39 +7,29 @@ allocation's submit and start times (queue wait) and its start and end as Slurm 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, records
 from hpc.contract.events import read_events
 from hpc.contract.interval import prior_mtbf_s
+from hpc.contract.jobpaths import JobPaths
+from hpc.contract.records import HangEvent
 from hpc.contract.slurm_parse import AccountingRecord
 from hpc.report import young_daly
 from hpc.report.ledger import Ledger, build
 
 log = logging.getLogger("hpc.report")
-HANGS = "hangs.jsonl"      # written by runtime.liveness.events
 
 
 def hang_events(job_dir: Path) -> list[dict[str, Any]]:
     """The watchdogs' stall records as ``hang`` events."""
-    out = []
-    try:
-        lines = (Path(job_dir) / HANGS).read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return []
-    for line in lines:
-        try:
-            h = json.loads(line)
-            out.append({"t": float(h["time"]), "ev": "hang", "alloc": int(h.get("allocation", 0)),
-                        "node": h.get("node", ""), "reason": h.get("reason", ""), "step": h.get("step")})
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
+    return [{"t": float(h.time), "ev": "hang", "alloc": h.allocation, "node": h.node,
+             "reason": h.reason, "step": h.step}
+            for h in records.read(JobPaths(job_dir).hangs, HangEvent)]
 
 
 def runs_from_accounting(records: Sequence[AccountingRecord], job_id: str

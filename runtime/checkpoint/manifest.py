@@ -37,10 +37,11 @@ from typing import Any
 
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from hpc.contract import jobpaths
 from hpc.contract.jobdir import write_atomic  # noqa: F401  (re-exported: the one atomic writer)
 
 MANIFEST_NAME = "manifest.json"
-LATEST_NAME = "latest"
+LATEST_NAME = jobpaths.CHECKPOINT_LATEST
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp$")

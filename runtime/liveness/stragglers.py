@@ -19,14 +19,17 @@ optimizer, under FSDP everything) is hidden behind the collective and not seen.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-STRAGGLERS = "stragglers.jsonl"
+from hpc.contract import jobpaths, records
+from hpc.contract.jobpaths import JobPaths
+from hpc.contract.records import Straggler
+
+STRAGGLERS = jobpaths.STRAGGLERS
 WINDOW = 20          # steps the per-rank median is over
 RATIO = 1.5          # slower than this multiple of the median rank
 MIN_GAP_S = 0.02     # and slower by at least this (noise on millisecond steps)
@@ -42,25 +45,6 @@ class RankPace:
     node: str
     node_rank: int
     compute_s: float      # median compute time before the step's first collective
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """One rank found persistently slow."""
-
-    allocation: int
-    rank: int
-    node: str
-    node_rank: int
-    compute_s: float
-    median_s: float
-    step: int
-    time: float
-
-    def summary(self) -> str:
-        return (f"rank {self.rank} on {self.node} (node rank {self.node_rank}): {self.compute_s:.3f}s "
-                f"per step before its collective, {self.compute_s / max(self.median_s, 1e-9):.1f}x the "
-                f"others' median ({self.median_s:.3f}s), at step {self.step}")
 
 
 def find(paces: Sequence[RankPace], *, ratio: float = RATIO,
@@ -119,7 +103,7 @@ class StragglerWatch:
         """New stragglers (each rank on each node once per allocation)."""
         now = time.time()
         records = []
-        for path in (self.job_dir / "liveness" / f"alloc-{self.allocation}").glob("node-*.json"):
+        for path in JobPaths(self.job_dir).liveness_nodes(self.allocation):
             try:
                 rec = json.loads(path.read_text())
             except (OSError, ValueError):
@@ -138,25 +122,10 @@ class StragglerWatch:
 
 
 def append(job_dir: Path, s: Straggler) -> None:
-    fd = os.open(Path(job_dir) / STRAGGLERS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (json.dumps(asdict(s), sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
+    records.append(JobPaths(job_dir).stragglers, s)
 
 
 def read(job_dir: Path, allocation: int | None = None) -> list[Straggler]:
-    try:
-        lines = (Path(job_dir) / STRAGGLERS).read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            data = json.loads(line)
-            s = Straggler(**{k: data[k] for k in Straggler.__dataclass_fields__})
-        except (ValueError, TypeError, KeyError):
-            continue
-        if allocation is None or s.allocation == allocation:
-            out.append(s)
-    return out
+    """The recorded stragglers (of one allocation when given); damaged lines skipped and reported."""
+    return [s for s in records.read(JobPaths(job_dir).stragglers, Straggler)
+            if allocation is None or s.allocation == allocation]

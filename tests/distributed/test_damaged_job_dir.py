@@ -1,0 +1,63 @@
+"""A damaged job directory costs its damaged lines, never the job (issue 23's probe findings).
+
+Each test plants what a reliability probe found (a non-UTF-8 byte in ``hangs.jsonl``, garbled
+``outcomes.jsonl`` lines) and runs the real ``hpc run`` / ``hpc report`` on it, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.distributed
+PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
+
+PREVIOUS = {"allocation": 0, "kind": "preempted", "exit_code": 75, "step": 3, "time": 1.0}
+HANG = {"allocation": 0, "node": "n1", "node_rank": 0, "reason": "old stall", "suspect_rank": 1,
+        "stacks": "logs/alloc-0/hang-n1-1.txt", "time": 1.0}
+
+
+def plant(job: Path, damaged_outcomes: bool) -> None:
+    """A job directory an earlier allocation left, then damaged (a disk error, a bad editor)."""
+    job.mkdir(mode=0o700)
+    garbage = b"[1, 2]\n" + b'{"allocation": 1, "kind": "exploded"}\n' + b"\xff\xfe\x00garbage\n"
+    (job / "outcomes.jsonl").write_bytes(json.dumps(PREVIOUS).encode() + b"\n"
+                                         + (garbage if damaged_outcomes else b""))
+    (job / "hangs.jsonl").write_bytes(json.dumps(HANG).encode() + b"\n" + b"\xff not utf-8\n")
+
+
+@pytest.mark.parametrize("damaged_outcomes", [False, True], ids=["hangs", "hangs+outcomes"])
+def test_run_on_damaged_records_finishes_and_records_its_own_outcome(tmp_path: Path,
+                                                                      damaged_outcomes: bool) -> None:
+    job = tmp_path / "job"
+    plant(job, damaged_outcomes)
+    p = subprocess.run([sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2",
+                        "--job-dir", str(job), "--", "--out", str(job), "--steps", "12",
+                        "--step-s", "0.05"], cwd=REPO, timeout=240, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = p.stdout
+    assert p.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    # Its own outcome, not the previous allocation's:
+    assert "hpc run: finished" in out and "hpc run: preempted" not in out, out[-2000:]
+    assert json.loads((job / "result.json").read_text())["final_step"] == 12
+    lines = (job / "outcomes.jsonl").read_bytes().splitlines()
+    assert json.loads(lines[-1])["kind"] == "finished" and json.loads(lines[-1])["allocation"] == 1
+    # The damage is named (file and line), not hidden:
+    assert f"{job / 'hangs.jsonl'}, line 2: not UTF-8" in out, out[-4000:]
+    if damaged_outcomes:
+        assert f"{job / 'outcomes.jsonl'}, line 2" in out, out[-4000:]
+
+    report = subprocess.run([sys.executable, "-m", "hpc", "report", str(job), "--json"], cwd=REPO,
+                            timeout=120, text=True, capture_output=True)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "Traceback" not in report.stderr, report.stderr[-3000:]
+    assert "hangs.jsonl, line 2: not UTF-8" in report.stderr, report.stderr
+    if damaged_outcomes:
+        assert "outcomes.jsonl, line 4: not UTF-8" in report.stderr, report.stderr
