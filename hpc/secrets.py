@@ -16,7 +16,12 @@ that looks like a secret on its way into the spec is refused before anything is 
 * a script flag that only ends like one (``--bos-token``, ``--sort-key``, ``--first-pass``:
   tokenizer and data options in ordinary training scripts) given a credential-like value (long,
   one word, letters and digits mixed). Flags that merely contain such a word
-  (``--max-tokens``, ``--tokenizer``, ``--password-file``) are not secret-named at all.
+  (``--max-tokens``, ``--tokenizer``, ``--password-file``) are not secret-named at all;
+* any argument or ``--env`` value in a credential's own format, whatever flag it follows
+  (``-p sk-proj-...``, a bare ``sk-...``, ``ghp_...``, ``hf_...``, ``AKIA...``, ``xoxb-...``),
+  or holding a URL with a password (``postgres://user:pw@host/db``);
+* the value of any variable that holds such a URL (``DATABASE_URL``) or whose name is a
+  personal access token's (``GH_PAT``).
 
 Pure apart from reading ``os.environ`` when no environment is passed.
 """
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
     from hpc.contract.jobspec import JobSpec
 
 # Names that hold credentials: WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, DB_PASSWORD...
-_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|CREDENTIALS?)$"
+_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|PASS|PAT|CREDENTIALS?)$"
                           r"|^WANDB_API_KEY$", re.IGNORECASE)
 # Flag names (dashes as underscores) that name a credential and nothing else.
 _CREDENTIAL_FLAG = re.compile(
@@ -46,6 +51,19 @@ _CREDENTIAL_FLAG = re.compile(
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # A value that looks like a credential: long, one word, letters and digits mixed.
 _CREDENTIAL_VALUE = re.compile(r"^(?=.*[0-9])(?=.*[A-Za-z])[A-Za-z0-9_\-.+/=:]{16,}$")
+# Credentials in their issuers' own formats: recognisable after any flag, or none.
+_CREDENTIAL_FORMAT = re.compile(
+    r"(?<![A-Za-z0-9])(?:"
+    r"sk-(?:proj-|ant-|live-|test-)?(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{16,}"            # OpenAI, Anthropic, Stripe
+    r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}"     # GitHub
+    r"|glpat-[A-Za-z0-9_-]{20,}"                                    # GitLab
+    r"|hf_[A-Za-z0-9]{20,}"                                         # Hugging Face
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}"                                # Slack
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"                                   # AWS access key id
+    r"|eyJ[A-Za-z0-9_-]{10,}\.eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]+"  # a JWT
+    r")")
+# A URL with a password in it: scheme://user:password@host.
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:[^/\s@]+@")
 # Shorter values of secret-named variables are not looked for (they would match by chance).
 _MIN_SECRET_LEN = 8
 
@@ -55,18 +73,27 @@ def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+def looks_like_credential(value: str) -> str | None:
+    """What kind of credential ``value`` holds by its format alone, or None (pure)."""
+    if _URL_PASSWORD.search(value):
+        return "a URL with a password"
+    if _CREDENTIAL_FORMAT.search(value):
+        return "a credential (by its format)"
+    return None
+
+
 def _secret_values(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items()
-            if is_secret_name(name) and len(value) >= _MIN_SECRET_LEN}
+            if len(value) >= _MIN_SECRET_LEN and (is_secret_name(name) or looks_like_credential(value))}
 
 
 def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """Describes the first script argument that carries a secret, or None (pure).
 
-    Three rules (see the module docstring): an argument holding the value of a secret-named
+    Four rules (see the module docstring): an argument holding the value of a secret-named
     variable of ``environ``; a credential flag (``--api-key``, ``--hf-token``...) given a value
     that is not a number; any other secret-named flag (``--bos-token``) given a
-    credential-like value. ``--key 3``, ``--max-tokens 4096`` and ``--pad-token "<pad>"`` pass.
+    credential-like value; any argument in a credential's own format. ``--key 3``, ``--max-tokens 4096`` and ``--pad-token "<pad>"`` pass.
     """
     secrets = _secret_values(environ)
     for i, arg in enumerate(args):
@@ -91,6 +118,10 @@ def secret_in_args(args: Sequence[str], environ: Mapping[str, str]) -> str | Non
         if _CREDENTIAL_FLAG.search(name):
             return (f"script argument {flag} is given a value that is not a number, and its "
                     "name is secret-like")
+    for i, arg in enumerate(args):   # whatever flag it follows (-p sk-proj-...), or none
+        kind = looks_like_credential(arg)
+        if kind:
+            return f"script argument {i + 1} holds {kind}"
     return None
 
 
@@ -101,6 +132,9 @@ def secret_in_env(env: Sequence[tuple[str, str]], environ: Mapping[str, str]) ->
         for name, secret in secrets.items():
             if secret in value:
                 return f"--env {var} holds the value of ${name}"
+        kind = looks_like_credential(value)
+        if kind:
+            return f"--env {var} holds {kind}"
     return None
 
 

@@ -95,3 +95,45 @@ def test_secret_named_flag_exits_2(script: Path, capsys: pytest.CaptureFixture[s
     assert main(["render", str(script), "--", "--hf-token", "hf_abc"]) == 2
     err = capsys.readouterr().err
     assert "--hf-token" in err and "hf_abc" not in err and "Export" in err
+
+
+# Issue 23's probe: accepted into jobspec.json before.
+SK = "sk-proj-AbCdEf0123456789GhIjKlMnOp"
+
+
+@pytest.mark.parametrize("args", [["-p", SK], [SK], ["--model", "gpt", "--openai=" + SK],
+                                  ["ghp_AbCdEf0123456789AbCdEf0123456789abcd"],
+                                  ["--db", "postgres://train:hunter2@db.internal:5432/runs"],
+                                  ["-u", "AKIAIOSFODNN7EXAMPLE"]],
+                         ids=["short-flag-sk-proj", "bare-sk", "inline", "github-pat", "db-url", "aws-id"])
+def test_credentials_in_their_own_format_are_refused_after_any_flag(args: list[str]) -> None:
+    found = secret_in_args(args, {})
+    assert found and ("a credential (by its format)" in found or "a URL with a password" in found), found
+    with pytest.raises(SpecError) as e:
+        check_no_secrets(JobSpec(**BASE, script_args=tuple(args)), environ={})
+    assert all(a not in str(e.value) for a in args if not a.startswith("-"))
+
+
+@pytest.mark.parametrize("name,value", [("GH_PAT", "github_pat_11ABCDEFG0123456789_abcdefghij"),
+                                        ("GH_PAT", "plainish-token-value-42"),
+                                        ("DATABASE_URL", "postgresql://ml:s3cr3t@db/train")])
+def test_values_of_pat_and_password_url_variables_are_refused(name: str, value: str) -> None:
+    assert secret_in_args(["--anything", value], {name: value}) == f"script argument 2 holds the value of ${name}"
+    assert secret_in_env((("X", value),), {name: value}) == f"--env X holds the value of ${name}"
+    with pytest.raises(SpecError, match=rf"\${name}"):
+        check_no_secrets(JobSpec(**BASE, env=(("X", value),)), environ={name: value})
+
+
+def test_env_value_holding_a_password_url_is_refused() -> None:
+    assert secret_in_env((("DATABASE_URL", "mysql://u:pw@h/db"),), {}) == "--env DATABASE_URL holds a URL with a password"
+
+
+@pytest.mark.parametrize("args", [["--url", "https://example.com:8443/path"], ["--user", "ssh://git@host/repo"],
+                                  ["--run-name", "sk-learn-baseline"], ["--lr", "3e-4"],
+                                  ["--data", "hf://datasets/user/name"], ["--task", "ask-questions-1234567890abcdef"]])
+def test_ordinary_arguments_still_pass(args: list[str]) -> None:
+    assert secret_in_args(args, {}) is None
+
+
+def test_a_long_sk_name_without_digits_is_not_a_key() -> None:
+    assert secret_in_args(["--run", "sk-learn-baseline-with-long-name"], {}) is None
