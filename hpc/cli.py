@@ -125,8 +125,7 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     from hpc.config import find_config
 
     config = find_config(args.config)
-    profile_raw, where = config.options_for(getattr(args, "profile", ""))
-    merged = parse_options(profile_raw, source=lambda n: where[n])
+    merged = config.parsed_options(getattr(args, "profile", ""))
     given = {f.name: getattr(args, f.name) for f in option_fields() if hasattr(args, f.name)}
     from_cli = parse_options(given, source=flag_name)
     # Site lists add up: the profile's --sbatch options, --setup lines and mounts come first,

@@ -51,3 +51,68 @@ def test_docs_list_every_option():
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     for f in option_fields():
         assert f"`{flag_name(f.name)}`" in doc, f"docs/config.md misses {flag_name(f.name)}"
+
+
+# --------------------------------------------------------------------------- errors in TOML terms
+
+
+def _error(tmp_path: Path, text: str, profile: str = "") -> str:
+    (tmp_path / "hpc.toml").write_text(text)
+    cfg = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)})
+    with pytest.raises(SpecError) as e:
+        cfg.parsed_options(profile)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    return msg
+
+
+def test_a_wrong_type_is_explained_in_toml_with_file_table_and_key(tmp_path: Path):
+    msg = _error(tmp_path, "[defaults]\nnodes = true\n")
+    assert msg.startswith(f"{tmp_path / 'hpc.toml'} [defaults] nodes = true is invalid: ")
+    assert msg.endswith('Example: [defaults] nodes = "2:4"')
+    assert "/hpc.toml [defaults] nodes 2" not in msg and "--nodes" not in msg
+
+
+@pytest.mark.parametrize(("text", "example"), [
+    ('nproc_per_node = "8"', "nproc_per_node = 8"),
+    ('exclusive = "false"', "exclusive = false"),
+    ('exclusive = "yes"', "exclusive = true"),
+    ('rdzv_port = "80"', "rdzv_port = 80"),
+    ('checkpoint_every_min = "30"', "checkpoint_every_min = 30"),
+    ('max_restarts = "three"', "max_restarts = 3"),
+])
+def test_strings_for_integers_numbers_and_booleans_are_refused(tmp_path: Path, text: str,
+                                                               example: str):
+    msg = _error(tmp_path, f'default_profile = "c"\n[profiles.c]\n{text}\n')
+    assert f"[profiles.c] {text} is invalid: a TOML " in msg and "without quotes" in msg
+    assert msg.endswith(f"Example: [profiles.c] {example}")
+
+
+def test_text_stays_text_where_the_flag_takes_text(tmp_path: Path):
+    (tmp_path / "hpc.toml").write_text('[defaults]\ntime = "4:00:00"\nnodes = "2:4"\nmem = "64G"\n'
+                                       '[profiles.m]\ntime = 30\nnodes = 3\nexclusive = true\n')
+    cfg = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)})
+    assert {k: v for k, v in cfg.parsed_options().items()} == \
+        {"time_limit_s": 14400, "nodes": (2, 4), "mem": "64G"}
+    opts = cfg.parsed_options("m")
+    assert (opts["time_limit_s"], opts["nodes"], opts["exclusive"]) == (1800, (3, 3), True)
+
+
+def test_pyproject_errors_name_the_tool_hpc_table(tmp_path: Path):
+    (tmp_path / "pyproject.toml").write_text("[tool.hpc.defaults]\nkeep_last = 3.0\n")
+    cfg = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)})
+    with pytest.raises(SpecError) as e:
+        cfg.parsed_options()
+    assert "pyproject.toml [tool.hpc.defaults] keep_last = 3.0 is invalid: an integer >= 1" in str(e.value)
+    assert "ASCII" not in str(e.value) and str(e.value).endswith("[tool.hpc.defaults] keep_last = 3")
+
+
+def test_every_keys_toml_example_is_valid_toml_the_key_accepts(tmp_path: Path):
+    from hpc.config import toml_example
+    from hpc.contract.jobspec import CONFIG_KEYS, JobSpec
+
+    for key, name in CONFIG_KEYS.items():
+        extra = 'gpus_per_node = 8\n' if name == "gpu_type" else ""
+        (tmp_path / "hpc.toml").write_text(f"[defaults]\n{extra}{key} = {toml_example(name)}\n")
+        opts = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)}).parsed_options()
+        JobSpec(script="s", **opts)

@@ -181,12 +181,12 @@ def test_pyproject_tool_hpc_refuses(script: Path, capsys: pytest.CaptureFixture[
     (script.parent / "pyproject.toml").write_text(
         f'[tool.hpc]\ndefault_profile = "c"\n[tool.hpc.profiles.c]\npartition = {toml_str(HOSTILE[kind])}\n')
     _refused(script, capsys, ["render", str(script), "--backend", "torchx"],
-             "pyproject.toml [profiles.c] partition")
+             "pyproject.toml [tool.hpc.profiles.c] partition = ")
 
 
 @pytest.mark.parametrize(("text", "names"), [
     ("partition = true", "partition"), ("account = 123", "account"), ("env = 5", "env"),
-    ('env = ["A=1", 5]', "env"), ("env = { A = true }", "env A"), ('env = { A = "x\\ny" }', "env"),
+    ('env = ["A=1", 5]', "env"), ("env = { A = true }", "[profiles.c] env.A = true"), ('env = { A = "x\\ny" }', "env"),
     ("nodes = true", "nodes"), ("rdzv_port = 70000", "rdzv_port"), ("signal_lead = true", "signal_lead"),
     ("checkpoint_every_min = nan", "checkpoint_every_min"), ("keep_last = 3.0", "keep_last"),
     ("checkpoint_every_min = inf", "checkpoint_every_min"), ("time = -5", "time"),
