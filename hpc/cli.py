@@ -221,7 +221,8 @@ def _sweep(args: argparse.Namespace) -> int:
                         "hpc sweep train.py --grid lr=1e-3,3e-4 --grid seed=1,2")
     arg_sets = sweeps.expand_grid(sweeps.parse_grid(args.grid)) if args.grid \
         else sweeps.load_file(Path(args.grid_file))
-    throttle = values.parse_int(args.throttle, "--throttle", minimum=0)
+    throttle = values.parse_int(args.throttle, "--throttle", minimum=0, maximum=sweeps.MAX_TASKS,
+                                example="--throttle 4")
     if args.dry_run:
         print(sweeps.plan(spec, arg_sets, throttle=throttle).describe(), end="")
         return 0

@@ -92,12 +92,12 @@ def resolve(ref: str, home: Path | None = None, cluster: str = "") -> JobRecord:
             return found[-1]
     array_id, _, task = ref.partition("_")
     for rec in reversed(records):   # a task of a sweep we submitted: ARRAY_TASK
-        if task.isdigit() and rec.job_id == array_id and rec.job_dir:
+        if task.isascii() and task.isdigit() and rec.job_id == array_id and rec.job_dir:
             task_dir = jobdir.sweep_task_dir(Path(rec.job_dir), int(task))
             if task_dir.is_dir():
                 return JobRecord(ref, str(task_dir), f"{rec.name}[{task}]", rec.backend,
                                  rec.submitted, rec.cluster)
-    if re.fullmatch(r"\d+(_\d+)?", ref):
+    if jobdir.SLURM_JOB_ID_RE.fullmatch(ref):   # ASCII digits only (\d and int() take any script)
         return JobRecord(ref, "", "", "", 0.0)  # a job id we did not submit: Slurm may know it
     raise SpecError("JOB", ref, "a Slurm job id or a job directory (made by hpc submit, "
                     "hpc sweep or hpc run)", "hpc status 1234")

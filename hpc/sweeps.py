@@ -153,8 +153,10 @@ def plan(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0)
     if len(arg_sets) > MAX_TASKS:
         raise SpecError("--grid", f"{len(arg_sets)} tasks", f"at most {MAX_TASKS} tasks",
                         "--grid lr=1e-3,3e-4")
-    if throttle < 0:
-        raise SpecError("--throttle", throttle, "an integer >= 0 (0: no limit)", "--throttle 4")
+    if (not isinstance(throttle, int) or isinstance(throttle, bool) or throttle < 0
+            or throttle > MAX_TASKS):
+        raise SpecError("--throttle", throttle, f"an integer >= 0 and <= {MAX_TASKS} (0: no limit)",
+                        "--throttle 4")
     group = spec.env_dict.get("WANDB_RUN_GROUP", spec.job_name)
     env = dict(spec.env) | {"WANDB_RUN_GROUP": group}
     tasks = tuple(spec.replace(job_dir=str(jobdir.sweep_task_dir(Path(spec.job_dir), i)),

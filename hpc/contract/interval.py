@@ -23,8 +23,9 @@ _EXAMPLE = "--checkpoint-interval auto:6h"
 
 
 def parse_duration_s(text: str) -> float | None:
-    """``90``, ``90s``, ``15m``, ``6h``, ``1.5d`` -> seconds; None when it is not one."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)?\s*", text.lower())
+    """``90``, ``90s``, ``15m``, ``6h``, ``1.5d`` -> seconds; None when it is not one (ASCII digits
+    only: ``float`` reads ``'٣٦٠٠'`` too, and the text goes into jobspec.json as given)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|min|h|d)?\s*", text.lower(), re.ASCII)
     return float(m.group(1)) * _UNITS[m.group(2) or ""] if m else None
 
 

@@ -95,3 +95,11 @@ def test_a_damaged_lock_file_is_taken_over_once_old(tmp_path: Path, content: byt
     with joblock.acquire(tmp_path, "hpc run") as lock:
         assert joblock.read_holder(tmp_path) == lock.holder
     assert "names no holder" in caplog.text and str(lock_file) in caplog.text
+
+
+@pytest.mark.parametrize("ref", ["١٢٣", "１２", "12_٣"])
+def test_a_job_id_in_non_ascii_digits_reaches_no_slurm_command(fake_slurm: Path, ref: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cancel", ref]) == 2
+    assert "JOB" in capsys.readouterr().err
+    assert not fake_slurm.exists()

@@ -136,3 +136,42 @@ def test_docs_state_the_bounds() -> None:
             assert f"`{flag}`" in section, flag
     for bound in ("100000", "1024", "64", "4096", "365 days", "65535", "10000", "525600"):
         assert bound in section, bound
+
+
+# --- issue 23's probe: accepted but out of bounds ------------------------------------------------
+
+
+@pytest.mark.parametrize("throttle", ["99999999999999999999", "10001", "٣", "-1", "1e3"])
+def test_sweep_throttle_beyond_the_task_limit_exits_2(script: Path, throttle: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", str(script), "--grid", "lr=1,2", "--throttle", throttle, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--throttle" in err and repr(throttle) in err and "<= 10000" in err, err
+    assert len(err.strip().splitlines()) == 1
+    from hpc import sweeps
+
+    with pytest.raises(SpecError, match="--throttle"):
+        sweeps.plan(JobSpec(script=str(script)), [("--a",)], throttle=10**20)
+
+
+@pytest.mark.parametrize("value", ["auto:٣٦٠٠", "auto:３６００", "auto:٢h", "auto:1.٥d"])
+def test_checkpoint_interval_prior_in_non_ascii_digits_exits_2(script: Path, value: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", str(script), "--checkpoint-interval", value]) == 2
+    assert "--checkpoint-interval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ['rdzv_port = "80"', 'max_restarts = "3"', 'keep_last = "5"',
+                                  'cpus_per_task = "8"'])
+def test_quoted_integers_in_hpc_toml_exit_2(script: Path, text: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (script.parent / "hpc.toml").write_text(f"[defaults]\n{text}\n")
+    assert main(["render", str(script)]) == 2
+    err = capsys.readouterr().err
+    key = text.split(" ")[0]
+    assert f"hpc.toml [defaults] {key}" in err and "a TOML integer, written without quotes" in err, err
+
+
+def test_time_and_nodes_stay_strings_in_hpc_toml(script: Path) -> None:
+    (script.parent / "hpc.toml").write_text('[defaults]\ntime = "1:00:00"\nnodes = "2:4"\nrdzv_port = 29500\n')
+    assert main(["render", str(script)]) == 0
