@@ -1,8 +1,9 @@
 """The user's job index: which jobs were submitted from here, and where their directories are.
 
 ``hpc submit`` appends one line per job to ``$HPC_HOME/jobs.jsonl`` (default ``~/.hpc``,
-private to the user); ``hpc status``, ``hpc logs`` and ``hpc cancel`` resolve a job id or a
-job directory through it.
+private to the user), and ``hpc run`` one per run (no job id; its key is the job directory, so
+a directory run again is one job); ``hpc status``, ``hpc logs`` and ``hpc cancel`` resolve a
+job id or a job directory through it.
 
 Job ids are unique only within one Slurm cluster (a rebuilt cluster, or another cluster sharing
 the home directory, starts again at 1), so each record names its cluster (``ClusterName``), and

@@ -31,6 +31,7 @@ from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
 from hpc.index import JobRecord, current_cluster, read_index, resolve
+from hpc.local_clock import LocalClock, read_local_clock
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
@@ -102,20 +103,34 @@ def _with_live_allocation(allocs: list[Allocation], live: QueueEntry) -> list[Al
     return allocs
 
 
-def _view_from_outcomes(job: JobRecord, outcomes: Sequence[jobdir.Outcome], where: str) -> JobView:
-    """A job Slurm cannot tell us about (``hpc run``, or another cluster's): its outcomes."""
-    allocs = tuple(Allocation(index=o.allocation, slurm_state=where, nodes=o.node, elapsed_s=0,
-                              outcome=o.kind, reason=o.reason, step=o.step, detail=o.describe())
-                   for o in outcomes)
+def _view_from_outcomes(job: JobRecord, outcomes: Sequence[jobdir.Outcome], where: str,
+                        clock: LocalClock | None = None, now: float = 0.0) -> JobView:
+    """A job Slurm cannot tell us about (``hpc run``, or another cluster's): its outcomes, and
+    for ``hpc run`` its allocations' times (``clock``; the running one's until ``now``)."""
+    clock = clock or LocalClock()
+
+    def took(alloc: int) -> int:
+        span = clock.spans.get(alloc)
+        return span.elapsed_s(now) if span is not None else 0
+
+    allocs = [Allocation(index=o.allocation, slurm_state=where, nodes=o.node, elapsed_s=took(o.allocation),
+                         outcome=o.kind, reason=o.reason, step=o.step, detail=o.describe())
+              for o in outcomes]
     state = f"{where}: {outcomes[-1].kind}" if outcomes else f"{where}: no outcome yet"
-    return JobView(job_id=job.job_id, name=job.name, state=state, nodes="-", elapsed_s=0,
-                   requeues=max(0, len(outcomes) - 1), job_dir=job.job_dir, allocations=allocs,
+    if clock.running is not None:
+        allocs.append(Allocation(index=clock.running, slurm_state=where, nodes="",
+                                 elapsed_s=took(clock.running), detail="running"))
+        state = f"{where}: running"
+    return JobView(job_id=job.job_id, name=job.name, state=state, nodes="-",
+                   elapsed_s=allocs[-1].elapsed_s if allocs else 0,
+                   requeues=max(0, len(allocs) - 1), job_dir=job.job_dir, allocations=tuple(allocs),
                    cluster=job.cluster if job.job_id and where != "local" else "")
 
 
 def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
                 accounting: Sequence[AccountingRecord],
-                outcomes: Mapping[str, Sequence[jobdir.Outcome]], cluster: str = "") -> list[JobView]:
+                outcomes: Mapping[str, Sequence[jobdir.Outcome]], cluster: str = "",
+                clocks: Mapping[str, LocalClock] | None = None, now: float | None = None) -> list[JobView]:
     """Joins the index, squeue, sacct (with duplicates) and outcomes.jsonl into views (pure).
 
     Args:
@@ -125,12 +140,18 @@ def build_views(jobs: Sequence[JobRecord], queue: Mapping[str, QueueEntry],
         outcomes: outcomes.jsonl records by :attr:`JobRecord.key`.
         cluster: The cluster squeue and sacct answered for: another cluster's job with the same
             id is not this one, and is shown from its outcomes only.
+        clocks: ``hpc run`` jobs' allocation times by :attr:`JobRecord.key`
+            (:func:`~hpc.local_clock.read_local_clock`).
+        now: The time a running local allocation's elapsed time runs to (default: now).
     """
     views = []
+    now = time.time() if now is None else now
     for job in jobs:
         if not job.job_id or job.elsewhere(cluster):
+            local = not job.job_id
             views.append(_view_from_outcomes(job, outcomes.get(job.key, ()),
-                                             "local" if not job.job_id else f"on {job.cluster}"))
+                                             "local" if local else f"on {job.cluster}",
+                                             (clocks or {}).get(job.key) if local else None, now))
             continue
         runs = [r for r in accounting if r.job_id == job.job_id and r.step is None]
         live = queue.get(job.job_id)
@@ -263,7 +284,9 @@ def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None 
         accounting = client.accounting(ids)
     except SlurmError:  # no accounting storage on this cluster: squeue is all we have
         accounting = ()
-    views = [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster)]
+    clocks = {j.key: read_local_clock(Path(j.job_dir)) for j in jobs if not j.job_id and j.job_dir}
+    views = [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster,
+                                                 clocks)]
     return [with_running_notes(v, running_notes(Path(v.job_dir)) if v.job_dir and v.state == "RUNNING" else "")
             for v in views]
 
@@ -303,7 +326,11 @@ class Poller:
 def _jobs_from_args(refs: Sequence[str], cluster: str = "") -> list[JobRecord]:
     if refs:
         return [resolve(r, cluster=cluster) for r in refs]
-    return read_index()[-RECENT:]
+    latest: dict[str, JobRecord] = {}   # a job directory run again is one job, the latest run
+    for record in read_index():
+        latest.pop(record.key, None)
+        latest[record.key] = record
+    return list(latest.values())[-RECENT:]
 
 
 def summarize_sweep(record: JobRecord, views: Sequence[JobView]) -> str:
@@ -323,10 +350,12 @@ def main(args: argparse.Namespace) -> int:
     """
     client = SlurmClient()
     refs = [r for r in args.job if not Path(r).expanduser().is_dir()]   # ids need the cluster
-    cluster = current_cluster(client) if refs or not args.job else ""
+    cluster = current_cluster(client) if refs else ""
     jobs = _jobs_from_args(args.job, cluster)
+    if not args.job and any(j.job_id for j in jobs):   # only hpc run jobs: no Slurm needed
+        cluster = current_cluster(client)
     if not jobs:
-        print("hpc status: no jobs submitted from here yet (the index is in $HPC_HOME, default "
+        print("hpc status: no jobs submitted or run from here yet (the index is in $HPC_HOME, default "
               "~/.hpc); pass job ids: hpc status 1234")
         return 0
     plain, summaries, as_json = [], [], getattr(args, "json", False)

@@ -48,10 +48,25 @@ def hostile_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return d
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_job_index(tmp_path_factory: pytest.TempPathFactory):
+    """``hpc run`` and ``hpc submit`` record their jobs in ``$HPC_HOME``: the tests' jobs go to
+    an index of their own, never the user's ``~/.hpc`` (tests that read it set their own)."""
+    old = os.environ.get("HPC_HOME")
+    os.environ["HPC_HOME"] = str(tmp_path_factory.mktemp("hpc-home"))
+    yield
+    if old is None:
+        os.environ.pop("HPC_HOME", None)
+    else:
+        os.environ["HPC_HOME"] = old
+
+
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No Slurm/torchrun variables leak into a test from the outer environment."""
     for k in list(os.environ):
+        if k == "HPC_HOME":
+            continue
         if k.startswith(("SLURM_", "TORCHELASTIC_", "HPC_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -37,6 +37,8 @@ from hpc.contract import diskspace, joblock, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.records import JobRecord
+from hpc.index import record_job
 from hpc.secrets import check_no_secrets
 
 
@@ -114,9 +116,15 @@ def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_i
 
 
 def run(spec: JobSpec) -> int:
-    """Runs ``spec`` locally; returns the job's exit status."""
+    """Runs ``spec`` locally; returns the job's exit status. The run is recorded in the job
+    index (:mod:`hpc.index`), so ``hpc status`` lists it with the submitted jobs."""
     job_dir, lock = prepare(spec)
     with lock:
+        try:
+            record_job(JobRecord("", str(job_dir), spec.job_name, "local", time.time()))
+        except OSError as e:   # an unwritable $HPC_HOME costs the listing, never the run
+            _say(f"hpc run: note: not listed in hpc status ({e.strerror or e}); "
+                 f"hpc status {job_dir} still shows it")
         return _run(spec, job_dir, lock)
 
 

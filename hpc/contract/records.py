@@ -20,7 +20,7 @@ file                  record          written by                             rea
                                       (runtime.resubmit)                     ``hpc status``
 ``events.jsonl``      an event (dict,   the launchers and rank 0               ``hpc report``, ``--checkpoint-interval
                       :func:`event`)    (runtime.events)                       auto`` (see hpc.contract.events)
-``$HPC_HOME/jobs.jsonl`` :class:`JobRecord`  ``hpc submit/sweep``, resubmit     ``hpc status/logs/cancel``
+``$HPC_HOME/jobs.jsonl`` :class:`JobRecord`  ``hpc submit/sweep/run``, resubmit ``hpc status/logs/cancel``
 ====================  ==============  =====================================  ===========================================
 
 Writing: :func:`append` writes one JSON object per line in a single ``O_APPEND`` write, so
