@@ -30,7 +30,8 @@ from hpc import backends, prechecks
 from hpc.contract import joblock, jobdir
 from hpc.contract.errors import UsageError
 from hpc.contract.jobspec import JobSpec
-from hpc.index import JobRecord, record_job, resolve
+from hpc.contract.slurm import SlurmClient, SlurmError
+from hpc.index import JobRecord, current_cluster, record_job, resolve
 
 
 def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
@@ -52,8 +53,6 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
         UsageError: Slurm refused the job (its words, explained), or the job directory is in
             use by another job; nothing was submitted.
     """
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     chosen = backends.get(backend)
     plan = chosen.plan(spec)  # renders and refuses secrets before anything is created
     client = SlurmClient()
@@ -76,7 +75,6 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
             raise
         raise UsageError(message) from e
     jobdir.write_atomic(job_dir / jobdir.SLURM_JOB_ID, job_id + "\n")
-    from hpc.index import current_cluster
 
     record = JobRecord(job_id, str(job_dir), spec.job_name, backend, started,
                        current_cluster(client))
@@ -99,7 +97,6 @@ def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0
         SpecError, UsageError: as :func:`submit`; nothing is submitted.
     """
     from hpc import sweeps
-    from hpc.contract.slurm import SlurmClient, SlurmError
 
     plan = sweeps.plan(spec, arg_sets, throttle=throttle)
     client = SlurmClient()
@@ -159,7 +156,6 @@ class Job:
 
     def status(self) -> Any:
         """The job's state, nodes, requeues and allocations (a :class:`hpc.status.JobView`)."""
-        from hpc.contract.slurm import SlurmClient
         from hpc.status import collect
 
         return collect(SlurmClient(), [self.record])[0]
@@ -191,7 +187,6 @@ class Job:
 
     def follow(self, rank: int = 0, *, max_interval_s: float = 30.0) -> Iterator[str]:
         """Yields rank ``rank``'s output as it is written, until the job has ended."""
-        from hpc.contract.slurm import SlurmClient
         from hpc.logs import Follower, following
         from hpc.status import Poller
 
@@ -209,8 +204,6 @@ class Job:
 
     def cancel(self) -> None:
         """Cancels the job (``scancel``); the runtime records it as ``cancelled``."""
-        from hpc.contract.slurm import SlurmClient
-
         SlurmClient().cancel(self.job_id)
 
     def _log_files(self, rank: int) -> list[Path]:
@@ -221,7 +214,6 @@ class Job:
 
 def _wait(records: Sequence[JobRecord], timeout: float | None, max_interval_s: float) -> list[Any]:
     """Polls ``records`` (one squeue + one sacct per poll, with backoff) until all have ended."""
-    from hpc.contract.slurm import SlurmClient
     from hpc.status import Poller
 
     poller = Poller(SlurmClient(), records, max_interval_s=max_interval_s)
@@ -268,7 +260,6 @@ class Sweep:
 
     def status(self) -> list[Any]:
         """One :class:`hpc.status.JobView` per task."""
-        from hpc.contract.slurm import SlurmClient
         from hpc.status import collect
 
         return collect(SlurmClient(), [j.record for j in self.jobs])
@@ -289,8 +280,6 @@ class Sweep:
 
     def cancel(self) -> None:
         """Cancels every task of the array."""
-        from hpc.contract.slurm import SlurmClient
-
         SlurmClient().cancel(self.job_id)
 
 

@@ -17,14 +17,11 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hpc.contract import jobdir, jobpaths, records
 from hpc.contract.errors import SpecError
 from hpc.contract.records import JobRecord
-
-if TYPE_CHECKING:
-    from hpc.contract.slurm import SlurmClient
+from hpc.contract.slurm import SlurmClient, SlurmError
 
 
 def hpc_home(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
@@ -43,8 +40,6 @@ def current_cluster(client: SlurmClient | None = None,
         return env["SLURM_CLUSTER_NAME"]
     conf = env.get("SLURM_CONF", "")
     if conf not in _CLUSTER:
-        from hpc.contract.slurm import SlurmClient, SlurmError
-
         try:
             _CLUSTER[conf] = (client or SlurmClient(retry_total_s=10)).cluster_name()
         except SlurmError:

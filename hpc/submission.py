@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from hpc import api, backends
+from hpc import backends
 from hpc.contract.jobspec import JobSpec
 from hpc.prechecks import check_partition, explain_rejection, node_limit, notes  # noqa: F401 - re-exported
 
@@ -51,6 +51,8 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT) -> int:
         0 when submitted (refusals raise :class:`SpecError` / :class:`UsageError`, which the
         CLI prints with exit status 2).
     """
+    from hpc import api   # here: `hpc render` needs none of what submitting loads
+
     job = api.submit(spec, backend, on_notes=_print_notes)
     print(f"Submitted job {job.job_id} ({backend}): {spec.job_name}, {spec.nodes_text} node(s) x "
           f"{spec.nproc_per_node} process(es)")

@@ -43,7 +43,7 @@ from hpc.contract import jobdir, joblock
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import TAG_PREFIX, SlurmClient
-from hpc.index import JobRecord, record_job
+from hpc.index import JobRecord, current_cluster, record_job
 
 SWEEP_FILE = "sweep.json"
 MAX_TASKS = 10_000   # Slurm's default MaxArraySize is 1001; sites raise it, rarely this far
@@ -191,7 +191,6 @@ def submit(p: SweepPlan, client: SlurmClient) -> JobRecord:
     jobdir.write_atomic(root / jobdir.SLURM_JOB_ID, job_id + "\n")
     for i, t in enumerate(p.tasks):
         jobdir.write_atomic(Path(t.job_dir) / jobdir.SLURM_JOB_ID, f"{job_id}_{i}\n")
-    from hpc.index import current_cluster
 
     record = JobRecord(job_id, str(root), p.spec.job_name, "sbatch-array", started,
                        current_cluster(client))

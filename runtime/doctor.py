@@ -26,6 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc.contract.slurm_parse import expand_hostlist
+from runtime import health, network
+
 
 @dataclass
 class Report:
@@ -42,8 +45,6 @@ class Report:
 
 def node_report(rdzv_host: str, *, multi_node: bool) -> Report:
     """Everything one node can check about itself (no collectives)."""
-    from runtime import network
-
     rep = Report(host=socket.gethostname())
     try:
         addr, loopback = network.resolve_rendezvous(rdzv_host)
@@ -62,8 +63,6 @@ def node_report(rdzv_host: str, *, multi_node: bool) -> Report:
     rep.checks["versions"] = versions()
     rep.checks["gpus"] = gpus()
     if shutil.which("nvidia-smi"):   # the launchers' pre-join GPU check (runtime.health)
-        from runtime import health
-
         finding = health.gpus(0)
         rep.checks["gpu_health"] = finding.detail
         if not finding.ok:
@@ -191,8 +190,6 @@ def format_reports(reports: list[Report]) -> str:
 
 
 def _first_node(env: dict[str, str]) -> str:
-    from hpc.contract.slurm_parse import expand_hostlist
-
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
     if not nodes:
         raise SystemExit("hpc doctor --multi-node must run inside a Slurm step (no SLURM_JOB_NODELIST)")

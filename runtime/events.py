@@ -28,8 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import records
-from hpc.contract.events import EVENTS
+from hpc.contract import jobdir, records
+from hpc.contract.events import EVENTS, read_events
+from hpc.contract.interval import prior_mtbf_s
+from hpc.report import young_daly
+from hpc.report.ledger import build
 
 log = logging.getLogger("hpc.events")
 SUMMARY_EVERY_S = 5.0       # one ``steps`` event per this many seconds of training
@@ -271,8 +274,6 @@ class SessionRecorder:
 
     def restored(self, ckpt: Any, step: int, from_checkpoint: bool, mode: str) -> None:
         """After the restore; ``--checkpoint-interval auto[:MTBF]`` is tuned here (all ranks)."""
-        from hpc.contract.interval import prior_mtbf_s
-
         self.events.emit("restore_end", step=step, from_checkpoint=from_checkpoint)
         self._committed = ckpt.latest_step() if ckpt is not None else None
         prior = prior_mtbf_s(mode)
@@ -281,9 +282,6 @@ class SessionRecorder:
 
     def _tune(self, ckpt: Any, prior: float) -> None:
         import dataclasses
-
-        from hpc.contract.events import read_events
-        from hpc.report import young_daly
 
         hist = young_daly.history(read_events(self.job_dir) if self.rank == 0 else [], current=self.key)
         cost, total, source = hist.save_cost_s, hist.save_total_s, "measured"
@@ -321,8 +319,6 @@ class SessionRecorder:
             path = self.job_dir / EVENTS
             if path.stat().st_size > MAX_SUMMARY_BYTES:
                 return
-            from hpc.contract.events import read_events
-            from hpc.report.ledger import build
 
             ledger = build(read_events(self.job_dir), current=self.key)
             data: dict[str, Any] = {"goodput/ratio": round(ledger.goodput, 4),
@@ -363,8 +359,6 @@ class LauncherRecorder:
 
     def end(self, code: int, signals: list[tuple[float, str]]) -> None:
         """After the agent: the signals it forwarded, then ``alloc_end`` with the recorded kind."""
-        from hpc.contract import jobdir
-
         for t, name in signals:
             self.events.emit("signal", t=t, signal=name)
         mine = [o for o in jobdir.read_outcomes(self.job_dir) if o.allocation == self.allocation]

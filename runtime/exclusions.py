@@ -42,7 +42,10 @@ from pathlib import Path
 
 from hpc.contract import jobpaths, records
 from hpc.contract.jobpaths import JobPaths
+from hpc.contract.jobspec import JobSpec
 from hpc.contract.records import EXCLUSION_KINDS, Exclusion
+from hpc.contract.slurm import SlurmClient, SlurmError
+from hpc.contract.slurm_parse import expand_hostlist
 
 EXCLUSIONS = jobpaths.EXCLUSIONS
 KINDS = EXCLUSION_KINDS
@@ -128,8 +131,6 @@ def shell_lines(kept: Sequence[str]) -> str:
 
 def partition_size(partition: str) -> int | None:
     """Nodes in ``partition`` (one ``scontrol`` call), or None when it cannot be read."""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     try:
         return SlurmClient(retry_total_s=10).show_partition(partition).total_nodes or None
     except SlurmError:
@@ -147,10 +148,6 @@ def in_force(job_dir: Path, *, min_nodes: int, partition: str) -> list[Exclusion
 
 def enforce(job_dir: Path, env: dict[str, str]) -> str:
     """In the batch shell before srun: shrinks the allocation; returns the shell lines to eval."""
-    from hpc.contract.jobspec import JobSpec
-    from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.contract.slurm_parse import expand_hostlist
-
     job_id = env.get("SLURM_JOB_ID", "")
     allocated = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
     if not job_id or not allocated or not read(job_dir):

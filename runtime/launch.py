@@ -35,6 +35,7 @@ from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv
 from runtime.events import LauncherRecorder
@@ -251,8 +252,6 @@ def _plan_for_epoch(plan: LaunchPlan, epoch: succession.Epoch, me: str) -> Launc
 
 def _controller_reachable() -> bool:
     """Can this node reach Slurm's controller? (a cut-off node cannot)"""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     try:
         return SlurmClient(retry_total_s=5).ping()
     except SlurmError:
@@ -365,7 +364,6 @@ def slurm_deadlines(env: Mapping[str, str]) -> tuple[float | None, float | None]
     slurm = SlurmEnv.from_env(env)
     if not slurm.active:
         return None, None
-    from hpc.contract.slurm import SlurmClient, SlurmError
 
     client = SlurmClient(env, retry_total_s=20)
     try:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.contract import diskspace, jobdir
+from hpc.contract.slurm import SlurmClient, SlurmError
+from hpc.contract.slurm_parse import JobState, expand_hostlist
 from runtime import exclusions, stopping
 from runtime.env import SlurmEnv
 from runtime.liveness.stragglers import read as read_stragglers
@@ -34,7 +36,6 @@ from runtime.resubmit import continue_as_new_job
 if TYPE_CHECKING:
     from runtime.forwarding import SignalForwarder
     from runtime.plan import LaunchPlan
-    from hpc.contract.slurm import SlurmClient
 
 log = logging.getLogger("hpc.launch")
 
@@ -132,9 +133,6 @@ def left_behind(job_id: str, host: str, client: "SlurmClient | None" = None) -> 
     ``--no-kill`` kept the job on the others). Without this check a cut node that came back
     recorded a second, wrong outcome for an allocation that was still running.
     """
-    from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.contract.slurm_parse import JobState
-
     try:
         info = (client or SlurmClient(retry_total_s=10)).show_job(job_id)
     except SlurmError as e:
@@ -153,9 +151,6 @@ def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
     another node of ours has already requeued it (its claim file says so): then COMPLETING is
     that requeue's doing, not a user's.
     """
-    from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.contract.slurm_parse import JobState
-
     try:
         state = SlurmClient(retry_total_s=20).show_job(job_id).state
         if state == JobState.COMPLETING:
@@ -227,8 +222,6 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
         log.warning("requeue asked of the batch shell: %s",
                     request_batch_requeue(plan.job_dir, plan.allocation, decision.reason))
     elif decision.requeue and claim(plan.job_dir, plan.allocation):
-        from hpc.contract.slurm import SlurmClient, SlurmError
-
         try:
             SlurmClient().requeue(slurm.job_id)
             log.warning("requeued job %s (%s)", slurm.job_id, decision.reason)
@@ -268,9 +261,6 @@ def _record(plan: LaunchPlan, kind: str, code: int, reason: str, hangs: Any, end
 def _note_lost_nodes(plan: LaunchPlan, slurm: SlurmEnv) -> None:
     """Nodes Slurm dropped from the running job (a crash, a cut link: ``--no-kill`` keeps the
     job on the others) are excluded from its next allocations."""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-    from hpc.contract.slurm_parse import JobState, expand_hostlist
-
     try:
         info = SlurmClient(retry_total_s=10).show_job(slurm.job_id)
     except SlurmError as e:
@@ -287,8 +277,6 @@ def _note_lost_nodes(plan: LaunchPlan, slurm: SlurmEnv) -> None:
 def _end_allocation(job_id: str, kind: str) -> None:
     """The batch script died with its node: nothing else ends the allocation once the work is
     done, so the recorder cancels it (Slurm shows CANCELLED; the outcome says why it ended)."""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     try:
         SlurmClient().cancel(job_id)
         log.warning("ended allocation of job %s (%s; its batch host is gone)", job_id, kind)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from hpc.contract import jobdir, resubmissions
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.slurm import SlurmClient, SlurmError
+from hpc.index import JobRecord, current_cluster, record_job
 from runtime.requeue import claim
 
 log = logging.getLogger("hpc.resubmit")
@@ -60,8 +62,6 @@ def _cancelled(client: object, job_id: str) -> bool:
     """Whether accounting says ``job_id`` was cancelled. While the job's processes are still
     ending, ``scontrol show job`` says COMPLETING, but sacct already says ``CANCELLED by UID``;
     a cancelled job must not come back as a new one. Without accounting: False."""
-    from hpc.contract.slurm import SlurmError
-
     try:
         records = client.accounting([job_id])  # type: ignore[attr-defined]
     except SlurmError:
@@ -82,8 +82,6 @@ def continue_as_new_job(job_dir: Path, spec: JobSpec, *, job_id: str, allocation
     Never raises: the allocation's outcome is already recorded; failing here only means the job
     ends as it would have before.
     """
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     script = Path(job_dir) / jobdir.SBATCH
     by_hand = f"resubmit with the same --job-dir ({job_dir}) to resume"
     if not script.is_file():
@@ -107,8 +105,6 @@ def continue_as_new_job(job_dir: Path, spec: JobSpec, *, job_id: str, allocation
     resubmissions.append(Path(job_dir), link)
     jobdir.write_atomic(Path(job_dir) / jobdir.SLURM_JOB_ID, new_id + "\n")   # it holds the lock now
     try:
-        from hpc.index import JobRecord, current_cluster, record_job
-
         record_job(JobRecord(new_id, str(job_dir), spec.job_name, "sbatch", link.time,
                              current_cluster(env=env)))
     except OSError as e:   # the index is a convenience; the job directory has the truth

@@ -39,9 +39,14 @@ from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
+from runtime.liveness import events, stragglers
+from runtime.liveness.deadline import collective_timeout_s, policy_from_spec
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
+from runtime.liveness.stragglers import StragglerWatch
 from runtime.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
+from runtime.progress import ProgressMeter
+from runtime.wandb_sink import make_sink, run_metadata
 
 log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
@@ -219,7 +224,6 @@ class Session:
         """Rank 0 logs the stalls the node watchdogs acted on (``hangs.jsonl``) as run events."""
         if not self.is_rank0:
             return
-        from runtime.liveness import events
 
         for h in events.take_unreported(self.job_dir):
             fields = {"node": h.node, "suspect_rank": h.suspect_rank, "suspect_node": h.suspect_node,
@@ -229,8 +233,6 @@ class Session:
 
     def _report_stragglers(self) -> None:
         """Rank 0 names ranks persistently slower than the others (log, W&B, stragglers.jsonl)."""
-        from runtime.liveness import stragglers
-
         for s in self._stragglers.check(self.step):
             log.warning("straggler: %s (reported, not restarted)", s.summary())
             self.event("straggler", step=self.step, rank=s.rank, node=s.node, node_rank=s.node_rank,
@@ -248,12 +250,9 @@ class Session:
         a peer may legitimately be in while others wait (a rank-0 evaluation), or a healthy
         run would fail in a barrier. Without the watch the given ``timeout_s`` stands.
         """
-        from runtime.liveness.deadline import policy_from_spec
-
         policy = policy_from_spec(self.spec.stall_timeout) if self.spec is not None else None
         if isinstance(self._beat, NullHeartbeat) or policy is None:
             return self.timeout
-        from runtime.liveness.deadline import collective_timeout_s
 
         wanted = timedelta(seconds=collective_timeout_s(policy))
         if wanted > self.timeout:
@@ -366,12 +365,10 @@ class Session:
         self._start_step = start
         self._rec.loop_start(start)
         if self.is_rank0:
-            from runtime.progress import ProgressMeter
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
         step_times: list[float] = []
         self._beat.set_base("step")
         if self.is_rank0 and not isinstance(self._beat, NullHeartbeat) and self.world_size > 1:
-            from runtime.liveness.stragglers import StragglerWatch
             self._stragglers = StragglerWatch(self.job_dir, self.env.allocation)
         tick = time.perf_counter()
         for step in range(start, stop):
@@ -519,9 +516,6 @@ class Session:
     def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None) -> Any:
         """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily)."""
         if self._sink is None:
-            from runtime.wandb_sink import make_sink
-            from runtime.wandb_sink import run_metadata
-
             config = self.spec.wandb if self.spec else WandbConfig(mode=wandb_mode(None, os.environ))
             sink = make_sink(
                 self.rank, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.wandb_sink import load_or_create_run_id
+
 
 def defaults(job_dir: Path, mode: str) -> dict[str, tuple[str, str]]:
     """The W&B variables to set for the workers: name -> (value, reason).
@@ -38,8 +40,6 @@ def defaults(job_dir: Path, mode: str) -> dict[str, tuple[str, str]]:
         job_dir: The job directory (holds, or will hold, ``wandb_run_id``).
         mode: The job's W&B mode (``offline``, ``online``, ``disabled``).
     """
-    from runtime.wandb_sink import load_or_create_run_id
-
     run_id = load_or_create_run_id(Path(job_dir))
     return {
         "WANDB_RUN_ID": (run_id, "one W&B run for the whole job (JOB_DIR/wandb_run_id), also "

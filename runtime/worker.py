@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from hpc.contract import environment as job_env
 from hpc.contract.environment import PENDING_WARNING, JobEnvironment
 from runtime.stopping import exit_if_stopping
+from runtime.liveness import stacks
 from runtime.wandb_env import finish_run_on_sigterm
 
 PR_SET_PDEATHSIG = 1
@@ -79,9 +80,7 @@ def main(argv: list[str]) -> None:
     bind_to_parent(job.agent_pid)
     record_early_warning()
     if job.heartbeat_dir:   # the launcher's stall watchdog can ask for this process's stacks
-        from runtime.liveness.stacks import install
-
-        install(job.heartbeat_dir)
+        stacks.install(job.heartbeat_dir)
     if job.merge_stderr:
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())

@@ -39,14 +39,12 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc import render
 from hpc.backends import slurm_options
 from hpc.contract.jobspec import JobSpec
-
-if TYPE_CHECKING:
-    from hpc.contract.slurm import SlurmClient
+from hpc.contract.slurm import SlurmClient, SlurmError
 
 # Exclusions in submitit's setup lines; no containers (see plan) (hpc.backends.BATCH_STEPS).
 ENFORCES = frozenset({"exclusions"})
@@ -165,8 +163,6 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
     try:
         job = executor.submit(run_node, p.spec.job_dir)
     except submitit.core.utils.FailedJobError as e:
-        from hpc.contract.slurm import SlurmError
-
         raise SlurmError("sbatch (for submitit) failed", ["sbatch", str(p.folder)], 1, str(e)) from e
     return str(job.job_id)
 
@@ -191,8 +187,6 @@ def run_node(job_dir: str) -> int:
 
 def _submit_file(argv: list[str]) -> int:
     """``python -m hpc.backends.submitit_backend SCRIPT``: sbatch SCRIPT through the client."""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     if len(argv) != 1:
         print("usage: python -m hpc.backends.submitit_backend SUBMISSION_SCRIPT", file=sys.stderr)
         return 2

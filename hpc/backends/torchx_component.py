@@ -38,11 +38,10 @@ from hpc.backends import slurm_options
 from hpc.contract import jobdir
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.slurm import SlurmClient
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef, Role
-
-    from hpc.contract.slurm import SlurmClient
 
 # No batch step (hpc.backends.BATCH_STEPS): TorchX writes its own batch script, with no place
 # before srun. Both are refused anyway by check_carried: exclusions matter only to an elastic
@@ -204,8 +203,6 @@ def execute(p: TorchxPlan, client: "SlurmClient | None" = None) -> str:
     """Submits through TorchX's runner; returns the Slurm job id (``sbatch`` runs through
     ``client``, see :func:`_slurm_scheduler_factory`)."""
     from torchx.runner import Runner
-
-    from hpc.contract.slurm import SlurmClient
 
     # sbatch reads the warning signal from SBATCH_SIGNAL (TorchX has no option for it), and the
     # job's srun SRUN_CPUS_PER_TASK: both go in the environment of the client's sbatch only.

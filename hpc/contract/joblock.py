@@ -40,6 +40,7 @@ from pathlib import Path
 
 from hpc.contract import jobdir, records
 from hpc.contract.errors import SpecError
+from hpc.contract.slurm import SlurmClient
 
 log = logging.getLogger("hpc.joblock")
 LOCK = jobdir.LOCK
@@ -154,8 +155,6 @@ def slurm_job_active(job_id: str) -> bool | None:
     """True while Slurm has the job (or a task of the job array) queued or running, False
     once it ended or is forgotten, None when Slurm cannot be asked."""
     try:
-        from hpc.contract.slurm import SlurmClient
-
         entries = SlurmClient(retry_total_s=5, command_timeout_s=10).queue([job_id])
     except Exception:
         return None

@@ -32,7 +32,7 @@ import tenacity
 from hpc.contract.errors import HpcError
 from hpc.contract.slurm_parse import (
     SACCT_FIELDS, SQUEUE_FORMAT, AccountingRecord, JobInfo, PartitionInfo, QueueEntry,
-    parse_sacct, parse_sbatch, parse_show_job, parse_show_partitions, parse_squeue,
+    parse_cluster_name, parse_sacct, parse_sbatch, parse_show_job, parse_show_partitions, parse_squeue,
 )
 
 log = logging.getLogger(__name__)
@@ -291,8 +291,6 @@ class SlurmClient:
     def cluster_name(self) -> str:
         """The cluster's ``ClusterName`` (``scontrol show config``); job ids are unique only
         within one cluster (a fresh cluster starts again at 1)."""
-        from hpc.contract.slurm_parse import parse_cluster_name
-
         return parse_cluster_name(self._run(["scontrol", "show", "config"],
                                             "scontrol show config failed").stdout)
 

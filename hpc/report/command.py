@@ -6,7 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpc.contract import jobdir
 from hpc.contract.errors import HpcError, SpecError
+from hpc.contract.jobpaths import JobPaths
+from hpc.index import resolve
+from hpc.report import plot
+from hpc.report.load import load
+from hpc.report.table import format_table, to_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,12 +26,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hpc.contract import jobdir
-    from hpc.contract.jobpaths import JobPaths
-    from hpc.index import resolve
-    from hpc.report.load import load
-    from hpc.report.table import format_table, to_json
-
     path = Path(args.job).expanduser()
     if path.is_dir() and (jobdir.is_job_dir(path) or JobPaths(path).events.exists()):
         job_dir = path
@@ -50,7 +50,6 @@ def main(args: argparse.Namespace) -> int:
     for flag, path in (("--png", args.png), ("--html", args.html)):
         if not path:
             continue
-        from hpc.report import plot
 
         try:
             if flag == "--png":

@@ -18,6 +18,7 @@ from hpc.contract.events import read_events
 from hpc.contract.interval import prior_mtbf_s
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.records import HangEvent
+from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import AccountingRecord
 from hpc.report import young_daly
 from hpc.report.ledger import Ledger, build
@@ -60,8 +61,6 @@ def runs_from_accounting(records: Sequence[AccountingRecord], job_id: str
 def slurm_runs(job_id: str) -> dict[int, dict[str, Any]]:
     """:func:`runs_from_accounting` from sacct; empty when sacct is unavailable (the report then
     goes without queue times)."""
-    from hpc.contract.slurm import SlurmClient, SlurmError
-
     try:
         records = SlurmClient(retry_total_s=10).accounting([job_id])
     except (SlurmError, OSError) as e:

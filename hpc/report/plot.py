@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc.report.ledger import CATEGORIES, Ledger
-from hpc.report.table import LABELS
+from hpc.report.table import LABELS, to_json
 
 COLORS = {
     "productive": "#2e8b57", "startup": "#6fa8dc", "rendezvous": "#8e7cc3", "restore": "#f6b26b",
@@ -117,8 +117,6 @@ def render_html(ledger: Ledger, path: Path, *, title: str = "", table: str = "")
     import base64
     import html
     import tempfile
-
-    from hpc.report.table import to_json
 
     with tempfile.TemporaryDirectory() as tmp:
         png = render_png(ledger, Path(tmp) / "timeline.png", title=title, dpi=100)

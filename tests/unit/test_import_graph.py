@@ -1,0 +1,205 @@
+"""The project's import graph, read from the source (AST, nothing imported).
+
+* No import circle anywhere in ``hpc/`` and ``runtime/``: a circle makes the import order
+  matter (a name missing halfway through a module) and hides which module is the base.
+* No function-local import of a torch-free project module: such an import hides a dependency
+  from the top of the file (and, often, a circle). Heavy modules (those that import torch,
+  wandb, torchx, submitit or matplotlib at load, directly or through another project module)
+  may be imported where they are used, to keep the login node and the worker's start light;
+  the few other exceptions are listed in :data:`ALLOWED`, each with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("hpc", "runtime")
+HEAVY = ("torch", "wandb", "torchx", "submitit", "matplotlib")
+
+_COMMANDS = ("the API is loaded by every `hpc submit`; each API call loads the command module "
+             "it wraps (status, logs, sweeps, local runs: ~70 modules with jinja2) when called")
+ALLOWED: dict[str, str] = {
+    # "module" (all its local imports) or "module -> target": why the import stays local
+    "hpc.cli": "command dispatch: `hpc --help` builds the parser only; each command's module is "
+               "imported when that command runs (login-node start-up)",
+    "hpc.submission -> hpc.api": "`hpc render` / `--dry-run` load no Slurm client, lock or job "
+                                 "index (tenacity, subprocess, ~30 modules): only `hpc submit` does",
+    "hpc.api -> hpc.status": _COMMANDS,
+    "hpc.api -> hpc.logs": _COMMANDS,
+    "hpc.api -> hpc.sweeps": _COMMANDS,
+    "hpc.api -> hpc.backends.local": _COMMANDS,
+}
+
+
+def allowed(module: str, target: str) -> bool:
+    return module in ALLOWED or f"{module} -> {target}" in ALLOWED
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str      # the importing module
+    target: str      # the project module imported
+    line: int
+    local: bool      # inside a function
+    typing: bool     # under `if TYPE_CHECKING:`
+    lazy: bool = False   # a name a package exports lazily (its module `__getattr__` imports it)
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _ids(nodes: list[ast.AST]) -> set[int]:
+    return {id(n) for node in nodes for n in ast.walk(node)}
+
+
+def imports(mods: dict[str, Path]) -> tuple[list[Import], dict[str, set[str]]]:
+    """Every import of a project module, and each module's top-level third-party roots."""
+    edges: list[Import] = []
+    third: dict[str, set[str]] = {m: set() for m in mods}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    trees = {mod: ast.parse(path.read_text()) for mod, path in mods.items()}
+    lazy_exports = {mod for mod, tree in trees.items() if any(
+        isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)}
+    for mod, path in mods.items():
+        tree = trees[mod]
+        in_function = _ids([n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))])
+        typing_only = _ids([n for n in ast.walk(tree) if isinstance(n, ast.If)
+                            and "TYPE_CHECKING" in ast.unparse(n.test)])
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            local, typing = id(node) in in_function, id(node) in typing_only
+            for name in names:
+                target = resolve(name)
+                if target is None:
+                    if not local and not typing:
+                        third[mod].add(name.split(".")[0])
+                elif target != mod:
+                    lazy = isinstance(node, ast.ImportFrom) and target in lazy_exports
+                    edges.append(Import(mod, target, node.lineno, local, typing, lazy))
+    return edges, third
+
+
+def heavy_modules(mods: dict[str, Path], edges: list[Import], third: dict[str, set[str]]) -> set[str]:
+    """Project modules that load a heavy library at import, directly or through others."""
+    top: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges:
+        if not e.local and not e.typing:
+            top[e.module].add(e.target)
+    heavy = {m for m in mods if third[m] & set(HEAVY)}
+    changed = True
+    while changed:
+        changed = False
+        for m in mods:
+            if m not in heavy and top[m] & heavy:
+                heavy.add(m)
+                changed = True
+    return heavy
+
+
+def circles(mods: dict[str, Path], edges: list[Import]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), imports of every kind."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges:
+        graph[e.module].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in sorted(mods):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_import_circles_in_hpc_and_runtime() -> None:
+    mods = modules()
+    edges, _ = imports(mods)
+    found = circles(mods, edges)
+    detail = [[f"{e.module}:{e.line} -> {e.target}" for e in edges if e.module in c and e.target in c]
+              for c in found]
+    assert found == [], detail
+
+
+def test_no_function_local_import_of_a_torch_free_project_module() -> None:
+    mods = modules()
+    edges, third = imports(mods)
+    heavy = heavy_modules(mods, edges, third)
+    assert {"runtime.session", "runtime.checkpoint.checkpointer"} <= heavy
+    assert "hpc.contract.slurm" not in heavy and "runtime.checkpoint.manifest" not in heavy
+    offenders = sorted({f"{e.module}:{e.line} imports {e.target}" for e in edges
+                        if e.local and not e.lazy and e.target not in heavy and not allowed(e.module, e.target)})
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_the_checks_see_circles_and_local_imports(tmp_path: Path, monkeypatch) -> None:
+    """The detectors themselves, on a made-up package: a circle through a local import, a
+    light module imported in a function, a heavy one allowed there."""
+    pkg = tmp_path / "hpc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from hpc import b\n")
+    (pkg / "b.py").write_text("def f():\n    from hpc import a\n    from hpc import c\n")
+    (pkg / "c.py").write_text("import torch\n")
+    (pkg / "d.py").write_text("def g():\n    from hpc.c import x\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(globals(), "PACKAGES", ("hpc",))
+    mods = modules()
+    edges, third = imports(mods)
+    assert circles(mods, edges) == [["hpc.a", "hpc.b"]]
+    heavy = heavy_modules(mods, edges, third)
+    assert heavy == {"hpc.c"}
+    local_light = sorted((e.module, e.target) for e in edges if e.local and e.target not in heavy)
+    assert local_light == [("hpc.b", "hpc.a")]
