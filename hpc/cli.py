@@ -19,7 +19,7 @@ from hpc import __version__, backends
 from hpc.contract import spec_terms, values
 from hpc.contract.errors import HpcError, SpecError, UsageError
 from hpc.contract.jobspec import JobSpec, flag_name, option_fields, parse_options
-from hpc.parser import HpcParser, subparser, unknown_arguments
+from hpc.parser import HpcParser, options_before_command, subparser, unknown_arguments
 
 EXIT_USAGE = 2
 
@@ -157,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, script_args = argv[:i], argv[i + 1:]
     parser = build_parser()
+    misplaced = options_before_command(parser, argv)
+    if misplaced:
+        parser.error(misplaced)
     args, extras = parser.parse_known_args(argv)
     if extras:   # the subcommand's usage, "did you mean", and where a script's arguments go
         command = subparser(parser, args.command)

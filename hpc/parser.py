@@ -29,10 +29,29 @@ SIMILAR = 0.75
 
 
 def close_matches(word: str, candidates: Sequence[str], cutoff: float = SIMILAR) -> list[str]:
-    """The candidates most like ``word`` (at most two), best first; leading dashes are ignored."""
+    """The candidates most like ``word`` (at most two), best first; leading dashes are ignored.
+
+    Besides difflib's likeness, the same name with ``_`` for ``-`` or without them
+    (``--job_dir``, ``--dryrun``), and two letters swapped (``--pgn`` for ``--png``) count,
+    which difflib rates low for short names.
+    """
     bare = {c.lstrip("-"): c for c in candidates}
-    found = difflib.get_close_matches(word.lstrip("-"), list(bare), n=2, cutoff=cutoff)
-    return [bare[f] for f in found]
+    word = word.lstrip("-")
+    same = [c for c in bare if _squashed(c) == _squashed(word) or _swapped(c, word)]
+    found = same + [f for f in difflib.get_close_matches(word, list(bare), n=2, cutoff=cutoff)
+                    if f not in same]
+    return [bare[f] for f in found[:2]]
+
+
+def _squashed(name: str) -> str:
+    return name.replace("-", "").replace("_", "").lower()
+
+
+def _swapped(a: str, b: str) -> bool:
+    """Whether ``b`` is ``a`` with two neighbouring letters swapped."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return (len(a) == len(b) >= 3 and len(diff) == 2 and diff[1] == diff[0] + 1
+            and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])
 
 
 def _either(names: Sequence[str], quote: bool = False) -> str:
@@ -61,6 +80,19 @@ class HpcParser(argparse.ArgumentParser):
     def option_names(self) -> list[str]:
         """Every option string this parser knows (``--nproc-per-node``, ``-N``, ...)."""
         return [o for a in self._actions for o in a.option_strings]
+
+
+def options_before_command(parser: HpcParser, argv: Sequence[str]) -> str | None:
+    """The error for options given before the subcommand (``hpc --nodes 2 run train.py``),
+    which argparse reports as an invalid command ``'2'``; None when ``argv`` is not that."""
+    commands = next((list(a.choices) for a in parser._actions
+                     if isinstance(a, argparse._SubParsersAction)), [])
+    at = next((i for i, w in enumerate(argv) if w in commands), None)
+    before = list(argv[:at]) if at else []
+    if not before or not _is_option(before[0]) or before[0] in parser.option_names():
+        return None
+    fixed = shlex.join(["hpc", argv[at], *before, *argv[at + 1:]])
+    return (f"{' '.join(before)}: options go after the command ({argv[at]}), as in: {fixed}")
 
 
 def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

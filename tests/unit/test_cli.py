@@ -159,3 +159,25 @@ def test_typo_in_a_command_without_a_script_has_no_dashes_hint(capsys):
 def test_unknown_command_or_choice_suggests_the_closest(capsys, argv, suggestion):
     err = _usage_error(argv, capsys)
     assert f"did you mean {suggestion}?" in err
+
+
+@pytest.mark.parametrize("argv,suggestion", [
+    (["report", "--pgn", "x.png", "12"], "--pgn: did you mean --png?"),     # two letters swapped
+    (["run", "train.py", "--job_dir", "x"], "--job_dir: did you mean --job-dir?"),
+    (["run", "train.py", "--nproc_per_node", "2"], "did you mean --nproc-per-node?"),
+])
+def test_swapped_letters_and_underscores_are_typos_too(script, capsys, argv, suggestion):
+    assert suggestion in _usage_error(argv, capsys)
+
+
+@pytest.mark.parametrize("word", ["--preset", "--lr", "--epochs", "--max-steps", "--batch-size",
+                                  "--seed", "--log-every", "--eval-every", "--warmup", "--resume"])
+def test_a_scripts_usual_arguments_are_not_taken_for_typos(script, capsys, word):
+    err = _usage_error(["run", str(script), word, "1"], capsys)
+    assert "did you mean" not in err and "after --" in err
+
+
+def test_options_before_the_command_are_moved_after_it(script, capsys):
+    err = _usage_error(["--nproc-per-node", "2", "run", "train.py"], capsys)
+    assert "options go after the command (run)" in err
+    assert "hpc run --nproc-per-node 2 train.py" in err
