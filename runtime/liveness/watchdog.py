@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -60,9 +61,63 @@ def heartbeat_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+HEARTBEAT_DIR_PREFIX = "hpc-liveness-"
+HEARTBEAT_DIR_QUIET_S = 120.0   # a left-behind heartbeat directory unchanged this long is stale
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.stat().st_mtime
+    for entry in path.iterdir():
+        try:
+            newest = max(newest, entry.stat().st_mtime)
+        except OSError:
+            pass
+    return newest
+
+
 def heartbeat_dir(agent_pid: int) -> Path:
     """The node-local directory of one launcher's workers' heartbeats (and NCCL pipes)."""
-    return heartbeat_root() / f"hpc-liveness-{os.getuid()}-{agent_pid}"
+    return heartbeat_root() / f"{HEARTBEAT_DIR_PREFIX}{os.getuid()}-{agent_pid}"
+
+
+def clean_stale_heartbeat_dirs(root: Path | None = None) -> list[Path]:
+    """Removes the heartbeat directories of this user's launchers that are gone; returns them.
+
+    A launcher removes its own directory when it stops; one killed with SIGKILL (or with its
+    node) cannot, and each left one in memory (``/dev/shm``) until the node reboots. Only
+    directories named for this user's uid, owned by it, whose launcher pid no longer runs and
+    in which nothing changed for :data:`HEARTBEAT_DIR_QUIET_S` are removed: another user's, and
+    a running launcher's (its workers beat every second), are never touched.
+    """
+    root = heartbeat_root() if root is None else Path(root)
+    mine = f"{HEARTBEAT_DIR_PREFIX}{os.getuid()}-"
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        pid_text = path.name[len(mine):] if path.name.startswith(mine) else ""
+        if not (pid_text.isascii() and pid_text.isdigit()) or int(pid_text) == os.getpid():
+            continue
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+            continue                                  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue                                  # gone meanwhile, or not ours to judge
+        if time.time() - _newest_mtime(path) < HEARTBEAT_DIR_QUIET_S:
+            continue    # a live launcher in another pid namespace sharing this /dev/shm beats here
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d heartbeat director%s of launchers that were killed: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", ", ".join(p.name for p in removed))
+    return removed
 
 
 def output_beats(pids: set[int]) -> list[Heartbeat]:
@@ -129,6 +184,7 @@ class Watchdog:
     # --- the launcher's three calls ---------------------------------------------------
     def start(self) -> None:
         """Creates the heartbeat directory, names it to the workers, starts the thread."""
+        clean_stale_heartbeat_dirs(self.directory.parent)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         old = os.environ.get(job_env.HEARTBEAT_DIR)
         os.environ[job_env.HEARTBEAT_DIR] = str(self.directory)

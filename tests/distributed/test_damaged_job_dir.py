@@ -1,18 +1,23 @@
 """A damaged job directory costs its damaged lines, never the job (issue 23's probe findings).
 
 Each test plants what a reliability probe found (a non-UTF-8 byte in ``hangs.jsonl``, garbled
-``outcomes.jsonl`` lines) and runs the real ``hpc run`` / ``hpc report`` on it, as a user would.
+``outcomes.jsonl`` lines, the heartbeat directory a launcher killed with SIGKILL leaves in
+``/dev/shm``) and runs the real ``hpc run`` / ``hpc report`` on it, as a user would.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from runtime.liveness.watchdog import HEARTBEAT_DIR_QUIET_S, heartbeat_root
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.distributed
@@ -61,3 +66,39 @@ def test_run_on_damaged_records_finishes_and_records_its_own_outcome(tmp_path: P
     assert "hangs.jsonl, line 2: not UTF-8" in report.stderr, report.stderr
     if damaged_outcomes:
         assert "outcomes.jsonl, line 4: not UTF-8" in report.stderr, report.stderr
+
+
+def test_heartbeat_dir_of_a_killed_launcher_is_cleaned_by_the_next_start(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--out", str(job), "--steps", "400", "--step-s", "0.1"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        end = time.time() + 120
+        left: list[Path] = []
+        while time.time() < end and not left:
+            found = subprocess.run(["pgrep", "-f", f"runtime.launch --job-dir {job}"],
+                                   capture_output=True, text=True).stdout.split()
+            left = [d for d in (heartbeat_root() / f"hpc-liveness-{os.getuid()}-{pid}" for pid in found)
+                    if d.is_dir() and any(d.glob("*.json"))]     # a worker beats in it
+            time.sleep(0.3)
+        assert left, "the launcher never published a heartbeat directory"
+        launcher = int(left[0].name.rsplit("-", 1)[1])
+        os.kill(launcher, signal.SIGKILL)
+        first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+    time.sleep(2)
+    assert left[0].is_dir(), "kill -9 left nothing behind: nothing to clean"
+    then = time.time() - HEARTBEAT_DIR_QUIET_S - 10    # as if the kill was minutes ago
+    for p in (*left[0].iterdir(), left[0]):
+        os.utime(p, (then, then))
+    second = subprocess.run([*cmd[:-4], "--steps", "5", "--step-s", "0.01"], cwd=REPO, timeout=240,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert not left[0].exists(), "the next start did not clean the killed launcher's directory"
+    node_logs = "".join(p.read_text() for p in (job / "logs").glob("alloc-*/node-*.log"))
+    assert f"killed: {left[0].name}" in node_logs, node_logs[-3000:]
