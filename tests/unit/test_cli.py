@@ -12,16 +12,6 @@ from hpc.cli import build_parser, build_spec, main
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("HPC_CONFIG", raising=False)
-    s = tmp_path / "train.py"
-    s.write_text("print('hi')\n")
-    return s
-
-
 @pytest.mark.parametrize("argv,flag,fragment", [
     (["--time", "4h"], "--time", "HH:MM:SS"),
     (["--nodes", "4:2"], "--nodes", "MIN 4 is larger than MAX 2"),

@@ -113,16 +113,6 @@ def test_slurm_syntax_and_quoted_values_are_accepted(field: str, value: str) -> 
 
 # --- the CLI and hpc.toml ---------------------------------------------------------------------
 
-@pytest.fixture
-def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("HPC_CONFIG", raising=False)
-    s = tmp_path / "train.py"
-    s.write_text("print('hi')\n")
-    return s
-
-
 def _refused(script: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
              names: str) -> str:
     code = main(argv)

@@ -49,16 +49,6 @@ REFUSED += [("--time", "٣:00", ["--signal-lead", "0"]), ("--time", "1-٣", []),
             ("--nodes", "٢:٤", []), ("--checkpoint-every-min", "٣.5", [])]
 
 
-@pytest.fixture
-def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("HPC_CONFIG", raising=False)
-    s = tmp_path / "train.py"
-    s.write_text("print('hi')\n")
-    return s
-
-
 def _field(flag: str) -> str:
     return next(f.name for f in jobspec.option_fields() if jobspec.flag_name(f.name) == flag)
 

@@ -67,16 +67,6 @@ def test_lookalike_flags_still_refuse_credential_like_values(args: list[str]) ->
     assert "credential-like" in (secret_in_args(args, {}) or "")
 
 
-@pytest.fixture
-def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("HPC_CONFIG", raising=False)
-    s = tmp_path / "train.py"
-    s.write_text("print('hi')\n")
-    return s
-
-
 @pytest.mark.parametrize("argv", [["run"], *([c, "--backend", b] for c in ("render", "submit")
                                                for b in ("sbatch", "submitit", "torchx"))],
                          ids=lambda a: "-".join(a[::2]))

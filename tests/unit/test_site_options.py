@@ -34,16 +34,6 @@ def spec(**kw) -> JobSpec:
     return JobSpec(**{**BASE, **kw})
 
 
-@pytest.fixture
-def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("HPC_CONFIG", raising=False)
-    s = tmp_path / "train.py"
-    s.write_text("print('hi')\n")
-    return s
-
-
 def sbatch_args(text: str) -> list[str]:
     """Every #SBATCH line's arguments, as sbatch's parser reads them."""
     out = []
