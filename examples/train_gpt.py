@@ -183,6 +183,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fail-once", action="store_true", help=argparse.SUPPRESS)  # restarted workers go on
     p.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
 
         for step in s.steps(start, max_steps):
-            if args.fail_at_step is not None and step == args.fail_at_step and s.rank == 0:
+            if args.fail_at_step is not None and step == args.fail_at_step and s.rank == 0 \
+                    and not (args.fail_once and s.restart_count):
                 raise RuntimeError(f"injected failure at step {step} (--fail-at-step)")
             global_indices = sampler.next_global_batch()
             mine = rank_slice(global_indices, s.rank, s.world_size)

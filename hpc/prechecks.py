@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
-from hpc.contract import values
+from hpc.contract import interval, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm_parse import PartitionInfo
@@ -35,9 +36,25 @@ _SBATCH_REJECTIONS = (
 )
 
 
+def checkpoint_warning(spec: JobSpec) -> str | None:
+    """One line when the job will save no periodic checkpoint (reads the script's source)."""
+    source = None
+    if spec.script.endswith(".py"):
+        try:
+            source = Path(spec.script).read_text(errors="replace")
+        except OSError:
+            pass
+    return interval.no_checkpoint_warning(
+        spec.checkpoint_interval, spec.checkpoint_every_min, spec.checkpoint_every_steps,
+        interval.uses_session(source) if source is not None else None, Path(spec.script).name)
+
+
 def notes(spec: JobSpec, partition: PartitionInfo | None = None) -> list[str]:
-    """Advice on a valid request that is probably not what the user meant (pure)."""
+    """Advice on a valid request that is probably not what the user meant (pure, but for
+    reading the script's source in :func:`checkpoint_warning`)."""
     out = []
+    if (warning := checkpoint_warning(spec)) is not None:
+        out.append(warning)
     if not spec.cpus_per_task and spec.nproc_per_node > 1:
         out.append(f"--cpus-per-task is not set: each node's task (the launcher and its "
                    f"{spec.nproc_per_node} workers) gets Slurm's default CPUs, often 1; e.g. "

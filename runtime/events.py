@@ -30,7 +30,7 @@ from typing import Any
 
 from hpc.contract import jobdir, records
 from hpc.contract.events import EVENTS, read_events
-from hpc.contract.interval import prior_mtbf_s
+from hpc.contract.interval import PROBE_AFTER_STEPS, prior_mtbf_s
 from hpc.report import young_daly
 from hpc.report.ledger import build
 
@@ -278,25 +278,34 @@ class SessionRecorder:
         self._committed = ckpt.latest_step() if ckpt is not None else None
         prior = prior_mtbf_s(mode)
         if prior is not None and ckpt is not None:
-            self._tune(ckpt, prior)
+            self._tune(ckpt, prior, probe_from=step)
 
-    def _tune(self, ckpt: Any, prior: float) -> None:
+    def _tune(self, ckpt: Any, prior: float, probe_from: int | None = None) -> None:
+        """Sets the auto interval; with no measured save yet and ``probe_from`` given, also a
+        first save :data:`~hpc.contract.interval.PROBE_AFTER_STEPS` steps after it (its cost
+        is then measured and the interval tuned again, :meth:`check_commit`)."""
         import dataclasses
 
         hist = young_daly.history(read_events(self.job_dir) if self.rank == 0 else [], current=self.key)
         cost, total, source = hist.save_cost_s, hist.save_total_s, "measured"
+        probe = None
         if cost is None:
             cost = total = float(ckpt.estimated_save_s())
             source, self._estimated_prior = "estimated", prior
+            probe = probe_from + PROBE_AFTER_STEPS if probe_from is not None else None
         choice = young_daly.choose(save_cost_s=cost, save_total_s=total or cost, prior_mtbf_s=prior,
                                    observed_s=hist.observed_s, interruptions=hist.interruptions,
                                    source=source)
-        ckpt.schedule = dataclasses.replace(ckpt.schedule, every_min=choice.every_s / 60.0)
-        self.events.emit("ckpt_interval", **choice.to_dict())
+        ckpt.schedule = dataclasses.replace(ckpt.schedule, every_min=choice.every_s / 60.0,
+                                            probe_step=probe or ckpt.schedule.probe_step)
+        self.events.emit("ckpt_interval", **choice.to_dict(), probe_step=probe)
         if self.rank == 0:
-            log.info("checkpoint interval auto: every %.0fs = sqrt(2 x save %.3fs (%s) x MTBF %.0fs; "
-                     "%d interruption(s) in %.0fs + prior %.0fs)", choice.every_s, cost, source,
-                     choice.mtbf_s, hist.interruptions, hist.observed_s, prior)
+            log.info("checkpoint interval auto: every %.0fs (sqrt(2 x save %.3fs (%s) x MTBF %.0fs) = "
+                     "%.0fs, kept within %.0f-%.0fs; %d interruption(s) in %.0fs + prior %.0fs)%s",
+                     choice.every_s, cost, source, choice.mtbf_s, choice.optimum_s,
+                     young_daly.MIN_INTERVAL_S, young_daly.MAX_INTERVAL_S, hist.interruptions,
+                     hist.observed_s, prior, f"; a first save at step {probe} measures its cost"
+                     if probe is not None else "")
 
     # --- stops and the end ----------------------------------------------------------------
     def stop_begin(self, kind: str, signal: str) -> None:

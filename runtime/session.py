@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc.contract import components, jobdir
+from hpc.contract import components, interval, jobdir
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from runtime.env import WorkerEnv
@@ -332,7 +332,8 @@ class Session:
             manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0
         self._rec.restored(self._checkpointer, self.step, manifest is not None,
-                           spec.checkpoint_interval if spec else "fixed")
+                           interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
+                           if spec else interval.AUTO)
         meta = dict(manifest.metadata) if manifest else {}
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"))
         if manifest:

@@ -39,6 +39,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.records import JobRecord
 from hpc.index import record_job
+from hpc.prechecks import checkpoint_warning
 from hpc.secrets import check_no_secrets
 
 
@@ -134,6 +135,8 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
     run_id = uuid.uuid4().hex[:12]
     _say(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
          f"process(es); job dir {job_dir}")
+    if (warning := checkpoint_warning(spec)) is not None:
+        _say(f"hpc run: warning: {warning}")
     started = time.monotonic()
     # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
     # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.

@@ -1,11 +1,15 @@
-"""The ``--checkpoint-interval`` value: ``fixed``, ``auto`` or ``auto:MTBF`` (pure, torch-free).
+"""The ``--checkpoint-interval`` value: ``auto``, ``auto:MTBF`` or ``fixed`` (pure, torch-free).
 
-``fixed`` (the default) keeps ``--checkpoint-every-min`` / ``--checkpoint-every-steps`` as
-given. ``auto`` replaces the minute interval by the Young/Daly optimum
-(:mod:`hpc.report.young_daly`) recomputed at every allocation from the measured save cost and
-the job's own interruptions, starting from a prior mean time between interruptions for the
-cluster: 6 hours, or the one after the colon (``auto:2h``, ``auto:90m``, ``auto:1d``,
-``auto:3600``, seconds when no unit is given). ``--checkpoint-every-steps`` still applies.
+``auto`` (the default) saves at the Young/Daly interval (:mod:`hpc.report.young_daly`: between
+5 and 30 minutes) recomputed at every allocation from the measured save cost and the job's own
+interruptions, starting from a prior mean time between interruptions for the cluster: 6 hours,
+or the one after the colon (``auto:2h``, ``auto:90m``, ``auto:1d``, ``auto:3600``, seconds when
+no unit is given). While no save of the job has been measured yet (its first allocation), the
+first save comes :data:`PROBE_AFTER_STEPS` steps after the start: it measures the cost the
+interval needs and proves that checkpoints can be written, before much work is at stake.
+An explicit ``--checkpoint-every-min`` wins over ``auto``; ``--checkpoint-every-steps``
+applies as well. ``fixed`` keeps only the intervals given (none by default: then nothing is
+saved before a stop or the end, and the job says so when it starts).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from hpc.contract.errors import SpecError
 FIXED = "fixed"
 AUTO = "auto"
 DEFAULT_PRIOR_S = 6 * 3600.0
+PROBE_AFTER_STEPS = 20   # auto's first save when no save cost is known: after the warm-up steps
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _VALID = "fixed, auto, or auto:MTBF with MTBF like 6h, 90m, 1d or seconds (60 s to 365 days)"
 _EXAMPLE = "--checkpoint-interval auto:6h"
@@ -60,3 +65,36 @@ def prior_mtbf_s(text: str) -> float | None:
     if text.startswith(AUTO + ":"):
         return float(text[len(AUTO) + 1:])
     return None
+
+
+def effective(interval_value: str, every_min: float) -> str:
+    """The mode in force: an explicit ``--checkpoint-every-min`` wins over ``auto`` (pure)."""
+    return FIXED if every_min > 0 else interval_value
+
+
+def no_checkpoint_warning(interval_value: str, every_min: float, every_steps: int,
+                          uses_session: bool | None, script: str = "the script") -> str | None:
+    """One line for a job that will save no periodic checkpoint, or None (pure).
+
+    Args:
+        interval_value: The normalized ``--checkpoint-interval``.
+        every_min: ``--checkpoint-every-min``.
+        every_steps: ``--checkpoint-every-steps``.
+        uses_session: Whether the script uses our Session (None: unknown, e.g. not Python).
+        script: The script's name, for the message.
+    """
+    if uses_session is False:
+        return (f"{script} does not import runtime.session, so hpc-elastic saves no checkpoint "
+                "for it: only the script's own saves (in $HPC_CHECKPOINT_DIR) survive a crash "
+                "(docs/own-script.md)")
+    if effective(interval_value, every_min) == FIXED and not every_min and not every_steps:
+        return ("no periodic checkpoints (--checkpoint-interval fixed without --checkpoint-every-min "
+                "or --checkpoint-every-steps): a crash loses all work since the start or the last "
+                "stop; leave out --checkpoint-interval fixed for the auto interval (5 to 30 min)")
+    return None
+
+
+def uses_session(source: str) -> bool:
+    """Whether a script's source imports our Session's module, ``runtime.session`` (pure)."""
+    return re.search(r"\bruntime\.session\b|\bfrom\s+runtime\s+import\s+[^\n]*\bsession\b",
+                     source) is not None

@@ -392,17 +392,20 @@ class JobSpec:
                                            "Save every N steps (0: off).", 0, MAX_STEPS,
                                            "--checkpoint-every-steps 500", metavar="N")
     checkpoint_every_min: float = _opt(
-        components.CHECKPOINT.every_min, "Save every M minutes (0: off; at most 365 days).",
+        components.CHECKPOINT.every_min, "Save every M minutes (0: the --checkpoint-interval "
+        "rule; at most 365 days).",
         lambda v, f: values.parse_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
                                         example="--checkpoint-every-min 30"),
         check=lambda v, f: values.check_float(v, f, minimum=0.0, maximum=MAX_EVERY_MIN,
                                               example="--checkpoint-every-min 30"),
         example="--checkpoint-every-min 30")
     checkpoint_interval: str = _opt(
-        "fixed", "fixed: --checkpoint-every-min/-steps as given; auto: save every "
-        "sqrt(2 x save cost x MTBF) (Young/Daly), from the measured save cost and the job's own "
-        "interruptions, recomputed at each allocation, with a prior MTBF of 6h for the cluster "
-        "(auto:2h sets another; see docs/goodput.md).", interval.parse_checkpoint_interval,
+        interval.AUTO, "auto: save every sqrt(2 x save cost x MTBF) (Young/Daly), kept between 5 "
+        "and 30 minutes, from the measured save cost and the job's own interruptions, recomputed "
+        "at each allocation, with a prior MTBF of 6h for the cluster (auto:2h sets another); the "
+        "job's first save comes 20 steps in, to measure it; --checkpoint-every-min wins over it. "
+        "fixed: only --checkpoint-every-min/-steps as given (see docs/goodput.md).",
+        interval.parse_checkpoint_interval,
         check=interval.check_checkpoint_interval, example="--checkpoint-interval auto",
         metavar="fixed|auto|auto:MTBF")
     keep_last: int = _int_opt(components.CHECKPOINT.keep_last,

@@ -298,10 +298,12 @@ class SaveSchedule:
     Args:
         every_steps: Save when ``step`` is a multiple of this (None: no step interval).
         every_min: Save when this many minutes passed since the last save (None: no timer).
+        probe_step: Also save once at this step (the auto interval's first, measuring save).
     """
 
     every_steps: int | None = None
     every_min: float | None = None
+    probe_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -314,5 +316,7 @@ class SaveSchedule:
         if step == last_step:
             return False
         if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        if step == self.probe_step:
             return True
         return self.every_min is not None and now - last_time >= self.every_min * 60.0

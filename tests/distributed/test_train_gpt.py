@@ -163,3 +163,24 @@ def test_sigterm_and_repeated_signals_during_saves_resume_exactly(baseline: dict
     final = result(job)
     assert final["weights_sha256"] == baseline["weights_sha256"]
     assert final["sample_order_sha256"] == baseline["sample_order_sha256"]
+
+
+def test_quick_start_crash_resumes_from_a_checkpoint_with_default_settings(tmp_path: Path):
+    """The quick start's job with no checkpoint flag at all; rank 0 crashes in step 60 (once):
+    torch's agent restarts the workers, which resume from the auto interval's first save (20
+    steps in), not from step 0, and end with the weights of an uninterrupted run."""
+    steps = ("--max-steps", "80", "--step-sleep", "0.05")
+    ref = tmp_path / "uninterrupted"
+    code, out = finish(start(ref, 2, *steps))
+    assert code == 0, out
+    job = tmp_path / "crashed"
+    code, out = finish(start(job, 2, *steps, "--fail-at-step", "60", "--fail-once"))
+    assert code == 0, out
+    assert "injected failure at step 60" in out
+    restarted = (job / "logs" / "alloc-0" / "restart-1" / "rank-0.log").read_text()
+    assert "start step 20" in restarted, restarted[-2000:]
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 1, outcome
+    assert result(job)["weights_sha256"] == result(ref)["weights_sha256"]
+    assert result(job)["sample_order_sha256"] == result(ref)["sample_order_sha256"]
+    assert "hpc run: warning" not in out               # a Session script, auto interval: no warning

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.interval import check_checkpoint_interval, parse_checkpoint_interval, prior_mtbf_s
 from hpc.contract.jobspec import JobSpec
 from hpc.report import young_daly as yd
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -37,13 +39,23 @@ def test_mtbf_prior_is_one_pseudo_interruption():
     assert yd.mtbf_s(21600, 10 * 86400, 0) == 21600 + 864000       # a quiet job: longer
 
 
-def test_choose_applies_the_floors():
-    c = yd.choose(save_cost_s=2.0, save_total_s=30.0, prior_mtbf_s=21600, observed_s=0, interruptions=0)
-    assert c.every_s == pytest.approx(math.sqrt(2 * 2.0 * 21600))   # 293.9 s
-    assert yd.choose(save_cost_s=0.001, save_total_s=40.0, prior_mtbf_s=3600, observed_s=0,
-                     interruptions=0).every_s == 40.0                 # never faster than a save
+def test_choose_keeps_the_interval_between_5_and_30_minutes():
+    c = yd.choose(save_cost_s=2.0, save_total_s=30.0, prior_mtbf_s=86400, observed_s=0, interruptions=0)
+    assert c.every_s == pytest.approx(math.sqrt(2 * 2.0 * 86400))   # 587.9 s: inside the bounds
+    fast = yd.choose(save_cost_s=0.01, save_total_s=0.3, prior_mtbf_s=21600, observed_s=0,
+                     interruptions=0)
+    assert fast.optimum_s == pytest.approx(math.sqrt(2 * 0.01 * 21600))   # 20.8 s (async save)
+    assert fast.every_s == yd.MIN_INTERVAL_S == 300                       # the floor
+    assert yd.choose(save_cost_s=0.001, save_total_s=400.0, prior_mtbf_s=3600, observed_s=0,
+                     interruptions=0).every_s == 400.0                 # never faster than a save
     assert yd.choose(save_cost_s=0.0, save_total_s=0.0, prior_mtbf_s=3600, observed_s=0,
                      interruptions=0).every_s == yd.MIN_INTERVAL_S
+    # A first allocation's guess of a slow save, a long prior: still every 30 minutes at most.
+    slow = yd.choose(save_cost_s=120.0, save_total_s=120.0, prior_mtbf_s=86400, observed_s=0,
+                     interruptions=0, source="estimated")
+    assert slow.optimum_s > 4000 and slow.every_s == yd.MAX_INTERVAL_S == 1800
+    assert yd.choose(save_cost_s=1.0, save_total_s=2400.0, prior_mtbf_s=3600, observed_s=0,
+                     interruptions=0).every_s == 1800                  # the ceiling wins
 
 
 def _job(interrupted: int, hours: float = 10.0) -> list[dict]:
@@ -67,7 +79,7 @@ def test_a_job_interrupted_often_gets_a_shorter_interval():
         h = yd.history(_job(n), current=(0, n))
         assert h.interruptions == n and h.save_cost_s == 2.0 and h.save_total_s == 8.0
         choices[n] = yd.choose(save_cost_s=h.save_cost_s, save_total_s=h.save_total_s,
-                               prior_mtbf_s=21600, observed_s=h.observed_s, interruptions=n).every_s
+                               prior_mtbf_s=21600, observed_s=h.observed_s, interruptions=n).optimum_s
     # By hand: observed ~10 h = 36000 s; MTBF = (21600 + 36000) / (1 + n)
     assert choices[0] == pytest.approx(math.sqrt(2 * 2 * 57600), rel=1e-3)        # 480 s
     assert choices[2] == pytest.approx(math.sqrt(2 * 2 * 57600 / 3), rel=1e-3)    # 277 s
@@ -109,6 +121,87 @@ def test_interval_refuses_bad_values(bad):
 def test_jobspec_field_round_trips():
     spec = JobSpec(script="train.py", checkpoint_interval="auto:7200")
     assert JobSpec.from_json(spec.to_json()).checkpoint_interval == "auto:7200"
-    assert JobSpec(script="train.py").checkpoint_interval == "fixed"
+    assert JobSpec(script="train.py").checkpoint_interval == "auto"     # on by default
     with pytest.raises(SpecError):
         JobSpec(script="train.py", checkpoint_interval="auto:2h")   # not normalized
+
+
+def test_an_explicit_minute_interval_wins_over_auto():
+    from hpc.contract.interval import effective
+
+    assert effective("auto", 0.0) == "auto" and effective("auto:3600", 0.0) == "auto:3600"
+    assert effective("auto", 10.0) == "fixed" and effective("fixed", 0.0) == "fixed"
+
+
+@pytest.mark.parametrize("interval, every_min, every_steps, session, warned", [
+    ("auto", 0.0, 0, True, None),
+    ("fixed", 0.0, 0, True, "no periodic checkpoints"),
+    ("fixed", 0.0, 100, True, None),
+    ("fixed", 5.0, 0, True, None),
+    ("auto", 0.0, 0, False, "train.py does not import runtime.session"),
+    ("auto", 0.0, 0, None, None),
+])
+def test_a_run_that_will_not_checkpoint_is_told(interval, every_min, every_steps, session, warned):
+    from hpc.contract.interval import no_checkpoint_warning
+
+    line = no_checkpoint_warning(interval, every_min, every_steps, session, "train.py")
+    assert (line is None) if warned is None else (warned in line and "\n" not in line)
+
+
+def test_session_use_is_read_from_the_source():
+    from hpc.contract.interval import uses_session
+
+    assert uses_session("from runtime.session import Session\n")
+    assert uses_session("import runtime.session as rs\n")
+    assert uses_session("from runtime import sampler, session\n")
+    assert not uses_session("import torch\nclass Session: pass\n")
+    assert not uses_session((REPO / "examples" / "ddp_plain.py").read_text())
+    assert uses_session((REPO / "examples" / "train_gpt.py").read_text())
+
+
+def test_save_schedule_probe_is_one_extra_save():
+    from runtime.checkpoint.manifest import SaveSchedule
+
+    s = SaveSchedule(every_min=5.0, probe_step=20)
+    due = [k for k in range(1, 60) if s.due(k, now=100.0, last_step=None, last_time=0.0)]
+    assert due == [20]                                        # not every step after it
+    assert not s.due(20, now=100.0, last_step=20, last_time=0.0)
+
+
+class _Ckpt:
+    """What the recorder reads of a Checkpointer (pure stand-in for its schedule)."""
+
+    def __init__(self) -> None:
+        from runtime.checkpoint.manifest import SaveSchedule
+
+        self.schedule = SaveSchedule()
+
+    def latest_step(self):
+        return None
+
+    def estimated_save_s(self) -> float:
+        return 0.002
+
+
+def test_auto_on_a_first_allocation_probes_early_then_keeps_the_bounds(tmp_path):
+    from runtime.events import SessionRecorder
+
+    rec = SessionRecorder(tmp_path, rank=0, allocation=0, restart=0, world_size=2)
+    ckpt = _Ckpt()
+    rec.restored(ckpt, 0, False, "auto")
+    assert ckpt.schedule.probe_step == 20                       # nothing measured: save soon
+    assert ckpt.schedule.every_min == yd.MIN_INTERVAL_S / 60    # and within the bounds
+    rec.close(None, None, 0)
+    # A later allocation with a measured save: no probe, the rule alone.
+    with (tmp_path / "events.jsonl").open("a") as f:
+        for e in ({"t": 1.0, "ev": "ckpt_save", "alloc": 0, "rank": 0, "restart": 0, "block_s": 0.01},
+                  {"t": 2.0, "ev": "ckpt_commit", "alloc": 0, "rank": 0, "restart": 0, "save_s": 0.3}):
+            f.write(json.dumps(e) + "\n")
+    rec = SessionRecorder(tmp_path, rank=0, allocation=1, restart=0, world_size=2)
+    ckpt = _Ckpt()
+    rec.restored(ckpt, 40, True, "auto")
+    assert ckpt.schedule.probe_step is None and ckpt.schedule.every_min == 5.0
+    rec.close(None, None, 40)
+    ckpt = _Ckpt()
+    SessionRecorder(tmp_path, rank=0, allocation=2, restart=0, world_size=2).restored(ckpt, 40, True, "fixed")
+    assert ckpt.schedule.every_min is None and ckpt.schedule.probe_step is None
