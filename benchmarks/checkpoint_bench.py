@@ -333,7 +333,8 @@ def _fmt(stats: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--size-mb", type=float, default=1024.0, help="model + optimizer state, MiB (default 1024)")
     p.add_argument("--rounds", "--repeats", type=int, default=5, help="rounds of each measurement (default 5)")
     p.add_argument("--world-size", type=int, default=2)

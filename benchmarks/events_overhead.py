@@ -39,7 +39,7 @@ def per_call_ns(fn, calls: int, rounds: int = 5) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--calls", type=int, default=1_000_000)
     p.add_argument("--json", default="")
     args = p.parse_args()

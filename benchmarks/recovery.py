@@ -153,7 +153,7 @@ def succession_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--json", default="")
     p.add_argument("--only", choices=("all", "liveness", "succession"), default="all",
                    help="liveness: the cold start, then the worker freeze and the link cut only; "

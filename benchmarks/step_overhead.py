@@ -374,7 +374,7 @@ def _verdict(summ: dict[str, Any], target_pct: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--blocks", type=int, default=25, help="measured blocks (one ratio per part each)")
     p.add_argument("--warmup-blocks", type=int, default=1, help="blocks run first and discarded")
     p.add_argument("--round-s", type=float, default=0.5, help="about this long per round")

@@ -52,7 +52,7 @@ def latest_complete(ckpt_dir: Path) -> tuple[int, Path] | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="samples per rank and step")
     p.add_argument("--ckpt-every", type=int, default=5)

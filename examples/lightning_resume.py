@@ -101,7 +101,7 @@ def wandb_logger() -> pl.loggers.Logger:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     p.add_argument("--step-sleep", type=float, default=0.0)

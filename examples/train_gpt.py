@@ -171,7 +171,7 @@ def weights_digest(model: nn.Module) -> str:
 
 # --- main --------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--seed", type=int, default=1337)

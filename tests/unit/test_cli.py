@@ -171,3 +171,20 @@ def test_options_before_the_command_are_moved_after_it(script, capsys):
     err = _usage_error(["--nproc-per-node", "2", "run", "train.py"], capsys)
     assert "options go after the command (run)" in err
     assert "hpc run --nproc-per-node 2 train.py" in err
+
+
+def test_every_argument_parser_in_the_project_refuses_abbreviations():
+    """Our own parsers (the launcher's, the doctor's, the examples', the benchmarks'): a prefix
+    of an option is a typo there too (tests/ holds stand-ins for users' scripts, left as is)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    for folder in ("hpc", "runtime", "examples", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "ArgumentParser":
+                    kw = {k.arg: k.value for k in node.keywords}
+                    if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False):
+                        missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert missing == []
