@@ -139,6 +139,22 @@ def _disk_full(plan: LaunchPlan) -> str | None:
     return None
 
 
+def _futile(plan: LaunchPlan, result: Any) -> str | None:
+    """Why failed workers would only fail again, or None (then the restarts are for them):
+    a full disk, a checkpoint directory that is no directory, an error no restart fixes."""
+    full = _disk_full(plan)
+    if full:
+        return full
+    ckpt = Path(plan.spec.resolved_checkpoint_dir)
+    if ckpt.is_symlink() and not ckpt.exists():
+        return f"the checkpoint directory {ckpt} is a dangling symlink"
+    nearest = next((p for p in (ckpt, *ckpt.parents) if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        what = "" if nearest == ckpt else f" ({nearest} is a file)"
+        return f"the checkpoint directory {ckpt} cannot be a directory{what}"
+    return outcome.permanent_failure(getattr(result, "failures", None) or {})
+
+
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
@@ -177,7 +193,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
-                futile=lambda: _disk_full(plan)):
+                futile=lambda result: _futile(plan, result)):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"

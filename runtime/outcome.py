@@ -90,6 +90,29 @@ def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> 
     return {"failed": "app_error", "signal": "cancelled", "rendezvous": "node_failure"}[result]
 
 
+# What a worker's error says when its filesystem refuses writes for good: a restart redoes the
+# work since the last checkpoint and fails the same way (issue 23's probe: every restart spent).
+PERMANENT_ERRORS = (
+    "No space left on device",          # ENOSPC: a save larger than the room left (then freed)
+    "Disk quota exceeded",              # EDQUOT: the filesystem has room, the user has none
+    "Read-only file system",            # EROFS
+)
+
+
+def permanent_failure(failures: Mapping[int, Any]) -> str | None:
+    """The first worker failure that a restart cannot fix, as ``rank R: message`` (pure).
+
+    ``failures`` maps rank to torch's ``ProcessFailure``; the whole error (traceback
+    included) is searched, the exception line is returned.
+    """
+    for rank, failure in sorted(failures.items()):
+        text = str(failure.message)
+        marker = next((m for m in PERMANENT_ERRORS if m in text), None)
+        if marker:
+            return f"rank {rank} failed with {marker!r} ({failure_message(failure.message)})"
+    return None
+
+
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The rank whose failure explains the others, and that failure (pure).
 

@@ -211,7 +211,7 @@ def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
 
 @contextlib.contextmanager
 def no_restarts_once_stopping(stopping: Callable[[], bool],
-                              futile: Callable[[], str | None] = lambda: None) -> Iterator[None]:
+                              futile: Callable[[Any], str | None] = lambda result: None) -> Iterator[None]:
     """While inside, torch's elastic agent restarts no workers once ``stopping()`` is true.
 
     ``launch_agent`` builds a ``LocalElasticAgent`` by its module-global name; inside this
@@ -220,8 +220,9 @@ def no_restarts_once_stopping(stopping: Callable[[], bool],
     being started again. Without that name (another torch), the worker-side guard
     (:func:`exit_if_stopping`) still keeps the user's script from running again.
 
-    ``futile()`` names a reason why failed workers would fail again (the job's disk is full),
-    or None: with a reason, a failed group is not restarted either. The restarts are for
+    ``futile(result)`` names a reason why failed workers would fail again (the job's disk is
+    full, the checkpoint directory is a file), or None: with a reason, a failed group is not
+    restarted either; ``result`` is the agent's ``RunResult`` (its ``failures``). The restarts are for
     faults that go away; these would spend them all redoing work from the last checkpoint.
     """
     try:
@@ -245,7 +246,7 @@ def no_restarts_once_stopping(stopping: Callable[[], bool],
                             "(%d left unused)", left)
                 self._remaining_restarts = 0
             elif left and getattr(getattr(result, "state", None), "name", "") == "FAILED" \
-                    and (why := futile()):
+                    and (why := futile(result)):
                 log.error("the workers failed and %s: no restart (%d left unused), it would "
                           "only fail the same way", why, left)
                 self._remaining_restarts = 0

@@ -102,3 +102,55 @@ def test_heartbeat_dir_of_a_killed_launcher_is_cleaned_by_the_next_start(tmp_pat
     assert not left[0].exists(), "the next start did not clean the killed launcher's directory"
     node_logs = "".join(p.read_text() for p in (job / "logs").glob("alloc-*/node-*.log"))
     assert f"killed: {left[0].name}" in node_logs, node_logs[-3000:]
+
+
+def _run_with_restarts(job: Path, script: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    p = subprocess.run([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "2",
+                        "--job-dir", str(job), "--max-restarts", "3", "--", "--out", str(job), *args],
+                       cwd=REPO, timeout=240, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = (job / "outcomes.jsonl").read_text().splitlines() if (job / "outcomes.jsonl").exists() else []
+    return p, (json.loads(lines[-1]) if lines else {})
+
+
+def test_checkpoints_being_a_file_ends_the_allocation_at_the_first_failure(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir(mode=0o700)
+    (job / "outcomes.jsonl").write_text("")          # a job directory (no allocation yet)
+    (job / "checkpoints").write_text("a file where the checkpoints go\n")
+    p, last = _run_with_restarts(job, PROBE, "--steps", "5")
+    out = p.stdout
+    assert p.returncode == 1, out[-3000:]
+    assert last["kind"] == "app_error" and last["restarts"] == 0, last
+    assert f"checkpoint directory {job / 'checkpoints'} exists and is not a directory" in last["reason"]
+    assert "no restart (3 left unused)" in out and "cannot be a directory" in out, out[-3000:]
+    assert not (job / "logs" / "alloc-0" / "restart-1").exists()
+    assert out.count("Traceback") <= 2, out          # one failed group, not four
+    # Resumable: with the file moved away, the same command runs the job.
+    (job / "checkpoints").rename(job / "checkpoints.moved")
+    p, last = _run_with_restarts(job, PROBE, "--steps", "5")
+    assert p.returncode == 0 and last["kind"] == "finished", p.stdout[-3000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mnt = tmp_path / "small disk"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.fail(f"cannot mount a 4 MiB tmpfs for the full-disk test (needs root): {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_save_larger_than_the_room_left_ends_the_allocation_at_once(small_disk: Path) -> None:
+    job = small_disk / "job"
+    p, last = _run_with_restarts(job, REPO / "tests" / "distributed" / "scripts" / "big_save.py")
+    out = p.stdout
+    assert p.returncode == 1, out[-3000:]
+    assert last["kind"] == "app_error" and last["restarts"] == 0, last
+    assert "No space left on device" in last["reason"], last
+    assert "failed with 'No space left on device'" in out and "no restart (3 left unused)" in out, out[-3000:]
+    assert not (job / "logs" / "alloc-0" / "restart-1").exists()

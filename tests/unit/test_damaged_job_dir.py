@@ -103,3 +103,18 @@ def test_a_job_id_in_non_ascii_digits_reaches_no_slurm_command(fake_slurm: Path,
     assert main(["cancel", ref]) == 2
     assert "JOB" in capsys.readouterr().err
     assert not fake_slurm.exists()
+
+
+def test_permanent_failures_are_told_from_ones_a_restart_fixes() -> None:
+    from types import SimpleNamespace
+
+    from runtime.outcome import permanent_failure
+
+    def f(message: object) -> SimpleNamespace:
+        return SimpleNamespace(message=message, timestamp=0.0)
+
+    assert permanent_failure({0: f("RuntimeError: Connection reset by peer"), 1: f("")}) is None
+    got = permanent_failure({1: f({"message": "Traceback...\nOSError: [Errno 28] No space left on device"}),
+                             0: f("ValueError: nan loss")})
+    assert got == "rank 1 failed with 'No space left on device' (OSError: [Errno 28] No space left on device)"
+    assert "Disk quota exceeded" in (permanent_failure({3: f("OSError: [Errno 122] Disk quota exceeded")}) or "")
