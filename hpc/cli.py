@@ -166,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.error(unknown_arguments(command, extras, argv, script_args))
     args.script_args = script_args
     try:
-        return _dispatch(args)
+        with spec_terms.cli_terms():   # every error of the command names flags, not fields
+            return _dispatch(args)
     except SpecError as e:
         print(f"hpc {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

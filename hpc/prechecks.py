@@ -1,7 +1,8 @@
 """Pre-submit checks: a JobSpec against the cluster it goes to, before anything is created.
 
 :func:`check_partition` refuses a request the partition cannot take (unknown or down, too many
-nodes, a time limit over its MaxTime) with a :class:`SpecError` naming the flag; :func:`notes`
+nodes, a time limit over its MaxTime) with a :class:`SpecError` naming the flag (the field, when
+called from Python: :mod:`hpc.contract.spec_terms`); :func:`notes`
 gives advice on a valid request that is probably not what the user meant; and
 :func:`explain_rejection` turns sbatch's own refusals (limits we cannot see, e.g. QOS or
 account) into the same kind of message. All pure: the caller reads the partitions
@@ -15,7 +16,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpc.contract import interval, values
+from hpc.contract import interval, spec_terms, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm_parse import PartitionInfo
@@ -87,11 +88,14 @@ def check_partition(spec: JobSpec, partitions: Sequence[PartitionInfo]) -> Parti
             over its MaxTime.
     """
     names = ", ".join(p.name for p in partitions) or "(none)"
+    pick = spec_terms.pick   # flags for the CLI, fields for Python (hpc.submit)
     if spec.partition:
         found = [p for p in partitions if p.name == spec.partition]
         if not found:
-            raise SpecError("--partition", spec.partition, f"a partition of this cluster: {names}",
-                            f"--partition {partitions[0].name if partitions else 'gpu'}")
+            first = partitions[0].name if partitions else "gpu"
+            raise SpecError(pick("--partition", "partition"), spec.partition,
+                            f"a partition of this cluster: {names}",
+                            pick(f"--partition {first}", f"partition={first!r}"))
         part = found[0]
         flag = f"partition {part.name!r}"
     else:
@@ -100,18 +104,22 @@ def check_partition(spec: JobSpec, partitions: Sequence[PartitionInfo]) -> Parti
             return None
         part, flag = defaults[0], f"default partition {defaults[0].name!r}"
     if part.state.upper() not in ("UP", ""):
-        raise SpecError("--partition", part.name, f"a partition that is UP (it is {part.state})",
-                        f"--partition {names.split(', ')[0]}")
+        first = names.split(", ")[0]
+        raise SpecError(pick("--partition", "partition"), part.name,
+                        f"a partition that is UP (it is {part.state})",
+                        pick(f"--partition {first}", f"partition={first!r}"))
     most = node_limit(part)
     if spec.min_nodes > most:
-        raise SpecError("--nodes", spec.nodes_text,
+        raise SpecError(pick("--nodes", "nodes"), pick(spec.nodes_text, spec.nodes),
                         f"at most {most} nodes: the {flag} has {part.total_nodes} nodes"
                         + (f" and MaxNodes={part.max_nodes}" if part.max_nodes else ""),
-                        f"--nodes {most}" if most > 1 else "--nodes 1")
+                        pick(f"--nodes {max(most, 1)}", f"nodes={max(most, 1)}"))
     if spec.time_limit_s and part.max_time_s and spec.time_limit_s > part.max_time_s:
         limit = values.format_time(part.max_time_s)
-        raise SpecError("--time", spec.time_text, f"at most {limit}, the MaxTime of the {flag}",
-                        f"--time {limit}")
+        raise SpecError(pick("--time", "time_limit_s"), pick(spec.time_text, spec.time_limit_s),
+                        f"at most {limit}, the MaxTime of the {flag}"
+                        + pick("", f" ({part.max_time_s} s)"),
+                        pick(f"--time {limit}", f"time_limit_s={part.max_time_s}"))
     return part
 
 

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import Field
-from typing import Any
+from typing import Any, TypeVar
 
 from hpc.contract import values
 from hpc.contract.errors import SpecError
 
+A = TypeVar("A")
+B = TypeVar("B")
 _CLI: ContextVar[bool] = ContextVar("hpc_spec_cli_terms", default=False)
 
 # The Python type of a scalar field, said where its check speaks of text (tuples say it already).
@@ -47,8 +49,8 @@ def in_cli_terms() -> bool:
     return _CLI.get()
 
 
-def pick(cli: str, api: str) -> str:
-    """``cli`` inside :func:`cli_terms`, else ``api``: for texts written out in both terms."""
+def pick(cli: A, api: B) -> A | B:
+    """``cli`` inside :func:`cli_terms`, else ``api``: for what is written out in both terms."""
     return cli if in_cli_terms() else api
 
 

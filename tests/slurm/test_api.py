@@ -55,7 +55,7 @@ def test_submit_wait_collect_from_python(slurm_cluster, tmp_path: Path) -> None:
     assert got["heavy"] == []
 
 
-def test_a_refused_submission_is_an_exception_with_the_cli_message(slurm_cluster, tmp_path: Path) -> None:
+def test_a_refused_submission_is_an_exception_in_python_terms(slurm_cluster, tmp_path: Path) -> None:
     env = {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home")}
     code = BLOCK_HEAVY + textwrap.dedent("""
         import sys, hpc
@@ -67,5 +67,6 @@ def test_a_refused_submission_is_an_exception_with_the_cli_message(slurm_cluster
     """)
     r = subprocess.run([sys.executable, "-c", code, str(REPO / "examples" / "train_gpt.py"),
                         str(tmp_path / "j")], env=env, capture_output=True, text=True, timeout=60)
-    assert "refused: --nodes '50' is invalid: at most" in r.stdout, r.stdout + r.stderr
+    assert "refused: nodes (50, 50) is invalid: at most" in r.stdout, r.stdout + r.stderr
+    assert "Example: nodes=" in r.stdout and "--nodes" not in r.stdout   # the field, not the flag
     assert not (tmp_path / "j").exists()      # nothing was created

@@ -161,9 +161,22 @@ SPEC = dict(script="/x/t.py", job_name="t", job_dir="/tmp/j")
     (dict(time_limit_s=7200), "--time", "MaxTime of the default partition 'debug'"),
 ])
 def test_check_partition_refuses(kw, flag, words) -> None:
-    with pytest.raises(SpecError) as e:
+    from hpc.contract.spec_terms import cli_terms
+
+    with pytest.raises(SpecError) as e, cli_terms():
         check_partition(JobSpec(**SPEC, **kw), PARTS)
-    assert e.value.flag == flag and words in str(e.value)
+    assert e.value.flag == flag and words in str(e.value) and "Example: --" in str(e.value)
+
+
+@pytest.mark.parametrize("kw,field,example", [
+    (dict(partition="nope"), "partition", "partition='debug'"),
+    (dict(nodes=(5, 5)), "nodes", "nodes=3"),
+    (dict(time_limit_s=7200), "time_limit_s", "time_limit_s=3600"),
+])
+def test_check_partition_refuses_in_python_terms_from_python(kw, field, example) -> None:
+    with pytest.raises(SpecError) as e:       # hpc.submit(spec) from a notebook
+        check_partition(JobSpec(**SPEC, **kw), PARTS)
+    assert e.value.flag == field and str(e.value).endswith(f"Example: {example}")
 
 
 def test_check_partition_accepts() -> None:
