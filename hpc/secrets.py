@@ -33,6 +33,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from hpc.contract import spec_terms
 from hpc.contract.errors import SpecError
 
 if TYPE_CHECKING:
@@ -148,25 +149,26 @@ def check_no_secrets(spec: JobSpec, environ: Mapping[str, str] | None = None) ->
         SpecError: naming the variable or argument and how to pass it instead.
     """
     environ = os.environ if environ is None else environ
+    env, args = spec_terms.pick("--env", "env"), spec_terms.pick("SCRIPT_ARGS", "script_args")
     secret = sorted(name for name, _ in spec.env if is_secret_name(name))
     if secret:
         names = ", ".join(secret)
         raise SpecError(
-            "--env", names, "not a secret: --env values are written into jobspec.json and logs",
+            env, names, f"not a secret: {env} values are written into jobspec.json and logs",
             f"export {secret[0]}=... && hpc submit train.py",
             f"Export {names} in your shell instead: the job inherits the submitting environment "
             "(sbatch --export=ALL) and hpc-elastic never writes it to disk")
     found = secret_in_env(spec.env, environ)
     if found:
         raise SpecError(
-            "--env", f"<{found}>", "no secrets: --env values are written into jobspec.json and "
+            env, f"<{found}>", f"no secrets: {env} values are written into jobspec.json and "
             "the launcher's log", "export WANDB_API_KEY=... && hpc submit train.py",
             "Leave the secret in your shell's environment: the job inherits it (sbatch "
             "--export=ALL) and hpc-elastic never writes it to disk")
     found = secret_in_args(spec.script_args, environ)
     if found:
         raise SpecError(
-            "SCRIPT_ARGS", f"<{found}>", "no secrets: script arguments are written into "
+            args, f"<{found}>", "no secrets: script arguments are written into "
             "jobspec.json, the sbatch script and the logs", "export WANDB_API_KEY=... && hpc submit "
             "train.py -- --lr 3e-4",
             "Export the secret in your shell and read it from the environment in the script "
