@@ -29,7 +29,7 @@ from importlib import resources
 import jinja2
 
 from hpc.backends import slurm_options
-from hpc.contract import jobdir, values
+from hpc.contract import jobdir, jobpaths, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.secrets import check_no_secrets
@@ -111,13 +111,6 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -
     check_renderable(spec)
     root = spec.job_dir.rstrip("/")
     container = spec.container_runtime if spec.container_image else ""
-    if container and spec.min_nodes < spec.max_nodes:
-        # runtime.exclusions runs in the batch shell, on the host, where the image's Python is not.
-        raise SpecError("--nodes", spec.nodes_text,
-                        "a fixed node count under --container-image: the batch shell cannot give "
-                        "the nodes the job found bad back to Slurm from outside the container, so "
-                        "an elastic job would run on them again", f"--nodes {spec.max_nodes}",
-                        "Or run without --container-image to keep --nodes MIN:MAX")
     return _environment().get_template(template).render(
         spec=spec,
         nodes_range=slurm_options.nodes_range(spec),
@@ -132,6 +125,7 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -
         mounts=slurm_options.container_mounts(spec) if container else [],
         apptainer=slurm_options.apptainer_argv(spec, []) if container == "apptainer" else [],
         requeue_request_prefix=jobdir.REQUEUE_REQUEST_PREFIX,
+        exclusions_file=jobpaths.EXCLUSIONS,
         array=array,
         job_dir_expr=shell_quote(root) + '"/task-${SLURM_ARRAY_TASK_ID}"' if array
         else shell_quote(spec.job_dir),

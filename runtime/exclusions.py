@@ -24,8 +24,11 @@ of its partition:
 
 Every backend's batch script runs this step or refuses the job that needs it (the
 ``exclusions`` step of :data:`hpc.backends.BATCH_STEPS`): the sbatch template and submitit's
-setup lines run it; TorchX runs only fixed-size jobs, which never shrink; a container job
-must have a fixed size (its batch shell has no Python of the job to run this with).
+setup lines run it; TorchX runs only fixed-size jobs, which never shrink. In a container the
+batch shell has no Python of the image and the image no Slurm commands, so the step is split:
+one task in the container decides (``--plan``: the partition's size comes from the batch shell
+in ``HPC_PARTITION_NODES``; it prints ``HPC_KEPT``, ``HPC_RELEASED`` and the shell lines) and
+the batch shell shrinks the allocation itself.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +52,7 @@ from hpc.contract.slurm_parse import expand_hostlist
 
 EXCLUSIONS = jobpaths.EXCLUSIONS
 KINDS = EXCLUSION_KINDS
+PARTITION_NODES = "HPC_PARTITION_NODES"   # the partition's size, from a container job's batch shell
 
 log = logging.getLogger("hpc.exclusions")
 
@@ -137,30 +141,67 @@ def partition_size(partition: str) -> int | None:
         return None
 
 
-def in_force(job_dir: Path, *, min_nodes: int, partition: str) -> list[Exclusion]:
-    """The job's exclusions in force now (reads the partition's size from Slurm)."""
+def given_partition_size(env: Mapping[str, str]) -> int | None:
+    """The partition's size as a container job's batch shell passed it (``HPC_PARTITION_NODES``)."""
+    raw = env.get(PARTITION_NODES, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def in_force(job_dir: Path, *, min_nodes: int, partition: str, ask_slurm: bool = True,
+             env: Mapping[str, str] = os.environ) -> list[Exclusion]:
+    """The job's exclusions in force now. The partition's size comes from ``env`` (in a
+    container, from the batch shell), else from Slurm unless ``ask_slurm`` is False."""
     records = read(job_dir)
     if not records:
         return []
-    return effective(records, min_nodes=min_nodes,
-                     partition_nodes=partition_size(partition) if partition else None)
+    size = given_partition_size(env)
+    if size is None and partition and ask_slurm:
+        size = partition_size(partition)
+    return effective(records, min_nodes=min_nodes, partition_nodes=size)
 
 
-def enforce(job_dir: Path, env: dict[str, str]) -> str:
-    """In the batch shell before srun: shrinks the allocation; returns the shell lines to eval."""
-    job_id = env.get("SLURM_JOB_ID", "")
+def decide(job_dir: Path, env: dict[str, str],
+           partition_nodes: Callable[[], int | None]) -> tuple[Release, str] | None:
+    """Which of the allocation's nodes to give back, and why (None: none); notes to stderr.
+
+    Args:
+        job_dir: The job directory (``exclusions.jsonl``, ``jobspec.json``).
+        env: The batch shell's (or its one task's) environment: the job id, node list, host.
+        partition_nodes: The partition's size, asked only when the job has exclusions.
+    """
     allocated = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
-    if not job_id or not allocated or not read(job_dir):
-        return ""
+    if not env.get("SLURM_JOB_ID") or not allocated or not read(job_dir):
+        return None
     spec = JobSpec.load(job_dir)
-    excluded = in_force(job_dir, min_nodes=spec.nodes[0], partition=env.get("SLURM_JOB_PARTITION", ""))
+    excluded = effective(read(job_dir), min_nodes=spec.nodes[0], partition_nodes=partition_nodes())
     plan = plan_release(allocated, excluded, min_nodes=spec.nodes[0],
                         batch_host=env.get("SLURMD_NODENAME") or allocated[0])
     for note in plan.notes:
         print(f"hpc: {note}", file=sys.stderr)
     if not plan.released:
+        return None
+    return plan, "; ".join(ex.describe() for ex in excluded if ex.node in plan.released)
+
+
+def plan_only(job_dir: Path, env: dict[str, str]) -> str:
+    """In a container (no Slurm commands): the decision as lines for the batch shell, which
+    shrinks the allocation to ``HPC_KEPT`` and, if Slurm accepts, evaluates them all."""
+    decided = decide(job_dir, env, lambda: given_partition_size(env))
+    if decided is None:
         return ""
-    reasons = "; ".join(ex.describe() for ex in excluded if ex.node in plan.released)
+    plan, reasons = decided
+    print(f"hpc: excluded node(s) {','.join(plan.released)} to give back ({reasons})", file=sys.stderr)
+    return f"HPC_KEPT={','.join(plan.kept)}\nHPC_RELEASED={','.join(plan.released)}\n" + shell_lines(plan.kept)
+
+
+def enforce(job_dir: Path, env: dict[str, str]) -> str:
+    """In the batch shell before srun: shrinks the allocation; returns the shell lines to eval."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    partition = env.get("SLURM_JOB_PARTITION", "")
+    decided = decide(job_dir, env, lambda: partition_size(partition) if partition else None)
+    if decided is None:
+        return ""
+    plan, reasons = decided
     logs = JobPaths(job_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     os.chdir(logs)   # scontrol writes its slurm_job_J_resize.sh into the working directory
@@ -178,9 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.exclusions", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--job-dir", required=True)
+    p.add_argument("--plan", action="store_true",
+                   help="decide only, without Slurm commands (in a container): print HPC_KEPT, "
+                        "HPC_RELEASED and the shell lines for the batch shell")
     args = p.parse_args(argv)
     try:
-        sys.stdout.write(enforce(Path(args.job_dir), dict(os.environ)))
+        run = plan_only if args.plan else enforce
+        sys.stdout.write(run(Path(args.job_dir), dict(os.environ)))
     except Exception as e:  # noqa: BLE001 - never stop the job for its exclusions
         print(f"hpc: exclusions not applied: {type(e).__name__}: {e}", file=sys.stderr)
     return 0

@@ -276,8 +276,9 @@ def _record(plan: LaunchPlan, kind: str, code: int, reason: str, hangs: Any, end
         start_step=progress.get("start_step"), last_step=last,
         lost_steps=max(0, last - (saved or 0)) if last is not None else None, hangs=hangs or (),
         succession=tuple(end.extra.get("epochs", ())),
-        excluded=tuple(ex.describe() for ex in exclusions.in_force(
-            plan.job_dir, min_nodes=plan.nnodes[0], partition=slurm.partition)),
+        excluded=tuple(ex.describe() for ex in exclusions.in_force(   # no Slurm commands in a container
+            plan.job_dir, min_nodes=plan.nnodes[0], partition=slurm.partition,
+            ask_slurm=not spec.container_image)),
         stragglers=tuple(s.summary() for s in read_stragglers(plan.job_dir, plan.allocation))))
 
 

@@ -172,6 +172,42 @@ def test_container_requeue_is_done_by_the_batch_shell(env, tmp_path: Path) -> No
     assert abs(end - time.time()) < 15 * 60, deadlines
 
 
+def test_an_elastic_container_job_gives_an_excluded_node_back_from_outside(env, tmp_path: Path) -> None:
+    """An elastic container job (``--nodes 2:3``, the stand-in apptainer: no Slurm command
+    inside) resumed in a job directory that already excludes node3: one task in the
+    "container" decides (runtime.exclusions --plan), the batch shell gives node3 back to Slurm
+    before srun, and the all-reduce runs on node1 and node2 only. Before, an elastic container
+    job skipped the step and ran on node3 again."""
+    from hpc.contract.jobspec import JobSpec
+    from runtime.exclusions import add
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "apptainer"
+    fake.write_text(FAKE_APPTAINER)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    run_env = {**env, "PATH": f"{bin_dir}:{env.get('PATH', os.defpath)}"}
+    job = tmp_path / "contained elastic"
+    job.mkdir(mode=0o700)
+    check = REPO / "tests" / "slurm" / "allreduce_check.py"
+    (job / "jobspec.json").write_text(JobSpec(script=str(check), job_dir=str(job)).to_json())
+    assert add(job, "node3", "stall", "no progress for 300 s", 0)
+    r = hpc(run_env, "submit", str(check), "--nodes", "2:3", "--nproc-per-node", "2", "--time", "10",
+            "--job-dir", str(job), "--container-runtime", "apptainer",
+            "--container-image", str(tmp_path / "pytorch.sif"))
+    assert r.returncode == 0, r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    wait_until(lambda: squeue(env, job_id) in ("", "COMPLETED", "FAILED", "CANCELLED"), 240,
+               f"job {job_id} to end; outcomes {outcomes(job)}")
+    log = batch_log(job)
+    assert "hpc: gave back excluded node(s) node3; running on node1,node2" in log, log[-3000:]
+    result = json.loads((job / "allreduce.json").read_text())
+    assert result["world_size"] == 4 and sorted(set(result["hosts"])) == ["node1", "node2"], result
+    assert [o["kind"] for o in outcomes(job)] == ["finished"], outcomes(job)
+    calls = job / "slurm-calls-in-container"
+    assert not calls.exists(), calls.read_text()
+
+
 def sacct_times(env: dict[str, str], *job_ids: str) -> dict[str, tuple[str, str]]:
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,Start,End"],
                          env=env, capture_output=True, text=True).stdout

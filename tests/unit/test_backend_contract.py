@@ -13,6 +13,7 @@ import itertools
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -108,13 +109,61 @@ def test_submitit_refuses_a_container_naming_the_alternative() -> None:
     assert "backends that can: sbatch" in str(e.value)
 
 
-def test_sbatch_refuses_an_elastic_job_in_a_container() -> None:
-    """The template's exclusions step runs the job's Python in the batch shell, on the host:
-    in a container it cannot, so an elastic container job would reuse its bad nodes."""
-    with pytest.raises(SpecError) as e:
-        backends.get("sbatch").plan(JobSpec(**BASE, nodes=(2, 3), container_image="/i/p.sif"))
-    assert e.value.flag == "--nodes" and "--nodes 3" in str(e.value) and "--container-image" in str(e.value)
-    assert backends.get("sbatch").plan(JobSpec(**BASE, nodes=(3, 3), container_image="/i/p.sif"))
+# scontrol stand-in: the batch host's name, a 3-node partition, and updates recorded (or refused).
+SCONTROL = """echo "$@" >> "$RECORD/scontrol"
+[ "$1" = show ] && [ "$2" = hostnames ] && echo node1
+[ "$1" = show ] && [ "$2" = partition ] && echo "PartitionName=low TotalNodes=3 GraceTime=10 State=UP"
+[ "$1" = update ] && [ -n "$REFUSE_UPDATE" ] && { echo "scontrol: error: refused" >&2; exit 1; }
+true
+"""
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
+@pytest.mark.parametrize("refused", [False, True], ids=["resized", "slurm-refuses"])
+def test_an_elastic_container_job_gives_excluded_nodes_back_from_outside(tmp_path: Path, runtime: str,
+                                                                          refused: bool) -> None:
+    """The batch shell has Slurm's commands but not the image's Python; the container the
+    reverse. One task in the container decides (runtime.exclusions --plan, the real code), the
+    batch shell shrinks the allocation and srun starts on the kept nodes only."""
+    from hpc.render import render_sbatch
+    from runtime.exclusions import add
+    from tests.unit.test_site_options import SRUN, _run_script
+
+    job = tmp_path / "job dir"
+    (job / "logs").mkdir(parents=True)
+    spec = JobSpec(**{**BASE, "job_dir": str(job)}, nodes=(2, 3), container_image="img",
+                   container_runtime=runtime)
+    (job / "jobspec.json").write_text(spec.to_json())
+    assert add(job, "node3", "stall", "no progress for 300 s", 0)
+    python = tmp_path / "python"   # the image's Python: the real one for the exclusions step
+    python.write_text(f'#!/bin/bash\nif [ "$2" = runtime.exclusions ]; then exec {sys.executable} "$@"; fi\n'
+                      'echo "launcher on $SLURM_JOB_NODELIST ($SLURM_JOB_NUM_NODES nodes)" >> "$RECORD/launcher"\n')
+    python.chmod(0o755)
+    text = render_sbatch(spec).replace("PYTHON=/opt/venv/bin/python", f"PYTHON='{python}'")
+    apptainer = 'while [ "$1" != img ]; do shift; done; shift\n"$@"\n'
+    proc = _run_script(text, tmp_path, extra={
+        "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3", "SLURMD_NODENAME": "node1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **({"REFUSE_UPDATE": "1"} if refused else {})},
+        stubs={"scontrol": SCONTROL, "apptainer": apptainer, "srun": SRUN.replace(
+            '> "$RECORD/srun.argv"', '>> "$RECORD/srun.argv"')})
+    assert proc.returncode == 0, proc.stderr
+    record = tmp_path / "record"
+    assert "update JobId=7 NodeList=node1,node2" in (record / "scontrol").read_text()
+    assert "node3 (stall in allocation 0: no progress for 300 s)" in proc.stderr
+    if refused:
+        assert (record / "launcher").read_text() == "launcher on node[1-3] (3 nodes)\n"
+        assert "could not give back excluded nodes; running on node[1-3]" in proc.stderr
+    else:
+        assert (record / "launcher").read_text() == "launcher on node1,node2 (2 nodes)\n"
+        assert "hpc: gave back excluded node(s) node3; running on node1,node2" in proc.stderr
+    srun = (record / "srun.argv").read_text()
+    assert srun.count("--nodelist=node1") == 1 and ("--container-image=img" in srun) == (runtime == "pyxis")
+
+
+def test_a_fixed_size_container_job_has_no_exclusions_step() -> None:
+    """A fixed-size job never shrinks: no container start for a step that could not act."""
+    text = backends.get("sbatch").plan(JobSpec(**BASE, nodes=(3, 3), container_image="/i/p.sif")).describe()
+    assert "runtime.exclusions" not in text
 
 
 def test_submitit_gives_excluded_nodes_back_before_srun_on_every_node_of_a_range() -> None:
