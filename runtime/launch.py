@@ -178,7 +178,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
     watchdog = Watchdog.for_job(plan.job_dir, spec.stall_timeout, allocation=plan.allocation,
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
-                                run_id=plan.run_id, max_nodes=plan.nnodes[1])
+                                run_id=plan.run_id, max_nodes=plan.nnodes[1],
+                                busy_timeout_s=spec.busy_timeout_s, local=plan.local)
     watchdog.start()
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \
@@ -193,7 +194,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
-                futile=lambda result: _futile(plan, result)):
+                futile=lambda result: _futile(plan, result) or watchdog.repeated()):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
@@ -423,7 +424,8 @@ def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None
     if not failed:
         return None
     why = "; ".join(f"{f.check}: {f.detail}" for f in failed)
-    exclusions.add(plan.job_dir, host, "health", why, plan.allocation)
+    if not plan.local:   # hpc run: one machine, nothing to exclude
+        exclusions.add(plan.job_dir, host, "health", why, plan.allocation)
     nodes = slurm.nnodes if slurm.active else plan.nnodes[1]
     if not plan.is_rdzv_host and health.claim_leave(plan.job_dir, plan.allocation, nodes=nodes,
                                                     min_nodes=plan.nnodes[0], host=host):
@@ -482,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[job_env.GRACE_S] = f"{grace:.0f}"
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
+    plan = dataclasses.replace(plan, local=args.local)
     _setup_logging(plan)
     log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,
              socket.gethostname(), plan.rdzv_endpoint, run_id)

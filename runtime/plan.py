@@ -61,6 +61,7 @@ class LaunchPlan:
     worker_unset: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     epoch: int = 0                  # the rendezvous epoch (runtime.succession)
+    local: bool = False             # hpc run: one machine, no node is ever excluded
 
     @property
     def log_dir(self) -> Path:
@@ -106,7 +107,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
                             "one share of the job's CPUs (affinity, cgroup quota) per worker"),
         **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
         # GPU jobs: NCCL's watchdog and flight recorder, coherent with the stall watch.
-        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_from_spec(spec.stall_timeout),
+        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_from_spec(spec.stall_timeout, spec.busy_timeout_s),
                         log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid())),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)

@@ -250,7 +250,8 @@ class Session:
         a peer may legitimately be in while others wait (a rank-0 evaluation), or a healthy
         run would fail in a barrier. Without the watch the given ``timeout_s`` stands.
         """
-        policy = policy_from_spec(self.spec.stall_timeout) if self.spec is not None else None
+        policy = policy_from_spec(self.spec.stall_timeout, self.spec.busy_timeout_s) \
+            if self.spec is not None else None
         if isinstance(self._beat, NullHeartbeat) or policy is None:
             return self.timeout
 

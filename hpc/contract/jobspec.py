@@ -384,6 +384,14 @@ class JobSpec:
                               "deadline; off: wait for the collective timeout.",
                               stall.parse_stall_timeout, check=stall.check_stall_timeout,
                               example="--stall-timeout auto", metavar="auto|off|SECONDS")
+    busy_timeout_s: int = _int_opt(stall.BUSY_TIMEOUT_S, "Stall watch: seconds a rank may go "
+                                   "without progress while its process is alive and it works "
+                                   "outside any collective (an evaluation, I/O, its own code not "
+                                   "marked with session.phase); it is logged as running long, "
+                                   "and restarted only after this long (from "
+                                   f"{stall.MIN_BUSY_TIMEOUT_S} to {stall.MAX_BUSY_TIMEOUT_S}).",
+                                   stall.MIN_BUSY_TIMEOUT_S, stall.MAX_BUSY_TIMEOUT_S,
+                                   "--busy-timeout 3600", metavar="SECONDS")
     # --- checkpoints -----------------------------------------------------------------------
     checkpoint_dir: str = _str_opt("", "Checkpoint directory (default: JOB_DIR/checkpoints).",
                                    _path("--checkpoint-dir /scratch/me/ckpt"),
@@ -614,7 +622,8 @@ def flag_name(name: str) -> str:
 
 
 # Flags whose name is not simply the field name (units live in field names, not flags).
-FLAG_ALIASES = {"time_limit_s": "time", "signal_lead_s": "signal-lead"}
+FLAG_ALIASES = {"time_limit_s": "time", "signal_lead_s": "signal-lead",
+                "busy_timeout_s": "busy-timeout"}
 # How the fields that are not flags are named in errors (as the CLI's usage names them).
 _CHECK_FLAGS = {"script": "SCRIPT", "script_args": "SCRIPT_ARGS"}
 

@@ -132,13 +132,36 @@ class HangEvent:
     time: float = 0.0
     ranks: tuple[str, ...] = field(default_factory=tuple)   # one line per local rank
     suspect_node: str = ""           # a peer node that stopped answering, when that is why
+    kind: str = ""                   # the evidence (runtime.liveness.verdict: busy, frozen, ...)
+
+    @property
+    def who(self) -> str:
+        return (f"rank {self.suspect_rank}" if self.suspect_rank is not None
+                else f"node {self.suspect_node}" if self.suspect_node else "a peer off this node")
 
     def summary(self) -> str:
         """One line for outcomes and ``hpc status``."""
-        who = (f"rank {self.suspect_rank}" if self.suspect_rank is not None
-               else f"node {self.suspect_node}" if self.suspect_node else "a peer off this node")
         at = f" at step {self.step}" if self.step is not None else ""
-        return f"stall on {self.node}{at}, suspect {who}: {self.reason} (stacks {self.stacks})"
+        return f"stall on {self.node}{at}, suspect {self.who}: {self.reason} (stacks {self.stacks})"
+
+    def same_as(self, other: HangEvent) -> bool:
+        """The same stall: same node, step, suspect and evidence."""
+        return (self.node, self.step, self.suspect_rank, self.suspect_node, self.kind) == \
+            (other.node, other.step, other.suspect_rank, other.suspect_node, other.kind)
+
+    def advice(self) -> str:
+        """Why the job ends after this stall was seen twice, and what the user can do."""
+        at = f"step {self.step}" if self.step is not None else "the same point"
+        if self.kind in ("busy", "user"):
+            todo = ("if that work is expected (an evaluation, a save of your own, a slow first "
+                    "batch), mark it in the script with `with session.phase(\"eval\"):` (or "
+                    "`session.phase(NAME, budget_s=SECONDS)`), or raise --busy-timeout; if not, "
+                    "its stack shows where it stays")
+        else:
+            todo = ("if that pause is expected, mark it with `session.phase(NAME, budget_s=SECONDS)` "
+                    "or raise --stall-timeout; else the stacks show where the ranks wait")
+        return (f"the same stall twice at {at} (suspect {self.who}: {self.reason}); restarting "
+                f"again would only repeat it, so the job ends here: {todo} (stacks {self.stacks})")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,13 @@ from hpc.contract.errors import SpecError
 AUTO = "auto"
 OFF = "off"
 MIN_SECONDS = 5.0
+# ``--busy-timeout``: how long a rank that is alive and working outside any collective (an
+# evaluation, I/O, the user's own code) may go without progress. Long by default: such pauses
+# are ordinary in training loops (NVIDIA's resiliency extension gives step progress tens of
+# minutes); the short deadline is for faults (a frozen process, a lost peer).
+BUSY_TIMEOUT_S = 1800
+MIN_BUSY_TIMEOUT_S = 5
+MAX_BUSY_TIMEOUT_S = 7 * 86400
 
 
 def parse_stall_timeout(v: object, flag: str = "--stall-timeout") -> str:

@@ -9,6 +9,9 @@ growth), a checkpoint save, evaluation, and any phase a user marks with ``sessio
 Once a phase has run to its end in this process, its next runs get ``k x`` the longest
 measured run instead (never less than an ordinary step's deadline), so a save that takes a
 second is not given 15 minutes when a rank freezes in it.
+A rank that is past such a deadline but alive (its alive beat fresh, not stopped) and
+working outside any collective is *busy*, not stalled (:mod:`.verdict`): it gets
+``busy_s`` (``--busy-timeout``, 30 minutes by default) instead.
 Every function here is pure: the tests feed recorded step-time series.
 """
 
@@ -18,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hpc.contract.stall import AUTO, OFF, stall_seconds
+from hpc.contract.stall import AUTO, BUSY_TIMEOUT_S, OFF, stall_seconds
 
 STEP = "step"
 # A worker that publishes no heartbeat (a script without the Session): its output is all that
@@ -49,6 +52,9 @@ class StallPolicy:
         first_steps_s: Budget of each of those first steps.
         phase_budgets_s: Budgets of the named long phases.
         min_samples: Step times needed before the p99 counts; fewer: the floor alone.
+        busy_s: How long a rank that is alive and works outside any collective may go
+            without progress (``--busy-timeout``).
+        alive_s: An alive beat older than this says the process no longer runs (frozen).
     """
 
     floor_s: float = 20.0
@@ -58,15 +64,18 @@ class StallPolicy:
     first_steps_s: float = 1800.0
     phase_budgets_s: Mapping[str, float] = field(default_factory=lambda: dict(PHASE_BUDGETS_S))
     min_samples: int = 5
+    busy_s: float = float(BUSY_TIMEOUT_S)
+    alive_s: float = 10.0
 
     def __post_init__(self) -> None:
         assert self.floor_s > 0 and self.k > 0 and self.first_steps >= 0
         assert self.fixed_s is None or self.fixed_s > 0
+        assert self.busy_s > 0 and self.alive_s > 0
 
     @property
     def longest_s(self) -> float:
         """The longest any rank may legitimately wait (the collective timeout must exceed it)."""
-        return max([self.first_steps_s, USER_PHASE_S, *self.phase_budgets_s.values()])
+        return max([self.first_steps_s, USER_PHASE_S, self.busy_s, *self.phase_budgets_s.values()])
 
 
 def collective_timeout_s(policy: StallPolicy) -> float:
@@ -75,13 +84,14 @@ def collective_timeout_s(policy: StallPolicy) -> float:
     return policy.longest_s + 60
 
 
-def policy_from_spec(stall_timeout: str) -> StallPolicy | None:
-    """The policy for a JobSpec's ``stall_timeout`` (``auto``, ``off``, seconds); None: off."""
+def policy_from_spec(stall_timeout: str, busy_timeout_s: float = BUSY_TIMEOUT_S) -> StallPolicy | None:
+    """The policy for a JobSpec's ``stall_timeout`` (``auto``, ``off``, seconds) and
+    ``busy_timeout_s``; None: off."""
     if stall_timeout == OFF:
         return None
     if stall_timeout == AUTO:
-        return StallPolicy()
-    return StallPolicy(fixed_s=stall_seconds(stall_timeout))
+        return StallPolicy(busy_s=float(busy_timeout_s))
+    return StallPolicy(fixed_s=stall_seconds(stall_timeout), busy_s=float(busy_timeout_s))
 
 
 def p99(times: Sequence[float]) -> float | None:

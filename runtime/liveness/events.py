@@ -4,10 +4,15 @@ A stall ends one worker group, not the allocation: the agents re-form and the jo
 so it is not an outcome of its own in ``outcomes.jsonl`` (one line per allocation). The
 detail lives here, written when the watchdog acts; the allocation's outcome then sums it up
 (kind ``hang`` when the allocation ended because of one, a note when it recovered).
+
+The same stall twice (:func:`repeated`: same node, step, suspect and evidence) is a pattern,
+not a fault that goes away with a restart: the launcher then stops restarting and ends with
+:meth:`HangEvent.advice`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from hpc.contract import jobpaths, records
@@ -15,7 +20,7 @@ from hpc.contract.jobpaths import JobPaths
 from hpc.contract.records import HangEvent
 
 HANGS = jobpaths.HANGS
-__all__ = ["HANGS", "HangEvent", "append", "read", "take_unreported"]
+__all__ = ["HANGS", "HangEvent", "append", "read", "repeated", "take_unreported"]
 
 
 def append(job_dir: Path, event: HangEvent) -> None:
@@ -26,6 +31,13 @@ def read(job_dir: Path, allocation: int | None = None) -> list[HangEvent]:
     """The recorded stalls (of one allocation when given); damaged lines are skipped and reported."""
     return [e for e in records.read(JobPaths(job_dir).hangs, HangEvent)
             if allocation is None or e.allocation == allocation]
+
+
+def repeated(hangs: Sequence[HangEvent]) -> HangEvent | None:
+    """The latest stall, when it repeats an earlier identical one (:meth:`HangEvent.same_as`)."""
+    if hangs and any(hangs[-1].same_as(h) for h in hangs[:-1]):
+        return hangs[-1]
+    return None
 
 
 def take_unreported(job_dir: Path) -> list[HangEvent]:

@@ -91,3 +91,17 @@ def last_output(pid: int) -> float | None:
         if stat.S_ISREG(st.st_mode):
             latest = max(latest or 0.0, st.st_mtime)
     return latest
+
+
+def wrote_output(pid: int) -> bool | None:
+    """Whether ``pid``'s stdout or stderr file (the agent's rank log) holds anything yet;
+    None when neither is a file."""
+    seen = None
+    for fd in (1, 2):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            seen = bool(seen) or st.st_size > 0
+    return seen

@@ -1,19 +1,34 @@
 """Is this node stalled, and who is the suspect? (pure)
 
-Inputs are the local workers' heartbeats, whether each process is stopped (SIGSTOP, a
-tracer), the clock, the latest progress other nodes published, and optionally what the stack
-dumps show. A node is *stalled* when every local rank is past the deadline of its phase and
-no other node made progress within that deadline, or when a stopped process is past its
-deadline, or at once when a peer node stopped answering the rendezvous store
-(:mod:`.peers`) and no local rank made progress for :data:`QUIET_S` seconds (whatever the
-phase: a link cut during a checkpoint save must not wait for the save's budget). Ranks that wait in a collective for a peer that saves, evaluates or just came out
-of a long phase look exactly like stuck ones; but training is synchronous, so while *any*
-rank still makes progress (or is inside a phase within its budget) the others may be waiting
-for it, and nothing is declared.
+Inputs are the local workers' heartbeats (with their alive beats), whether each process is
+stopped (SIGSTOP, a tracer), the clock, what other nodes published, and what the stack dumps
+show. A stall is decided on evidence, in two steps.
 
-The suspect is, in order: a stopped process; a rank whose stack shows it outside any
-collective (it never reached the one its peers wait in: a data loader that hangs, a deadlock
-in user code); the rank with the lowest step; the oldest heartbeat. When every local rank
+:func:`judge`, without stacks: *hard* faults are stalls at the short deadline, whatever the
+ranks' stacks say: a process past its deadline that is stopped or whose alive beat fell
+silent (:attr:`RankState.frozen`), and, at once, a peer node that stopped answering the
+rendezvous store (:mod:`.peers`) while no local rank progressed for :data:`QUIET_S` seconds
+(whatever the phase: a link cut during a checkpoint save must not wait for the save's
+budget). Otherwise nothing is declared while *any* rank still makes progress (or is inside a
+phase within its budget), or another node progressed or has a busy rank: training is
+synchronous, so the others may be waiting for it. What is left (every local rank past its
+deadline) is only a *candidate*.
+
+:func:`weigh`, with the stacks of a candidate: a rank past its deadline whose process is
+alive (its alive beat fresh, not stopped) and whose main thread is outside any collective is
+*busy* (an evaluation, I/O, the user's own code not marked with ``session.phase``): it gets
+the long ``busy_s`` budget (``--busy-timeout``) and is reported as running long, not killed.
+When every local rank waits inside a collective, that collective is stalled (a peer elsewhere
+froze or is gone) once it exceeded the short deadline, counted from when a rank was last seen
+busy (it may just have joined) and, when other nodes watch too, after a short margin that
+lets a node whose rank is busy say so first (:data:`PEER_REPORT_S`).
+
+The suspect is, in order: a stopped process; one whose alive beat fell silent; a rank whose
+stack shows it outside any collective (it never reached the one its peers wait in: a rank
+busy past ``busy_s``, or a script without alive beats stuck in its own code); the rank with
+the lowest step; the oldest heartbeat. Each stall has a ``kind`` naming the evidence; only a
+frozen process, a lost peer or a rank that could not even be dumped (:data:`HARDWARE_KINDS`)
+mark a node as bad. When every local rank
 waits in a collective and none is stopped, the stall comes from another node (a cut link, a
 peer that froze there): the verdict says so instead of naming an innocent local rank.
 """
@@ -30,9 +45,16 @@ from runtime.liveness.heartbeat import Heartbeat
 # engine, where DDP/FSDP reduce gradients".
 COLLECTIVE_FRAMES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/",
                      "/torch/_tensor.py")
+# Our own waits on a posted collective (the step boundary's stop agreement, the metrics'
+# reduction): the top frame is ours, the wait itself is C code below it.
+OWN_COLLECTIVE_FRAMES = ("runtime/preemption.py", "runtime/metrics.py")
 WORKER_FRAME = "runtime/worker.py"   # the bottom of every worker's main thread
 TOP_FRAMES = 4
 QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
+PEER_REPORT_S = 10.0   # extra wait before blaming another node, while other nodes watch too
+# Kinds of stall (HangEvent.kind): which evidence decided it.
+FROZEN, LOST, BUSY, USER, COLLECTIVE, QUIET = "frozen", "lost", "busy", "user", "collective", "quiet"
+HARDWARE_KINDS = (FROZEN, LOST, QUIET)   # the kinds that exclude the suspect's node
 
 
 @dataclass(frozen=True)
@@ -43,14 +65,31 @@ class RankState:
     stopped: bool
     age_s: float
     deadline_s: float
+    alive_age_s: float | None = None   # seconds since its alive beat; None: it has none
+    alive_s: float = 10.0              # an alive beat older than this is silent
 
     @property
     def overdue(self) -> bool:
         return self.age_s > self.deadline_s
 
+    @property
+    def silent(self) -> bool:
+        """It has an alive beat, and the beat stopped (the process no longer runs)."""
+        return self.alive_age_s is not None and self.alive_age_s > self.alive_s
+
+    @property
+    def frozen(self) -> bool:
+        """Stopped, or its alive beat is silent: no work can be going on in it."""
+        return self.stopped or self.silent
+
+    @property
+    def alive(self) -> bool:
+        """Evidence that the process runs: a fresh alive beat and not stopped."""
+        return self.alive_age_s is not None and not self.frozen
+
     def describe(self) -> str:
         b = self.beat
-        flags = " STOPPED" if self.stopped else ""
+        flags = " STOPPED" if self.stopped else " SILENT" if self.silent else ""
         if b.phase == OUTPUT:   # no heartbeats: its output is all we know
             limit = f"deadline {self.deadline_s:.1f}s" if self.deadline_s != float("inf") else "no deadline"
             return (f"rank {b.rank} (local {b.local_rank}, pid {b.pid}){flags}: phase output, no "
@@ -68,54 +107,120 @@ class Verdict:
     suspect_rank: int | None = None
     reason: str = ""
     lost_node: str = ""     # a peer node that stopped answering, when that is the evidence
+    kind: str = ""          # which evidence decided a stall (FROZEN, LOST, BUSY, ...)
+    busy: tuple[int, ...] = ()   # ranks found alive and working outside any collective
+
+    @property
+    def hard(self) -> bool:
+        """A stall decided without stacks (a frozen process, a lost peer): no weighing."""
+        return self.stalled and self.kind in (FROZEN, LOST)
 
 
 def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
            policy: StallPolicy) -> tuple[RankState, ...]:
     """Each live worker's age and deadline (``stopped`` maps pid -> stopped).
 
-    A stopped process makes no progress in any phase: it gets an ordinary step's deadline.
+    A stopped process makes no progress in any phase, however long its steps were: it gets
+    the floor (or the fixed deadline). One whose alive beat is silent gets an ordinary step's
+    deadline (a long call that holds the interpreter's lock silences the beat too).
     """
     out = []
     for b in sorted(beats, key=lambda b: b.rank):
+        alive_age = b.alive_age_s(now)
         halted = bool(stopped.get(b.pid))
-        limit = deadline_s(policy, phase=STEP if halted else b.phase,
-                           steps_done=max(b.steps_done, policy.first_steps) if halted else b.steps_done,
-                           p99_s=b.p99_s, samples=b.samples, budget_s=None if halted else b.budget_s,
+        cold = halted or (alive_age is not None and alive_age > policy.alive_s)
+        limit = deadline_s(policy, phase=STEP if cold else b.phase,
+                           steps_done=max(b.steps_done, policy.first_steps) if cold else b.steps_done,
+                           p99_s=None if halted else b.p99_s, samples=b.samples,
+                           budget_s=None if cold else b.budget_s,
                            measured_s=b.measured_s)
-        out.append(RankState(b, halted, max(0.0, now - b.time), limit))
+        out.append(RankState(b, halted, max(0.0, now - b.time), limit, alive_age, policy.alive_s))
     return tuple(out)
 
 
 def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = None,
-          lost_peers: Mapping[str, float] | None = None) -> Verdict:
-    """Whether the node is stalled (before any stack is taken).
+          lost_peers: Mapping[str, float] | None = None, peer_busy: str = "") -> Verdict:
+    """Whether the node is stalled or a candidate (before any stack is taken).
 
     Args:
         ranks: From :func:`assess`.
         peer_progress_age_s: Seconds since the latest progress any other node published
             (None: no other node, or none that publishes): the local ranks may wait for it.
         lost_peers: Peer nodes (name -> seconds silent) that stopped answering the store.
+        peer_busy: A busy rank another node reported (its description), or "".
+
+    Returns:
+        A hard stall (``kind`` FROZEN or LOST), no stall, or a candidate (``stalled`` with
+        no kind yet) for :func:`weigh`.
     """
     if lost_peers and ranks and min(r.age_s for r in ranks) >= QUIET_S:
         name, silent = max(lost_peers.items(), key=lambda kv: kv[1])
         quiet = min(r.age_s for r in ranks)
         return Verdict(True, tuple(ranks), None,
                        f"node {name} stopped answering the rendezvous store {silent:.0f}s ago and no "
-                       f"rank here progressed for {quiet:.1f}s", lost_node=name)
+                       f"rank here progressed for {quiet:.1f}s", lost_node=name, kind=LOST)
     overdue = [r for r in ranks if r.overdue]
     if not overdue:
         return Verdict(False, tuple(ranks))
     why = "; ".join(r.describe() for r in overdue)
-    if any(r.stopped for r in overdue):
-        return Verdict(True, tuple(ranks), reason=why)
+    if any(r.frozen for r in overdue):
+        return Verdict(True, tuple(ranks), reason=why, kind=FROZEN)
     alive = [r for r in ranks if not r.overdue]
     if alive:
         return Verdict(False, tuple(ranks), reason=f"may be waiting for {alive[0].describe()}")
     shortest = min(r.deadline_s for r in overdue)
     if peer_progress_age_s is not None and peer_progress_age_s < shortest:
         return Verdict(False, tuple(ranks), reason=f"another node progressed {peer_progress_age_s:.1f}s ago")
+    if peer_busy:
+        return Verdict(False, tuple(ranks), reason=f"may be waiting for {peer_busy}")
     return Verdict(True, tuple(ranks), reason=why)
+
+
+def weigh(verdict: Verdict, stacks: Mapping[int, str], policy: StallPolicy, *,
+          busy_seen_at: float | None = None, now: float, peers_watch: bool = False) -> Verdict:
+    """A candidate of :func:`judge` weighed with the ranks' stacks (``rank -> text``).
+
+    Args:
+        verdict: A candidate (stalled, not hard).
+        stacks: The dumps just taken.
+        policy: For ``busy_s``.
+        busy_seen_at: When a rank of this node was last found busy while the ranks made no
+            progress since (None: never): a collective they all wait in now started after it.
+        now: The clock of the heartbeats.
+        peers_watch: Other nodes' stall watches publish (they may report a busy rank).
+
+    Returns:
+        Not stalled (busy ranks within their budget, or a collective still within its
+        bound), or stalled with ``kind`` BUSY (past ``busy_s``) or the blamed suspect.
+    """
+    assert verdict.stalled and not verdict.hard
+    ranks = verdict.ranks
+    busy = [r for r in ranks if r.overdue and r.alive
+            and main_thread_in_collective(stacks.get(r.beat.rank, "")) is False]
+    if busy:
+        ids = tuple(r.beat.rank for r in busy)
+        r = max(busy, key=lambda r: r.age_s)
+        budget = max(policy.busy_s, r.deadline_s)
+        where = f"in phase {r.beat.phase} at step {r.beat.step}"
+        if r.age_s > budget:
+            return Verdict(True, ranks, r.beat.rank,
+                           f"rank {r.beat.rank} ran outside any collective {where} for "
+                           f"{r.age_s:.0f}s without progress, alive, past its busy budget of "
+                           f"{budget:.0f}s (--busy-timeout)", kind=BUSY, busy=ids)
+        return Verdict(False, ranks, r.beat.rank,
+                       f"rank {r.beat.rank} is running long: alive and working outside any "
+                       f"collective {where} for {r.age_s:.0f}s (no progress past its "
+                       f"{r.deadline_s:.0f}s step deadline; busy budget {budget:.0f}s, "
+                       "--busy-timeout)", busy=ids)
+    waiting = bool(ranks) and all(main_thread_in_collective(stacks.get(r.beat.rank, "")) for r in ranks)
+    bound = min(r.deadline_s for r in ranks) if ranks else 0.0
+    if busy_seen_at is not None and now - busy_seen_at <= bound:
+        return Verdict(False, ranks, reason=f"no rank is busy any more (last seen {now - busy_seen_at:.0f}s "
+                                            f"ago); its collective gets {bound:.0f}s from then")
+    if waiting and peers_watch and min(r.age_s for r in ranks) <= bound + PEER_REPORT_S:
+        return Verdict(False, ranks, reason="every rank here waits in a collective; the other "
+                                            "nodes' stall watch may report a busy rank first")
+    return blame(verdict, stacks)
 
 
 def main_thread_in_collective(stack: str) -> bool | None:
@@ -136,7 +241,9 @@ def main_thread_in_collective(stack: str) -> bool | None:
     main = next((b for b in blocks if any(WORKER_FRAME in f for f in b)), None)
     if main is None:
         return None
-    return any(m in f for f in main[:TOP_FRAMES] for m in COLLECTIVE_FRAMES)
+    top = main[:TOP_FRAMES]
+    return any(m in f for f in top for m in COLLECTIVE_FRAMES) or \
+        any(m in top[0] for m in OWN_COLLECTIVE_FRAMES)
 
 
 def blame(verdict: Verdict, stacks: Mapping[int, str]) -> Verdict:
@@ -150,25 +257,33 @@ def blame(verdict: Verdict, stacks: Mapping[int, str]) -> Verdict:
     frozen = [r for r in ranks if r.stopped]
     if frozen:
         r = frozen[0]
-        return _named(verdict, r, f"rank {r.beat.rank} is stopped (SIGSTOP or a tracer) at step {r.beat.step}")
+        return _named(verdict, r, f"rank {r.beat.rank} is stopped (SIGSTOP or a tracer) at step "
+                                  f"{r.beat.step}", FROZEN)
+    silent = [r for r in ranks if r.silent and r.overdue]
+    if silent:
+        r = max(silent, key=lambda r: r.alive_age_s or 0.0)
+        return _named(verdict, r, f"rank {r.beat.rank}'s process stopped running (its alive beat "
+                                  f"is silent for {r.alive_age_s:.0f}s) at step {r.beat.step}", FROZEN)
     loose = [r for r in ranks if r.overdue and outside(r)]
     if loose:
         r = min(loose, key=lambda r: (r.beat.step, r.beat.time))
         return _named(verdict, r, f"rank {r.beat.rank} is stuck outside any collective in phase "
-                                  f"{r.beat.phase} at step {r.beat.step} (its peers wait for it)")
+                                  f"{r.beat.phase} at step {r.beat.step} (its peers wait for it)", USER)
     if verdict.lost_node:
         return verdict
     waiting = [r for r in ranks if main_thread_in_collective(stacks.get(r.beat.rank, ""))]
     if ranks and len(waiting) == len(ranks):
         steps = sorted({r.beat.step for r in ranks})
         return Verdict(True, ranks, None, f"every rank on this node waits in a collective (step "
-                       f"{'/'.join(map(str, steps))}): a peer on another node stopped answering")
+                       f"{'/'.join(map(str, steps))}): a peer on another node stopped answering",
+                       kind=COLLECTIVE)
     r = min(ranks, key=lambda r: (r.beat.step, r.beat.time))
     return _named(verdict, r, f"rank {r.beat.rank} made no progress in phase {r.beat.phase} at step "
-                              f"{r.beat.step} for {r.age_s:.1f}s")
+                              f"{r.beat.step} for {r.age_s:.1f}s", QUIET)
 
 
-def _named(verdict: Verdict, r: RankState, why: str) -> Verdict:
+def _named(verdict: Verdict, r: RankState, why: str, kind: str) -> Verdict:
     if verdict.lost_node:
         why += f"; also: {verdict.reason}"
-    return Verdict(True, verdict.ranks, r.beat.rank, why, verdict.lost_node)
+    return Verdict(True, verdict.ranks, r.beat.rank, why, verdict.lost_node,
+                   kind=LOST if verdict.lost_node else kind, busy=verdict.busy)

@@ -3,8 +3,15 @@
 Twice a second it reads the local workers' heartbeats (:mod:`.heartbeat`), judges them
 against their phase's deadline (:mod:`.verdict`), and publishes a one-line summary of its node
 into the job directory (``liveness/alloc-A/node-N.json``): the latest progress of its ranks
-(a step, or a phase entered or left, e.g. a rank-0 evaluation). While any node progresses,
-ranks elsewhere that wait for it in a collective are not stuck.
+(a step, or a phase entered or left, e.g. a rank-0 evaluation) and its busy ranks. While any
+node progresses or has a busy rank, ranks elsewhere that wait for it in a collective are not
+stuck.
+
+When every local rank is past its deadline without a hard fault (a frozen process, a lost
+peer), it takes the ranks' stacks (again every :data:`LOOK_EVERY_S` while the ranks make no
+progress) and weighs them (:func:`.verdict.weigh`): a rank alive and working outside any
+collective is *running long*: logged once with its stack (and every :data:`BUSY_LOG_EVERY_S`
+after), left alone until ``--busy-timeout``.
 
 On a stall it:
 
@@ -12,7 +19,9 @@ On a stall it:
    verdict and a table of the ranks, to ``logs/alloc-A/hang-<host>-<n>.txt``;
 2. names the suspect (a stopped process, a rank outside the collective its peers wait in, or
    "a peer on another node" when all local ranks wait in one);
-3. appends a :class:`.events.HangEvent` to ``hangs.jsonl``;
+3. appends a :class:`.events.HangEvent` to ``hangs.jsonl``, and excludes the node from the
+   job's next allocations only for a hardware-like fault (:data:`.verdict.HARDWARE_KINDS`),
+   never under ``hpc run``;
 4. SIGKILLs the node's workers. torch's agent sees a failed worker group and restarts it
    through the rendezvous; the other nodes' agents follow (their workers' sockets to the
    killed ones close). A node that cannot reach the rendezvous store any more (a cut link)
@@ -21,12 +30,18 @@ On a stall it:
    with the Session's SIGTERM handler (which only records) would otherwise sit out the
    agent's 30-s grace period.
 
-The launcher touches it through three calls: :meth:`Watchdog.start` before the agent,
-:meth:`Watchdog.stop` after it, :meth:`Watchdog.amend` when it classifies the outcome.
+The same stall twice (same step, suspect and evidence: :func:`.events.repeated`) is a
+pattern, not a fault that goes away: :meth:`Watchdog.repeated` names it, and the launcher
+then restarts no workers (the allocation ends as ``hang`` with what to do about it).
+
+The launcher touches it through four calls: :meth:`Watchdog.start` before the agent,
+:meth:`Watchdog.stop` after it, :meth:`Watchdog.repeated` when workers failed,
+:meth:`Watchdog.amend` when it classifies the outcome.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,16 +58,21 @@ from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from runtime import exclusions
 from runtime.liveness import events, nccl, proc, stacks
+from hpc.contract.stall import BUSY_TIMEOUT_S
 from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
-from runtime.liveness.verdict import RankState, Verdict, assess, blame, judge
+from runtime.liveness.verdict import (HARDWARE_KINDS, RankState, Verdict, assess, blame, judge,
+                                      weigh)
 
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
 PUBLISH_EVERY_S = 2.0
 PEER_RECORD_FRESH_S = 15.0   # a node record older than this says nothing about now
 NCCL_DUMP_WAIT_S = 2.0       # torch writes the flight recorder from its own thread
+LOOK_EVERY_S = 5.0           # stacks of ranks past their deadline without a hard fault, this often
+BUSY_LOG_EVERY_S = 300.0     # a rank still running long is logged again this often
+STACK_LINES = 12             # lines of a busy rank's stack in the log
 
 
 def heartbeat_root() -> Path:
@@ -121,9 +141,11 @@ def clean_stale_heartbeat_dirs(root: Path | None = None) -> list[Path]:
 
 
 def output_beats(pids: set[int]) -> list[Heartbeat]:
-    """Stand-in heartbeats of workers that publish none (scripts without the Session): their
-    progress is their output (the rank log the agent gave them as stdout and stderr), or their
-    start while they have written nothing. Judged in phase :data:`~.deadline.OUTPUT`."""
+    """Stand-in heartbeats of workers that publish none (scripts without the Session, or a
+    Session script still importing): their progress is their output (the rank log the agent
+    gave them as stdout and stderr). Judged in phase :data:`~.deadline.OUTPUT` once they wrote
+    something; before that they are starting up (imports, process-group init: phase
+    ``startup``, its own budget), where a loaded machine may keep them quiet for long."""
     out = []
     for pid in sorted(pids):
         env = proc.environ(pid)
@@ -131,8 +153,9 @@ def output_beats(pids: set[int]) -> list[Heartbeat]:
         if start is None or "RANK" not in env:   # gone, or not a worker of ours
             continue
         last = max(start, proc.last_output(pid) or 0.0)
+        phase = OUTPUT if proc.wrote_output(pid) is not False else "startup"
         out.append(Heartbeat(pid=pid, rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                             restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), phase=OUTPUT,
+                             restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), phase=phase,
                              step=0, steps_done=0, time=last, p99_s=None, samples=0))
     return out
 
@@ -148,11 +171,14 @@ class Watchdog:
         agent_pid: The process whose children are the workers (the launcher: the agent
             runs in it).
         poll_s: Seconds between two looks.
+        beacon: The peer beacon (multi-node jobs).
+        exclude_nodes: Record bad nodes for the next allocations (False under ``hpc run``:
+            one machine, nothing to exclude).
     """
 
     def __init__(self, job_dir: Path, *, allocation: int, node_rank: int, policy: StallPolicy | None,
                  agent_pid: int | None = None, poll_s: float = POLL_S,
-                 beacon: PeerBeacon | None = None) -> None:
+                 beacon: PeerBeacon | None = None, exclude_nodes: bool = True) -> None:
         self.job_dir = Path(job_dir)
         self.allocation, self.node_rank = allocation, node_rank
         self.policy = policy
@@ -167,15 +193,26 @@ class Watchdog:
         self._acted_on: set[int] = set()
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self.beacon = beacon
+        self.exclude_nodes = exclude_nodes
+        # The current episode: the ranks' progress, unchanged since the ranks went overdue.
+        self._episode: tuple = ()
+        self._next_look = 0.0
+        self._busy_seen_at: float | None = None
+        self._weighed: Verdict | None = None
+        self._busy_logged: dict[int, float] = {}   # rank -> when it was last logged as busy
+        self.busy: tuple[str, ...] = ()           # this node's busy ranks, as published
+        self._published_busy = False
 
     @classmethod
     def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int,
-                rdzv_endpoint: str = "", run_id: str = "", max_nodes: int = 1) -> Watchdog:
+                rdzv_endpoint: str = "", run_id: str = "", max_nodes: int = 1,
+                busy_timeout_s: float = BUSY_TIMEOUT_S, local: bool = False) -> Watchdog:
         """The watchdog of one launcher; with a rendezvous endpoint, a peer beacon too."""
-        policy = policy_from_spec(stall_timeout)
+        policy = policy_from_spec(stall_timeout, busy_timeout_s)
         beacon = PeerBeacon(rdzv_endpoint, run_id, node_rank=node_rank, host=socket.gethostname(),
                             max_nodes=max_nodes) if rdzv_endpoint and max_nodes > 1 and policy else None
-        return cls(job_dir, allocation=allocation, node_rank=node_rank, policy=policy, beacon=beacon)
+        return cls(job_dir, allocation=allocation, node_rank=node_rank, policy=policy, beacon=beacon,
+                   exclude_nodes=not local)
 
     @property
     def node_dir(self) -> Path:
@@ -202,6 +239,11 @@ class Watchdog:
                  step, p.first_steps, p.first_steps_s,
                  ", ".join(f"{k} {v:g}s" for k, v in p.phase_budgets_s.items()), p.longest_s,
                  p.k if p.fixed_s is None else 2, LOST_AFTER_S)
+        log.info("stall watch: a rank past its deadline that is alive (its alive beat fresh, not "
+                 "stopped) and works outside any collective is running long, not stalled: it is "
+                 "logged and restarted only after %gs without progress (--busy-timeout); a "
+                 "frozen process (stopped, or its alive beat silent for %gs) is not given that",
+                 p.busy_s, p.alive_s)
         log.info("stall watch of ranks without heartbeats (a script without the Session): %s",
                  f"{p.fixed_s:g}s without output" if p.fixed_s else
                  "stopped processes and lost peers only (--stall-timeout SECONDS watches their output)")
@@ -229,8 +271,18 @@ class Watchdog:
         hangs = events.read(self.job_dir, self.allocation)
         lines = tuple(h.summary() for h in hangs)
         if hangs and kind == "app_error" and f"exited with -{int(signal.SIGKILL)}" in reason:
+            pattern = self.repeated()
+            if pattern:
+                return "hang", pattern, lines
             return "hang", f"{lines[-1]}; then {reason}" if reason else lines[-1], lines
         return kind, reason, lines
+
+    def repeated(self) -> str | None:
+        """Why restarting the workers again is futile: the same stall seen twice in this
+        allocation (from any node's record), or None. The message says what was seen and what
+        to do."""
+        twice = events.repeated(events.read(self.job_dir, self.allocation))
+        return twice.advice() if twice is not None else None
 
     # --- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -254,24 +306,80 @@ class Watchdog:
             return None
         now = time.time() if now is None else now
         ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy)
-        self._publish(ranks, now)
         tracker = self.beacon.tracker if self.beacon is not None else None
         lost = tracker.lost(time.monotonic()) if tracker is not None else {}
-        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(now),
-                        lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None)
+        peers = self._peer_records(now)
+        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(peers, now),
+                        lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None,
+                        peer_busy=self._peer_busy(peers))
+        dumps = None
+        if verdict.stalled and not verdict.hard:
+            verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=bool(peers))
+        else:
+            self._new_episode(())
+        self._note_busy(verdict, dumps or {}, now)
+        self._publish(ranks, now)
         if verdict.stalled:
-            verdict = self._act(verdict, sorted(pids))
+            verdict = self._act(verdict, sorted(pids), dumps)
             if tracker is not None:
                 tracker.done.update(lost)   # acted on: the job re-forms without them
         return verdict
 
-    def _act(self, verdict: Verdict, pids: list[int]) -> Verdict:
-        """Dumps, records and kills; returns the verdict with its suspect named."""
+    # --- weighing a candidate stall with the stacks -------------------------------------------
+    def _new_episode(self, key: tuple) -> None:
+        if key != self._episode:
+            self._episode, self._next_look, self._busy_seen_at, self._weighed = key, 0.0, None, None
+
+    def _weigh(self, verdict: Verdict, pids: list[int], now: float, *,
+               peers_watch: bool) -> tuple[Verdict, dict[int, str] | None]:
+        """A candidate stall weighed with fresh stacks (every :data:`LOOK_EVERY_S`); between
+        looks the last weighing stands, its busy ranks held to their budget."""
+        assert self.policy is not None
+        self._new_episode(tuple(sorted((r.beat.pid, r.beat.time) for r in verdict.ranks)))
+        last = self._weighed
+        if last is not None and time.monotonic() < self._next_look:
+            past = [r for r in verdict.ranks if r.beat.rank in last.busy
+                    and r.age_s > max(self.policy.busy_s, r.deadline_s)]
+            if not past:
+                return dataclasses.replace(last, ranks=verdict.ranks), None
+        dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
+        weighed = weigh(verdict, dumps, self.policy, busy_seen_at=self._busy_seen_at, now=now,
+                        peers_watch=peers_watch)
+        if weighed.busy:
+            self._busy_seen_at = now
+        self._weighed, self._next_look = weighed, time.monotonic() + LOOK_EVERY_S
+        return weighed, dumps
+
+    def _note_busy(self, verdict: Verdict, dumps: dict[int, str], now: float) -> None:
+        """Logs ranks running long (with their stack the first time) and keeps them for
+        :meth:`_publish`."""
+        busy = [r for r in verdict.ranks if r.beat.rank in verdict.busy] if not verdict.stalled else []
+        self.busy = tuple(f"rank {r.beat.rank} on {self.host} (step {r.beat.step}, working outside "
+                          f"any collective for {r.age_s:.0f}s)" for r in busy)
+        for r in busy:
+            last = self._busy_logged.get(r.beat.rank)
+            if last is not None and last >= r.beat.time and now - last < BUSY_LOG_EVERY_S:
+                continue
+            self._busy_logged[r.beat.rank] = now
+            stack = dumps.get(r.beat.rank, "")
+            if last is None or last < r.beat.time:
+                log.warning("stall watch: %s; not a stall: its process is alive and works outside "
+                            "any collective (its peers wait for it). Mark long work with "
+                            "session.phase(...) to say so; its stack:\n%s", verdict.reason,
+                            _stack_head(stack) or "  (no stack)")
+            else:
+                log.warning("stall watch: %s", verdict.reason)
+
+    def _act(self, verdict: Verdict, pids: list[int], dumps: dict[int, str] | None = None) -> Verdict:
+        """Dumps (unless ``dumps`` were just taken), records and kills; returns the verdict
+        with its suspect named."""
         log.error("stall detected: %s", verdict.reason)
         if nccl.request_dumps(self.directory):   # NCCL jobs: the flight recorder, into the logs
             time.sleep(NCCL_DUMP_WAIT_S)
-        dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
-        verdict = blame(verdict, dumps)
+        if dumps is None:
+            dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
+        if verdict.hard and verdict.suspect_rank is None:   # from judge: name the suspect
+            verdict = blame(verdict, dumps)
         logs = jobdir.alloc_log_dir(self.job_dir, self.allocation)
         logs.mkdir(parents=True, exist_ok=True)
         n = len(self.hangs) + 1
@@ -284,17 +392,18 @@ class Watchdog:
             reason=verdict.reason, suspect_rank=verdict.suspect_rank,
             stacks=str(path.relative_to(self.job_dir)), step=min(r.beat.step for r in verdict.ranks),
             time=time.time(), ranks=tuple(r.describe() for r in verdict.ranks),
-            suspect_node=verdict.lost_node)
+            suspect_node=verdict.lost_node, kind=verdict.kind)
         self.hangs.append(event)
         try:
             events.append(self.job_dir, event)
         except OSError as e:
             log.error("cannot record the stall in %s: %s", events.HANGS, e)
         # The node that stalled stays out of the job's next allocations (runtime.exclusions):
-        # a peer that stopped answering, else this node when one of its ranks is the suspect.
+        # a peer that stopped answering, else this node when one of its ranks is the suspect
+        # of a hardware-like fault (never a rank that was alive and running the user's code).
         bad = verdict.lost_node.split(" (")[0] if verdict.lost_node else \
-            self.host if verdict.suspect_rank is not None else ""
-        if bad:
+            self.host if verdict.suspect_rank is not None and verdict.kind in HARDWARE_KINDS else ""
+        if bad and self.exclude_nodes:
             exclusions.add(self.job_dir, bad, "stall", verdict.reason, self.allocation)
         for pid in pids:
             try:
@@ -322,12 +431,14 @@ class Watchdog:
 
     # --- across nodes -----------------------------------------------------------------------
     def _publish(self, ranks: tuple[RankState, ...], now: float) -> None:
-        if now - self._published < PUBLISH_EVERY_S:
+        busy_news = bool(self.busy) != self._published_busy
+        if now - self._published < PUBLISH_EVERY_S and not busy_news:
             return
+        self._published_busy = bool(self.busy)
         self._published = now
         record = {"node": self.host, "node_rank": self.node_rank, "time": now,
                   "progress": max(r.beat.time for r in ranks),
-                  "ranks": [r.describe() for r in ranks],
+                  "ranks": [r.describe() for r in ranks], "busy": list(self.busy),
                   "pace": [{"rank": r.beat.rank, "compute_s": r.beat.compute_s} for r in ranks
                            if r.beat.compute_s is not None and r.beat.phase == "step"]}
         try:
@@ -337,25 +448,50 @@ class Watchdog:
         except OSError as e:
             log.warning("cannot publish this node's liveness: %s", e)
 
-    def _peer_progress_age(self, now: float) -> float | None:
-        """Seconds since the latest progress another node published (fresh records only).
+    def _peer_records(self, now: float) -> list[dict]:
+        """The other nodes' fresh records (see :meth:`_publish`).
 
         A node that cannot write any more (crashed, or its link to the shared filesystem is
         cut) stops counting after :data:`PEER_RECORD_FRESH_S`.
         """
-        latest = None
+        out = []
         for path in self.node_dir.glob("node-*.json"):
             if path.name == f"node-{self.node_rank}.json":
                 continue
-            record = jobdir.read_json(path) or {}
+            record = jobdir.read_json(path)
             try:
-                fresh = now - float(record["time"]) < PEER_RECORD_FRESH_S
+                if isinstance(record, dict) and now - float(record["time"]) < PEER_RECORD_FRESH_S:
+                    out.append(record)
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
+
+    @staticmethod
+    def _peer_progress_age(records: list[dict], now: float) -> float | None:
+        """Seconds since the latest progress another node published (fresh records only)."""
+        latest = None
+        for record in records:
+            try:
                 progress = float(record["progress"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if fresh and (latest is None or progress > latest):
-                latest = progress
+            latest = progress if latest is None else max(latest, progress)
         return None if latest is None else max(0.0, now - latest)
+
+    @staticmethod
+    def _peer_busy(records: list[dict]) -> str:
+        """A busy rank another node published (its description), or ""."""
+        for record in records:
+            busy = record.get("busy")
+            if isinstance(busy, list) and busy and isinstance(busy[0], str):
+                return busy[0]
+        return ""
+
+
+def _stack_head(dump: str, lines: int = STACK_LINES) -> str:
+    """The first block (the main thread, see :func:`.stacks.main_thread_first`) of a dump."""
+    block = dump.strip().split("\n\n", 1)[0].splitlines()[:lines]
+    return "\n".join("  " + line for line in block)
 
 
 def stack_report(verdict: Verdict, dumps: dict[int, str], *, host: str, node_rank: int) -> str:

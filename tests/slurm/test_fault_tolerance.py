@@ -271,3 +271,40 @@ def test_node_failing_its_health_check_stays_out(env, slurm_cluster, tmp_path):
     excluded = [json.loads(x) for x in (job / "exclusions.jsonl").read_text().splitlines()]
     assert [(e["node"], e["kind"]) for e in excluded] == [("node3", "health")], excluded
     assert "srun exited with status 0" in "".join(p.read_text() for p in job.glob("logs/slurm-*.out"))
+
+
+PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
+
+
+def test_an_unmarked_45s_pause_on_two_nodes_is_left_alone(env, slurm_cluster, tmp_path):
+    """Issue 23 on the cluster: rank 0 (node1) works 45 s in its own code at step 30, not
+    marked with session.phase, under the default --stall-timeout auto (a 20-s step deadline).
+    Rank 1 (node2) waits for it in a collective. Its node's watch finds rank 0 alive and
+    outside any collective and publishes it as busy; node2's watch hears it and waits. The job
+    finishes with the weights of the same run without the pause (run locally at the same world
+    size, meanwhile): no stall, no restart, no requeue, no exclusion; the log says it ran long.
+    """
+    job, plain = tmp_path / "paused", tmp_path / "plain"
+    job.mkdir()
+    probe = ("--steps", "40", "--step-s", "0.05")
+    r = hpc(env, "submit", str(PROBE), "--nodes", "2", "--nproc-per-node", "1", "--job-dir", str(job),
+            "--checkpoint-every-steps", "5", "--env", "HPC_PROGRESS_EVERY_S=0", "--",
+            "--out", str(job), *probe, "--pause-at", "30", "--pause-s", "45")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    plain.mkdir()
+    base = subprocess.run([sys.executable, "-m", "hpc", "run", str(PROBE), "--nodes", "2",
+                           "--nproc-per-node", "1", "--job-dir", str(plain), "--", "--out", str(plain),
+                           *probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
+    wait_done(env, job_id, job, timeout=400)
+    logs = {p.name: p.read_text() for p in job.glob("logs/alloc-*/node-*.log")}
+    assert hangs(job) == [], hangs(job)
+    assert [o["kind"] for o in outcomes(job)] == ["finished"], outcomes(job)
+    assert outcomes(job)[0]["restarts"] == 0 and restarts(env, job_id) == 0, outcomes(job)
+    assert not (job / "exclusions.jsonl").exists()
+    assert any("rank 0 is running long" in text and "in unmarked_evaluation" in text
+               for text in logs.values()), {k: v[-2000:] for k, v in logs.items()}
+    a, b = (json.loads((j / "result.json").read_text()) for j in (job, plain))
+    assert a["final_step"] == b["final_step"] == 40 and a["worlds"] == [2] * 40
+    assert a["weights"] == b["weights"], "the pause changed the training"

@@ -19,7 +19,8 @@ from runtime.liveness import events
 from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_from_spec, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, HeartbeatWriter, read_all
 from runtime.liveness.stacks import main_thread_first
-from runtime.liveness.verdict import assess, blame, judge, main_thread_in_collective
+from runtime.liveness.verdict import (BUSY, COLLECTIVE, FROZEN, HARDWARE_KINDS, LOST, QUIET, USER, assess,
+                                      blame, judge, main_thread_in_collective, weigh)
 
 pytestmark = pytest.mark.unit
 
@@ -91,7 +92,8 @@ def test_writer_measures_phases():
     import tempfile
     now = [0.0]
     with tempfile.TemporaryDirectory() as d:
-        w = HeartbeatWriter(Path(d), rank=0, local_rank=0, restart=0, clock=lambda: now[0])
+        w = HeartbeatWriter(Path(d), rank=0, local_rank=0, restart=0, clock=lambda: now[0],
+                            alive_every_s=None)
         w.set_base("step")
         w.enter("save")
         assert w.written.measured_s is None
@@ -147,7 +149,8 @@ SERIES = {
 def _replay(tmp_path: Path, series: list[tuple[str, float]], policy: StallPolicy) -> float:
     """The worst age/deadline ratio the watchdog would see over the series (< 1: no alarm)."""
     now = [1000.0]
-    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, restart=0, clock=lambda: now[0])
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, restart=0, clock=lambda: now[0],
+                        alive_every_s=None)
     w.enter("restore")
     now[0] += 12.0                      # restoring a checkpoint
     w.leave()
@@ -184,7 +187,8 @@ def test_a_real_stall_does_cross_the_deadline(tmp_path: Path):
 # --- heartbeats ------------------------------------------------------------------------------
 def test_writer_throttles_steps_but_writes_phases_at_once(tmp_path: Path):
     now = [0.0]
-    w = HeartbeatWriter(tmp_path, rank=3, local_rank=1, restart=2, every_s=1.0, clock=lambda: now[0])
+    w = HeartbeatWriter(tmp_path, rank=3, local_rank=1, restart=2, every_s=1.0, clock=lambda: now[0],
+                        alive_every_s=None)
     w.set_base("step")
     for i in range(1, 6):
         now[0] += 0.1
@@ -361,3 +365,191 @@ def test_a_rank_without_heartbeats_is_judged_by_its_output_only_with_a_fixed_dea
     assert judge(fixed).stalled and "no output for 31.0s (deadline 30.0s)" in fixed[0].describe()
     stopped = assess(silent, {301: True}, 25.0, POLICY)   # a stopped process: in any mode
     assert judge(stopped).stalled and blame(judge(stopped), {}).suspect_rank == 1
+
+
+# --- evidence, not the clock alone (issue 23) -----------------------------------------------
+def alive_beat(rank: int, t: float, alive_at: float | None, **kw) -> Heartbeat:
+    """A heartbeat whose writer has an alive beat, last touched at ``alive_at``."""
+    return beat(rank, t, alive_every_s=1.0, alive=alive_at, **kw)
+
+
+WAITING_AT_STEP_BOUNDARY = """Current thread 0x00007fbf08650b80 (most recent call first):
+  File "/work/main/runtime/preemption.py", line 176 in poll
+  File "/work/main/runtime/session.py", line 420 in steps
+  File "/work/train.py", line 60 in <module>
+  File "/work/main/runtime/worker.py", line 95 in main
+"""
+IN_EVAL = """Current thread 0x00007fbf08650b80 (most recent call first):
+  File "/work/train.py", line 67 in evaluate
+  File "/work/train.py", line 89 in <module>
+  File "/work/main/runtime/worker.py", line 95 in main
+"""
+
+
+def test_a_wait_on_a_posted_collective_at_the_step_boundary_counts_as_inside_one():
+    assert main_thread_in_collective(WAITING_AT_STEP_BOUNDARY) is True
+    assert main_thread_in_collective(IN_EVAL) is False
+
+
+def test_an_alive_rank_working_outside_any_collective_runs_long_and_is_not_a_stall():
+    policy = StallPolicy(floor_s=20, busy_s=600)
+    ranks = assess([alive_beat(0, 0.0, 44.5), alive_beat(1, 0.1, 44.8)], {}, 45.0, policy)
+    v = judge(ranks)
+    assert v.stalled and not v.hard, "a candidate only: no stack was looked at yet"
+    w = weigh(v, {0: IN_EVAL, 1: WAITING_AT_STEP_BOUNDARY}, policy, now=45.0)
+    assert not w.stalled and w.busy == (0,) and "running long" in w.reason, w
+    late = assess([alive_beat(0, 0.0, 600.5), alive_beat(1, 0.1, 600.8)], {}, 601.0, policy)
+    w = weigh(judge(late), {0: IN_EVAL, 1: WAITING_AT_STEP_BOUNDARY}, policy, now=601.0)
+    assert w.stalled and w.kind == BUSY and w.suspect_rank == 0 and "--busy-timeout" in w.reason
+
+
+def test_without_an_alive_beat_a_rank_outside_any_collective_is_a_stall_at_the_short_deadline():
+    ranks = assess([beat(0, 0.0), beat(1, 0.1)], {}, 45.0, POLICY)   # no alive beat: no evidence
+    w = weigh(judge(ranks), {0: IN_EVAL, 1: WAITING}, POLICY, now=45.0)
+    assert w.stalled and w.suspect_rank == 0 and w.kind == USER and not w.busy
+
+
+def test_a_frozen_process_gets_the_short_deadline_whatever_its_stack():
+    stopped = assess([alive_beat(0, 0.0, 0.0), alive_beat(1, 0.1, 24.9)], {100: True}, 25.0, POLICY)
+    v = judge(stopped)
+    assert v.stalled and v.hard and v.kind == FROZEN
+    assert blame(v, {0: IN_EVAL}).suspect_rank == 0
+    # Its alive beat silent for 15 s (not stopped: wedged with the interpreter's lock held).
+    silent = assess([alive_beat(0, 0.0, 10.0), alive_beat(1, 0.1, 24.9)], {}, 25.0, POLICY)
+    v = judge(silent)
+    assert v.stalled and v.kind == FROZEN
+    b = blame(v, {0: IN_EVAL, 1: WAITING})
+    assert b.suspect_rank == 0 and "alive beat is silent" in b.reason and b.kind == FROZEN
+    fresh = assess([alive_beat(0, 0.0, 24.0), alive_beat(1, 0.1, 24.9)], {}, 25.0, POLICY)
+    assert not judge(fresh).hard
+
+
+def test_a_collective_after_a_busy_rank_gets_its_bound_from_when_the_rank_was_last_busy():
+    policy = StallPolicy(floor_s=20, busy_s=600)
+    ranks = assess([alive_beat(0, 0.0, 59.5), alive_beat(1, 0.1, 59.8)], {}, 60.0, policy)
+    both_wait = {0: WAITING, 1: WAITING_AT_STEP_BOUNDARY}
+    w = weigh(judge(ranks), both_wait, policy, busy_seen_at=50.0, now=60.0)
+    assert not w.stalled, "rank 0 may just have joined the collective"
+    w = weigh(judge(ranks), both_wait, policy, busy_seen_at=30.0, now=60.0)
+    assert w.stalled and w.kind == COLLECTIVE and w.suspect_rank is None
+    assert "another node" in w.reason
+
+
+def test_ranks_waiting_in_a_collective_give_other_nodes_time_to_report_a_busy_rank():
+    ranks = assess([alive_beat(0, 0.0, 24.5), alive_beat(1, 0.1, 24.8)], {}, 25.0, POLICY)
+    both_wait = {0: WAITING, 1: WAITING}
+    assert not weigh(judge(ranks), both_wait, POLICY, now=25.0, peers_watch=True).stalled
+    assert weigh(judge(ranks), both_wait, POLICY, now=25.0).stalled, "one node: no one to hear from"
+    later = assess([alive_beat(0, 0.0, 31.5), alive_beat(1, 0.1, 31.8)], {}, 32.0, POLICY)
+    assert weigh(judge(later), both_wait, POLICY, now=32.0, peers_watch=True).stalled
+    busy_elsewhere = "rank 2 on node2 (step 30, working outside any collective for 40s)"
+    v = judge(later, peer_busy=busy_elsewhere)
+    assert not v.stalled and busy_elsewhere in v.reason
+
+
+def test_only_hardware_like_stalls_mark_a_node_bad():
+    assert set(HARDWARE_KINDS) == {FROZEN, LOST, QUIET}
+    assert BUSY not in HARDWARE_KINDS and USER not in HARDWARE_KINDS
+
+
+def _hang(step: int, kind: str = BUSY, rank: int | None = 0, node: str = "n1") -> events.HangEvent:
+    return events.HangEvent(allocation=0, node=node, node_rank=0, reason="rank 0 ran outside any "
+                            "collective", suspect_rank=rank, stacks="logs/alloc-0/hang-n1-1.txt",
+                            step=step, kind=kind)
+
+
+def test_the_same_stall_twice_is_a_pattern_with_advice():
+    assert events.repeated([]) is None
+    assert events.repeated([_hang(30)]) is None
+    assert events.repeated([_hang(30), _hang(31)]) is None
+    assert events.repeated([_hang(30), _hang(30, kind=FROZEN)]) is None
+    assert events.repeated([_hang(30), _hang(30, rank=1)]) is None
+    assert events.repeated([_hang(30), _hang(30, node="n2")]) is None
+    twice = events.repeated([_hang(30), _hang(12), _hang(30)])
+    assert twice is not None and twice.step == 30
+    assert events.repeated([_hang(30), _hang(30), _hang(31)]) is None, "only the latest counts"
+    advice = twice.advice()
+    assert "twice at step 30" in advice and "session.phase" in advice and "--busy-timeout" in advice
+    assert "--stall-timeout" in _hang(30, kind=COLLECTIVE, rank=None).advice()
+
+
+def test_the_watchdog_ends_the_allocation_with_the_pattern(tmp_path: Path):
+    from runtime.liveness.watchdog import Watchdog
+
+    w = Watchdog(tmp_path, allocation=0, node_rank=0, policy=None)
+    events.append(tmp_path, _hang(30))
+    assert w.repeated() is None
+    events.append(tmp_path, _hang(30))
+    assert "twice at step 30" in (w.repeated() or "")
+    kind, reason, lines = w.amend("app_error", "rank 0 exited with -9: (no error message)")
+    assert kind == "hang" and "twice at step 30" in reason and len(lines) == 2
+    other = Watchdog(tmp_path, allocation=1, node_rank=0, policy=None)
+    assert other.repeated() is None, "an earlier allocation's stalls are its own"
+
+
+def test_heartbeat_records_carry_the_alive_beat(tmp_path: Path):
+    import os
+    import time
+
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, restart=0, alive_every_s=0.05)
+    try:
+        w.set_base("step")
+        [first] = read_all(tmp_path)
+        assert first.alive_every_s == 0.05 and first.alive is not None
+        old = time.time() - 100
+        os.utime(w.path, (old, old))
+        deadline = time.time() + 10
+        while read_all(tmp_path)[0].alive < old + 50 and time.time() < deadline:
+            time.sleep(0.02)
+        [rec] = read_all(tmp_path)
+        assert rec.alive_age_s(time.time()) < 5, "the alive beat touched the record again"
+        assert rec.time == first.time, "an alive beat is not progress"
+    finally:
+        w.close()
+    plain = HeartbeatWriter(tmp_path, rank=1, local_rank=1, restart=0, alive_every_s=None)
+    plain.set_base("step")
+    [rec] = read_all(tmp_path)
+    assert rec.alive is None and rec.alive_age_s(time.time()) is None
+    plain.close()
+
+
+def test_busy_timeout_is_validated_and_reaches_the_policy():
+    from hpc.contract.jobspec import JobSpec, parse_options
+
+    assert JobSpec(script="t.py").busy_timeout_s == 1800
+    assert policy_from_spec("auto", 300).busy_s == 300 and policy_from_spec("45", 300).busy_s == 300
+    assert StallPolicy(busy_s=7200).longest_s == 7200, "the collective timeout must outlast it"
+    for bad in ("soon", "0", "4", "-1", "604801"):
+        with pytest.raises(SpecError, match=r"--busy-timeout.*5.*604800"):
+            parse_options({"busy_timeout_s": bad}, lambda name: "--busy-timeout")
+
+
+def test_the_alive_beat_writes_a_record_the_throttle_held_back(tmp_path: Path):
+    """A rank that stops right after a throttled step: within a second the record on disk
+    names that step (the same stall twice is recognized by its step)."""
+    import time
+
+    w = HeartbeatWriter(tmp_path, rank=0, local_rank=0, restart=0, every_s=60.0, alive_every_s=0.05)
+    try:
+        w.set_base("step")
+        w.step_done(1, 0.1)
+        w.step_done(2, 0.1)          # held back by the 60-s throttle
+        deadline = time.time() + 10
+        while read_all(tmp_path)[0].step != 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert read_all(tmp_path)[0].step == 2
+    finally:
+        w.close()
+    time.sleep(0.2)
+    assert read_all(tmp_path) == [], "closed: nothing written again"
+
+
+def test_a_stopped_process_gets_the_floor_even_after_a_long_unmarked_step():
+    """A 45-s pause entered the p99 (10 x 45 s = 450 s for an ordinary step); a stopped
+    process does no work whatever its step times: the 20-s floor."""
+    slow = Heartbeat(pid=100, rank=0, local_rank=0, restart=0, phase="step", step=50, steps_done=50,
+                     time=0.0, p99_s=45.0, samples=50)
+    [running] = assess([slow], {}, 25.0, POLICY)
+    assert running.deadline_s == 450.0 and not running.overdue
+    [stopped] = assess([slow], {100: True}, 25.0, POLICY)
+    assert stopped.deadline_s == 20.0 and stopped.overdue and judge([stopped]).kind == FROZEN

@@ -8,7 +8,11 @@ happen only in the first run (restart 0) so that the restarted workers can finis
 - ``--slow-first-step S``: every rank's first step takes S seconds longer;
 - ``--eval-every N --eval-s S``: rank 0 evaluates for S seconds (``session.phase("eval")``)
   every N steps while the others wait for it in the next all-reduce;
-- ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter).
+- ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter);
+- ``--pause-at STEP --pause-s S``: rank 0 works S seconds in its own code at STEP, unmarked
+  (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run.
+
+``result.json`` also holds the final weights, to compare runs with and without a pause.
 """
 
 import argparse
@@ -32,6 +36,8 @@ p.add_argument("--slow-first-step", type=float, default=0.0)
 p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--eval-s", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
+p.add_argument("--pause-at", type=int, default=None)
+p.add_argument("--pause-s", type=float, default=0.0)
 args = p.parse_args()
 out = Path(args.out)
 
@@ -51,7 +57,14 @@ def load_batch(step: int, rank: int, first_run: bool) -> torch.Tensor:
     if first_run and rank == 1 and step == args.hang_in_data:
         while True:          # a data loader that never returns (a dead NFS mount, a deadlock)
             time.sleep(3600)
-    return torch.full((4, 8), float(step))
+    return torch.full((4, 8), float(step % 10) / 10)
+
+
+def unmarked_evaluation(seconds: float) -> None:
+    """Long work in the user's own code, alive and outside any collective."""
+    end = time.time() + seconds
+    while time.time() < end:
+        time.sleep(0.2)
 
 
 with Session(seed=0, log_every=5) as s:
@@ -72,12 +85,15 @@ with Session(seed=0, log_every=5) as s:
         optim.step()
         counter.worlds.append(s.world_size)
         time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
+        if step == args.pause_at and s.rank == 0:
+            unmarked_evaluation(args.pause_s)
         if args.eval_every and (step + 1) % args.eval_every == 0 and s.rank == 0:
             with s.phase("eval"):
                 time.sleep(args.eval_s)
         s.log(loss=loss.item())
     if s.is_rank0 and s.stopped is None:
         (s.job_dir / "result.json").write_text(json.dumps(
-            {"final_step": s.step, "steps": len(counter.worlds), "worlds": counter.worlds}))
+            {"final_step": s.step, "steps": len(counter.worlds), "worlds": counter.worlds,
+             "weights": [p.detach().flatten().tolist() for p in model.parameters()]}))
     s.finish()
 print(f"stall probe rank {s.rank} done at step {s.step}", file=sys.stderr, flush=True)
