@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import NetworkError, detect
-from runtime import exclusions, health, outcome, stopping, succession
+from runtime import exclusions, health, outcome, stop_deadline, stopping, succession
 from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
 from runtime.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -493,10 +494,17 @@ def main(argv: list[str] | None = None) -> int:
         if left is not None:
             return left
     forwarder = SignalForwarder(tuple({signal.Signals["SIG" + spec.signal], signal.SIGTERM}))
+    # On a warning, node 0's launcher asks Slurm for the real deadline (bounded); the other
+    # nodes take it from its notice. No Slurm commands in a container: the assumption.
+    asks = slurm.active and not spec.container_image
     forwarder.stop = stopping.StopTracker(
         stopping.notice_path(job_dir, plan.allocation), allocation=plan.allocation,
         job_end_time=end or JobEnvironment.from_env(os.environ).job_end_time,
-        lead_s=spec.signal_lead_s, grace_s=grace, enforce=True)
+        lead_s=spec.signal_lead_s, grace_s=grace, enforce=True,
+        ask_slurm=functools.partial(stop_deadline.ask_slurm, slurm.job_id)
+        if asks and node_rank == 0 else None,
+        restarts=slurm.restart_count if slurm.active else None,
+        follow=asks and node_rank != 0)
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

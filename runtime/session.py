@@ -21,6 +21,7 @@ the reason, exit cleanly). It tears everything down on every exit path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -44,8 +45,10 @@ from runtime.liveness.deadline import collective_timeout_s, policy_from_spec
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
 from runtime.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
-from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest, decide
+from runtime import stop_deadline
+from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
 from runtime.progress import ProgressMeter
+from runtime.stopping import STOP_KINDS
 from runtime.wandb_sink import make_sink, run_metadata
 
 log = logging.getLogger("hpc.session")
@@ -433,10 +436,9 @@ class Session:
 
     def _stop(self, request: StopRequest) -> None:
         self._log_row_in_flight()   # every rank: the stop comes after that row
+        request, decision, note = self._plan_stop(request)
         self.stopped = request
         self._rec.stop_begin(request.kind, request.signal_name)
-        est = self._checkpointer.estimated_save_s() if self._checkpointer else 0.0
-        decision = decide(time.time(), request.deadline, est)
         if self._checkpointer is not None:
             if decision.save:
                 self._checkpointer.wait()
@@ -446,7 +448,7 @@ class Session:
                 self._checkpointer.wait()
         saved = self._checkpointer.latest_step() if self._checkpointer else None
         self._write_progress(force=True)
-        reason = f"{request.signal_name} ({request.kind}); {decision.reason}; saved step {saved}"
+        reason = f"{request.signal_name} ({request.kind}); {decision.reason} ({note}); saved step {saved}"
         self._rec.emit("stop_end", kind=request.kind, saved_step=saved, save=decision.save)
         self.event(request.kind, step=self.step, signal=request.signal_name, saved_step=saved)
         if self.is_rank0:
@@ -454,6 +456,37 @@ class Session:
             jobdir.write_atomic(self.job_dir / jobdir.EXIT_INTENT, _json({
                 "allocation": self.env.allocation, "kind": request.kind, "step": saved,
                 "reason": reason, "time": time.time()}))
+
+    def _plan_stop(self, request: StopRequest) -> tuple[StopRequest, Decision, str]:
+        """Rank 0 decides the stop's deadline, kind and whether to save; every rank gets it.
+
+        The agreed request carries the workers' own estimate of the deadline; the launcher's
+        stop notice (``HPC_STOP_FILE``) may carry Slurm's real one, which can be earlier (a
+        late warning) or name another kind (:mod:`runtime.stop_deadline`). Rank 0 reads it
+        (waiting briefly while node 0's launcher still asks Slurm) and broadcasts the plan:
+        ranks that read the clock or the notice apart would otherwise decide apart, and a
+        save is a collective.
+        """
+        est = self._checkpointer.estimated_save_s() if self._checkpointer else 0.0
+        plan = torch.zeros(3, dtype=torch.float64)
+        note = ""
+        decision = Decision(False, "")
+        if self.is_rank0:
+            path = self.env.job.stop_file
+            notice = stop_deadline.await_answer(lambda: stop_deadline.read_notice(path),
+                                                request.received_at) if path else None
+            kind, deadline, note = stop_deadline.plan(request.kind, request.deadline, notice,
+                                                      allocation=self.env.allocation)
+            decision = decide(time.time(), deadline, est)
+            plan = torch.tensor([deadline, STOP_KINDS.index(kind), float(decision.save)],
+                                dtype=torch.float64)
+        if self.world_size > 1:
+            dist.broadcast(plan, src=0, group=self.cpu_group)
+        deadline, kind_index, save = plan.tolist()
+        if not self.is_rank0:
+            decision = Decision(bool(save), "as rank 0 decided")
+        return (dataclasses.replace(request, kind=STOP_KINDS[int(kind_index)], deadline=deadline),
+                decision, note)
 
     # --- metrics -------------------------------------------------------------------------
     def log(self, ops: Mapping[str, str] | None = None, **metrics: float) -> None:

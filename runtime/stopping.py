@@ -11,7 +11,9 @@ records why the allocation ended (seen on a real cluster, issue 15).
 So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it):
 
 * it writes a :class:`StopNotice` (kind, signal, deadline) where ``HPC_STOP_FILE`` points, for
-  scripts that want to know how long they have;
+  scripts that want to know how long they have; node 0's launcher then asks Slurm for the real
+  deadline (:mod:`runtime.stop_deadline`, bounded) and rewrites the notice with the earlier of
+  the two, which the Session's save decision reads;
 * torch's agent restarts no workers (:func:`no_restarts_once_stopping` sets the agent's remaining
   restarts to 0, as torch itself does for a wedged worker);
 * a worker started anyway (a membership change, a torch without that hook) exits at once with
@@ -32,6 +34,7 @@ calls into it (nothing is imported there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -40,13 +43,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from hpc.contract.environment import STOPPED_EXIT
+from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 
 log = logging.getLogger("hpc.launch")
@@ -64,7 +68,13 @@ class StopNotice:
         signal: The first signal the launcher got (``SIGUSR2``, ``SIGTERM``).
         received_at: Wall time it arrived.
         deadline: Wall time of the expected SIGTERM from Slurm (SIGKILL follows ``KillWait``
-            later); after a SIGTERM, that moment.
+            later), the one to plan against: the earlier of the assumed and Slurm's; after
+            a SIGTERM, that moment.
+        assumed_deadline: The launcher's own estimate (the warning plus GraceTime, or the
+            job's end time), once Slurm was asked.
+        slurm_deadline: Slurm's ``EndTime`` read on the warning, if it answered.
+        query: Where Slurm's answer stands (:mod:`runtime.stop_deadline`): ``""`` (no Slurm
+            here), ``asking``, ``answered``, ``unanswered: why``.
     """
 
     allocation: int
@@ -72,6 +82,9 @@ class StopNotice:
     signal: str
     received_at: float
     deadline: float
+    assumed_deadline: float | None = None
+    slurm_deadline: float | None = None
+    query: str = stop_deadline.NO_SLURM
 
     def __post_init__(self) -> None:
         assert self.kind in STOP_KINDS, self.kind
@@ -80,10 +93,10 @@ class StopNotice:
     def read(cls, path: str | Path) -> StopNotice | None:
         """The notice at ``path``, or None when there is none (or it cannot be read)."""
         data = jobdir.read_json(Path(path)) if str(path) else None
-        if not data:
+        if not isinstance(data, dict) or not data:
             return None
         try:
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
         except (KeyError, TypeError, AssertionError):
             return None
 
@@ -120,16 +133,29 @@ class StopTracker:
         lead_s: The job's warning lead before the time limit.
         grace_s: The partition's preemption GraceTime, if known.
         enforce: SIGTERM the launcher itself before a time limit (:func:`enforce_in`).
+        ask_slurm: On a warning, returns this job's ``scontrol show job`` record, bounded in
+            time (:func:`runtime.stop_deadline.ask_slurm`); given to one launcher (node 0's).
+            It runs on a thread, so the signal is forwarded at once.
+        restarts: This allocation's ``SLURM_RESTART_COUNT`` (to tell a stale record).
+        follow: Another node's launcher asks Slurm: this one writes the notice only when
+            there is none yet (never over the asking one's), and takes the earlier deadline
+            from that launcher's notice when it comes within
+            :data:`~runtime.stop_deadline.ANSWER_WAIT_S`.
     """
 
     def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
-                 lead_s: float, grace_s: float | None, enforce: bool = False) -> None:
+                 lead_s: float, grace_s: float | None, enforce: bool = False,
+                 ask_slurm: Callable[[], Any] | None = None, restarts: int | None = None,
+                 follow: bool = False) -> None:
         self.path = Path(path)
         self.allocation = allocation
         self.job_end_time, self.lead_s, self.grace_s = job_end_time, lead_s, grace_s
         self.notice: StopNotice | None = None
         self.enforce = enforce
         self.timer: threading.Timer | None = None
+        self.ask_slurm, self.restarts, self.follow = ask_slurm, restarts, follow
+        self.refined = threading.Event()   # set once Slurm's answer (or its absence) is in
+        self._lock = threading.RLock()     # the handler (main thread) and the asking thread
 
     @property
     def stopping(self) -> bool:
@@ -137,24 +163,83 @@ class StopTracker:
 
     def on_signal(self, name: str, when: float) -> None:
         """Records the first stop signal and writes its notice; never raises (signal handler)."""
-        if self.notice is not None:
-            if name == "SIGTERM" and when < self.notice.deadline:   # the kill came early
-                self.notice = StopNotice(self.allocation, self.notice.kind, self.notice.signal,
-                                         self.notice.received_at, round(when, 3))
-                self._write()
+        with self._lock:
+            if self.notice is not None:
+                if name == "SIGTERM" and when < self.notice.deadline:   # the kill came early
+                    self.notice = dataclasses.replace(self.notice, deadline=round(when, 3))
+                    self._write()
+                return
+            notice = notice_for(name, when, allocation=self.allocation,
+                                job_end_time=self.job_end_time, lead_s=self.lead_s,
+                                grace_s=self.grace_s)
+            asks = name != "SIGTERM" and (self.ask_slurm is not None or self.follow)
+            if asks:
+                notice = dataclasses.replace(notice, query=stop_deadline.ASKING)
+            self.notice = notice
+            self._write()
+            self._arm(when)
+        if asks:
+            threading.Thread(target=self._refine, name="hpc-stop-deadline", daemon=True).start()
+        else:
+            self.refined.set()
+
+    def _arm(self, now: float) -> None:
+        """(Re)starts the enforcement timer for the current notice."""
+        delay = enforce_in(self.notice, now)
+        if not self.enforce or delay is None:
             return
-        self.notice = notice_for(name, when, allocation=self.allocation,
-                                 job_end_time=self.job_end_time, lead_s=self.lead_s,
-                                 grace_s=self.grace_s)
-        self._write()
-        delay = enforce_in(self.notice, when)
-        if self.enforce and delay is not None:
-            # SIGTERM to the launcher itself: its handler forwards it to the workers.
-            self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
-            self.timer.daemon = True
-            self.timer.start()
-            log.warning("%s (%s): workers still running in %.1f s get SIGTERM, ahead of "
-                        "Slurm's at %.0f", name, self.notice.kind, delay, self.notice.deadline)
+        self.cancel()
+        # SIGTERM to the launcher itself: its handler forwards it to the workers.
+        self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+        self.timer.daemon = True
+        self.timer.start()
+        log.warning("%s (%s): workers still running in %.1f s get SIGTERM, ahead of "
+                    "Slurm's at %.0f", self.notice.signal, self.notice.kind, delay,
+                    self.notice.deadline)
+
+    def _refine(self) -> None:
+        """Asks Slurm (or waits for the asking node's notice) and plans for the earlier
+        deadline; logs both. Runs on its own thread; never raises."""
+        try:
+            if self.ask_slurm is not None:
+                found, why = self._ask()
+            else:
+                theirs = stop_deadline.await_answer(self._theirs, self.notice.received_at)
+                found = None if theirs is None or theirs.slurm_deadline is None else \
+                    stop_deadline.SlurmStop(theirs.slurm_deadline, theirs.kind)
+                why = "" if found else "node 0's launcher had no answer from Slurm in time" \
+                    if stop_deadline.is_pending(theirs) else theirs.query
+            with self._lock:
+                before = self.notice
+                self.notice = stop_deadline.refine(before, found, why)
+                if self.ask_slurm is not None:
+                    self._write()
+                log.warning("stop (%s, %s): %s", self.notice.signal, self.notice.kind,
+                            stop_deadline.describe(self.notice, time.time()))
+                if (self.notice.deadline, self.notice.kind) != (before.deadline, before.kind):
+                    self._arm(time.time())
+        except Exception as e:   # noqa: BLE001 - the assumption stands; the stop goes on
+            log.warning("could not refine the stop deadline (%s): keeping the assumption", e)
+        finally:
+            self.refined.set()
+
+    def _ask(self) -> tuple[stop_deadline.SlurmStop | None, str]:
+        from hpc.contract.slurm import SlurmError
+
+        started = time.monotonic()
+        try:
+            info = self.ask_slurm()
+        except (SlurmError, ValueError) as e:
+            return None, f"no answer in {time.monotonic() - started:.1f} s ({e})"
+        return stop_deadline.slurm_stop(info, time.time(), lead_s=self.lead_s,
+                                        restarts=self.restarts)
+
+    def _theirs(self) -> StopNotice | None:
+        """The asking launcher's notice of this allocation (None while it is not there)."""
+        notice = StopNotice.read(self.path)
+        if notice is None or notice.allocation != self.allocation:
+            return None
+        return notice
 
     def cancel(self) -> None:
         """Stops a pending enforcement (the workers ended)."""
@@ -163,6 +248,8 @@ class StopTracker:
 
     def _write(self) -> None:
         try:
+            if self.follow and self._theirs() is not None:
+                return   # the asking launcher's notice (or another follower's) is there
             self.path.parent.mkdir(parents=True, exist_ok=True)
             jobdir.write_atomic(self.path, json.dumps(asdict(self.notice)) + "\n", durable=False)
         except OSError as e:     # a full disk must not kill the launcher in its handler

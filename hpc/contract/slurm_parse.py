@@ -377,6 +377,11 @@ class JobInfo:
     work_dir: str | None
     command: str | None
     std_out: str | None
+    end_time: datetime | None = None
+    """``EndTime``: the time limit's end; once the job is picked for preemption, Slurm
+    rewrites it to ``PreemptTime`` plus the partition's GraceTime (its SIGTERM then)."""
+    preempt_time: datetime | None = None
+    """``PreemptTime``: when the job was picked for preemption, None while it is not."""
     fields: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
 
@@ -399,7 +404,8 @@ def parse_show_job(text: str) -> JobInfo:
         run_time_s=parse_duration(f.get("RunTime", "0:0")) or 0,
         exit_code=parse_exit_code(f.get("ExitCode", "")), comment=_optional(f.get("Comment", "")),
         work_dir=_optional(f.get("WorkDir", "")), command=_optional(f.get("Command", "")),
-        std_out=_optional(f.get("StdOut", "")), fields=f)
+        std_out=_optional(f.get("StdOut", "")), end_time=parse_timestamp(f.get("EndTime", "")),
+        preempt_time=parse_timestamp(f.get("PreemptTime", "")), fields=f)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ import json
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import squeue_state, wait_until
 from tests.wandb_offline import read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,8 +72,9 @@ def latest_step(job: Path) -> int:
 
 
 def squeue(env: dict[str, str], job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                          text=True).stdout.strip()
+    """The job's state, "" once it left the queue ("UNKNOWN" when squeue failed: not gone)."""
+    state = squeue_state(env, job_id)
+    return "" if state == "GONE" else state
 
 
 def wait_done(env: dict[str, str], job_id: str, job: Path, timeout: float = 400) -> None:
@@ -110,20 +112,50 @@ def assert_same_as_baseline(job: Path, baseline: dict, *, weights: bool = True) 
     return result
 
 
+def preempt_time(env: dict[str, str], job_id: str) -> float | None:
+    """Slurm's PreemptTime of the job (wall time), None while it is not being preempted."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                         text=True).stdout
+    value = out.split("PreemptTime=")[1].split()[0] if "PreemptTime=" in out else "None"
+    return None if value in ("None", "Unknown") else datetime.fromisoformat(value).timestamp()
+
+
 def test_real_preemption_saves_requeues_and_resumes_exactly(env, slurm_cluster, tmp_path, baseline):
+    """GraceTime 10 s (partition debug), --signal-lead 120: the stop is planned against
+    Slurm's real deadline, PreemptTime + GraceTime, read by node 0's launcher on the warning
+    (issue 23), the save is committed before it, and the job resumes at the saved step."""
     job = tmp_path / "preempted"
-    job_id = submit(env, job, "--nodes", "2", "--partition", "debug")
+    job_id = submit(env, job, "--nodes", "2", "--partition", "debug", "--signal-lead", "120")
     wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
     high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
                            "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
                           capture_output=True, text=True)
     assert high.returncode == 0, high.stderr
+    preempted_at: list[float] = []
+    wait_until(lambda: preempted_at.append(preempt_time(env, job_id) or 0) or preempted_at[-1], 30,
+               "Slurm to set the job's PreemptTime")
     wait_until(lambda: any(o["kind"] == "preempted" for o in outcomes(job)), 60, "the preemption outcome")
+    saved = next(o for o in outcomes(job) if o["kind"] == "preempted")["step"]
+    # (read before the next allocation's saves prune it)
+    manifest = json.loads((job / "checkpoints" / f"step-{saved:06d}" / "manifest.json").read_text())
     wait_done(env, job_id, job)
     pre = [o for o in outcomes(job) if o["kind"] == "preempted"]
     assert len(pre) == 1 and pre[0]["step"] and pre[0]["step"] >= 6, outcomes(job)
     assert outcomes(job)[-1]["kind"] == "finished"
     assert restarts(env, job_id) in (1, -1)               # requeued exactly once (by Slurm)
+    # The plan: Slurm's EndTime (PreemptTime + GraceTime 10 s), not the warning + an assumption.
+    stop = json.loads((job / "logs/alloc-0/stop.json").read_text())
+    assert stop["query"] == "answered" and stop["kind"] == "preempted", stop
+    assert stop["slurm_deadline"] == preempted_at[-1] + 10, (stop, preempted_at[-1])
+    # (the launcher's own SIGTERM to workers still running, ahead of Slurm's, may bring it forward)
+    assert stop["deadline"] <= min(stop["assumed_deadline"], stop["slurm_deadline"]), stop
+    node0 = (job / "logs/alloc-0" / "node-node1.log").read_text()
+    assert "Slurm's" in node0 and "assumed deadline" in node0, node0[-3000:]
+    print("\n" + "\n".join(x for x in node0.splitlines() if "assumed deadline" in x))
+    # Saved within the real grace time, and the next allocation resumed at that step.
+    assert manifest["created_time"] < stop["slurm_deadline"], (manifest["created_time"], stop)
+    rank0 = (job / "logs/alloc-1/restart-0/rank-0.log").read_text()
+    assert f"resumed from {job / 'checkpoints'}/step-{pre[0]['step']:06d}" in rank0, rank0[:3000]
     assert_same_as_baseline(job, baseline)
 
 

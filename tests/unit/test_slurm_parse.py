@@ -187,6 +187,21 @@ def test_show_job_preempted_name_with_space() -> None:
     assert info.name == "low job" and info.restarts == 1 and info.partition == "debug"
 
 
+def test_show_job_in_preemption_grace_has_preempt_time_and_end_rewritten() -> None:
+    """Recorded on the test cluster (Slurm 22.05, GraceTime=10): 0.1 s after a preempting
+    job was submitted, EndTime went from the time limit to PreemptTime + GraceTime."""
+    before = parse_show_job(fixture("scontrol_show_job_before_preempt.txt"))
+    assert before.preempt_time is None
+    assert before.end_time == datetime(2026, 11, 25, 19, 50, 45)     # StartTime + 10 minutes
+    during = parse_show_job(fixture("scontrol_show_job_preempt_grace.txt"))
+    assert during.state is JobState.RUNNING and during.time_limit_s == 600
+    assert during.preempt_time == datetime(2026, 11, 25, 19, 40, 47)
+    assert (during.end_time - during.preempt_time).total_seconds() == 10
+    requeued = parse_show_job(fixture("scontrol_show_job_requeued_completing.txt"))
+    assert requeued.state is JobState.COMPLETING and requeued.restarts == 1
+    assert requeued.preempt_time is None
+
+
 def test_show_job_failed_and_pending_reason() -> None:
     failed = parse_show_job(fixture("scontrol_show_job_failed.txt"))
     assert failed.state is JobState.FAILED and failed.exit_code == (3, 0)
