@@ -35,10 +35,35 @@ def hpc(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.Com
 
 
 def squeue_state(env: dict[str, str], job_id: str) -> str:
-    """The job's state in squeue, or ``GONE`` once it has left the queue."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                         text=True).stdout.strip()
-    return out or "GONE"
+    """The job's state in squeue, ``GONE`` once it has left the queue, ``UNKNOWN`` when squeue
+    failed (a busy controller: "Socket timed out"), which is no sign that the job ended."""
+    r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
+                       text=True)
+    if r.returncode != 0 and "Invalid job id" not in r.stderr:
+        return "UNKNOWN"
+    return r.stdout.strip() or "GONE"
+
+
+def sacct_rows(env: dict[str, str], job_id: str, fields: str, *args: str,
+               until=bool, timeout: float = 60.0) -> list[list[str]]:
+    """``sacct -X -n -P -j JOB -o FIELDS ARGS`` as rows of fields, once ``until(rows)`` holds.
+
+    slurmdbd records a job's runs a moment after slurmctld acted on them (the controller sends
+    them on asynchronously), so a read right after a job started, was requeued or ended may
+    find nothing yet, or an older picture: a full CI run once saw an empty ``Comment`` right
+    after a job ended. This waits, bounded, for the record the test needs.
+    """
+    rows: list[list[str]] = []
+
+    def ready() -> bool:
+        nonlocal rows
+        r = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", fields, *args], env=env,
+                           capture_output=True, text=True)
+        rows = [line.split("|") for line in r.stdout.splitlines() if line.strip()]
+        return r.returncode == 0 and bool(until(rows))
+
+    wait_until(ready, timeout, f"sacct {fields} of job {job_id} (last read: {rows})", interval=0.5)
+    return rows
 
 
 @pytest.fixture(params=HOSTILE_NAMES, ids=["plain", "space", "quotes", "shellmeta"])

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import sacct_rows, squeue_state
+
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "tests" / "slurm" / "allreduce_check.py"
 
@@ -22,9 +24,9 @@ def hpc(env: dict[str, str], cwd: Path, *args: str, timeout: float = 120) -> sub
 def wait_gone(env: dict[str, str], job_id: str, timeout: float = 240) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                             text=True).stdout.split()
-        if not out or all(s in ("COMPLETED", "FAILED", "CANCELLED") for s in out):
+        # (a heterogeneous TorchX job has one line per component)
+        states = squeue_state(env, job_id).split()
+        if states == ["GONE"] or all(s in ("COMPLETED", "FAILED", "CANCELLED") for s in states):
             return time.monotonic() - t0
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} not done after {timeout} s")
@@ -55,9 +57,10 @@ def test_backend_2x2_allreduce(env, tmp_path: Path, backend: str, dirname: str) 
     assert [o["kind"] for o in outcomes] == ["finished"]
     # submitit / TorchX wrote the script, but the sbatch went through our SlurmClient (retries,
     # a unique tag looked up before any retry): only that client sets this comment.
-    comment = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "Comment"], env=env,
-                             capture_output=True, text=True, check=True).stdout.strip()
-    assert comment and all(c.startswith("hpc-tag:") for c in comment.splitlines()), comment
+    # slurmdbd gets the record a moment after the job ended: wait for it (bounded).
+    comments = [row[0] for row in sacct_rows(env, job_id, "Comment",
+                                             until=lambda rows: rows and all(r[0] for r in rows))]
+    assert all(c.startswith("hpc-tag:") for c in comments), comments
 
 
 def test_torchx_refuses_options_it_would_drop(env, tmp_path: Path) -> None:

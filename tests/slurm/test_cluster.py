@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import sacct_rows
+
 pytestmark = pytest.mark.slurm
 
 
@@ -65,8 +67,9 @@ def test_preemption_signals_and_requeues_the_low_job(slurm_cluster, tmp_path: Pa
     wait_for("the low job back with Restarts=1", lambda: "Restarts=1" in run(
         env, "scontrol", "show", "job", "-o", low), timeout=60)
     wait_for("low job restarted", lambda: "restarts=1" in log.read_text(), timeout=60)
-    states = run(env, "sacct", "-n", "-X", "-P", "--duplicates", "-j", low, "-o", "State")
-    assert states.split()[0] == "PREEMPTED"
+    # slurmdbd records the first run's end a moment after the requeue: wait for it (bounded).
+    states = sacct_rows(env, low, "State", "--duplicates", until=lambda rows: len(rows) >= 2)
+    assert states[0][0] == "PREEMPTED", states
 
 
 def test_crashed_node_is_marked_down_and_restored(slurm_cluster) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import squeue_state, wait_until
 from tests.wandb_offline import read_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,8 +45,9 @@ def snapshot_step(job: Path) -> int:
 
 
 def squeue(env: dict[str, str], job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                          text=True).stdout.strip()
+    """The job's state, "" once it left the queue ("UNKNOWN" when squeue failed: not gone)."""
+    state = squeue_state(env, job_id)
+    return "" if state == "GONE" else state
 
 
 def test_preempted_own_script_requeues_and_resumes_from_its_snapshot(env, slurm_cluster, tmp_path):

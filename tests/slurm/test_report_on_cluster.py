@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import sacct_rows
 from tests.slurm.test_fault_tolerance import (ELASTIC, TRAIN, hpc, latest_step, outcomes, progress,
                                               wait_done, wait_until)
 
@@ -48,6 +49,10 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
     crashed_at_checkpoint = latest_step(job)
     wait_done(env, job_id, job, timeout=500)
     assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
+    # The report reads sacct, which slurmdbd fills a moment after the job ended: wait for the
+    # last run's end there (bounded) so that the report is not judged on a lagging record.
+    acct = sacct_rows(env, job_id, "State,Elapsed,End", "-D",
+                      until=lambda rows: rows and rows[-1][0] == "COMPLETED" and rows[-1][2] != "Unknown")
 
     rep = hpc(env, "report", job_id, "--json")
     assert rep.returncode == 0, rep.stderr
@@ -61,11 +66,8 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
         assert a["queue_s"] is not None and a["queue_s"] >= 0          # from sacct
     assert sum(ledger["categories"].values()) == pytest.approx(ledger["allocated_node_s"], rel=1e-6)
     # Slurm's own frame: one record per run, and a resized run (the node loss) in two records.
-    acct = subprocess.run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State,Elapsed"],
-                          env=env, capture_output=True, text=True).stdout.split()
     elapsed, resizing = [], False
-    for line in acct:
-        state, e = line.split("|")
+    for state, e, _ in acct:
         seconds = sum(int(x) * m for x, m in zip(e.split(":"), (3600, 60, 1)))
         elapsed[-1:] = [elapsed[-1] + seconds] if resizing else elapsed[-1:] + [seconds]
         resizing = state.startswith("RESIZING")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import wait_until
+from tests.conftest import sacct_rows, squeue_state, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train_gpt.py"
@@ -35,8 +35,9 @@ def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
 
 
 def squeue(env: dict[str, str], job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env, capture_output=True,
-                          text=True).stdout.strip()
+    """The job's state, "" once it left the queue ("UNKNOWN" when squeue failed: not gone)."""
+    state = squeue_state(env, job_id)
+    return "" if state == "GONE" else state
 
 
 def outcomes(job: Path) -> list[dict]:
@@ -209,9 +210,13 @@ def test_an_elastic_container_job_gives_an_excluded_node_back_from_outside(env, 
 
 
 def sacct_times(env: dict[str, str], *job_ids: str) -> dict[str, tuple[str, str]]:
-    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,Start,End"],
-                         env=env, capture_output=True, text=True).stdout
-    return {line.split("|")[0]: tuple(line.split("|")[1:3]) for line in out.splitlines() if line}
+    """(Start, End) of each job's last run, once slurmdbd has the end of every one of them."""
+    def ended(rows: list[list[str]]) -> bool:
+        last = {r[0]: r for r in rows}
+        return set(last) >= set(job_ids) and all(last[j][2] not in ("", "Unknown") for j in job_ids)
+
+    rows = sacct_rows(env, ",".join(job_ids), "JobID,Start,End", until=ended)
+    return {r[0]: (r[1], r[2]) for r in rows}
 
 
 def test_where_slurm_refuses_the_requeue_the_job_continues_as_a_new_job(env, tmp_path: Path,
@@ -247,8 +252,7 @@ def test_where_slurm_refuses_the_requeue_the_job_continues_as_a_new_job(env, tmp
     assert (job / "wandb_run_id").read_text() == wandb_id
     assert_same_as_baseline(job, baseline)            # same W&B run, same samples and weights
     times = sacct_times(env, old, new)
-    if old in times and new in times and times[old][1] not in ("", "Unknown"):
-        assert times[new][0] >= times[old][1], times   # chained: never both running
+    assert times[new][0] >= times[old][1], times   # chained: never both running
     index = [json.loads(x) for x in (Path(env["HPC_HOME"]) / "jobs.jsonl").read_text().splitlines()]
     assert [x["job_id"] for x in index] == [old, new]    # one continuation, recorded once
     st = hpc(env, "status", old, new)
