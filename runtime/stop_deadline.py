@@ -118,19 +118,24 @@ def is_pending(notice: StopNotice | None) -> bool:
 
 def plan(kind: str, deadline: float, notice: StopNotice | None, *,
          allocation: int) -> tuple[str, float, str]:
-    """(kind, deadline, note) for a save decision: the workers' own estimate and the notice
-    of this allocation's launcher, the earlier deadline; Slurm's kind when it answered (pure)."""
+    """(kind, deadline, note) for a save decision (pure): the workers' own estimate, or
+    Slurm's earlier deadline and its kind when this allocation's launcher got an answer.
+
+    Only Slurm's answer is taken from the notice: the launcher's own estimate follows the same
+    rules as the workers', except after a SIGTERM, which it records as the deadline itself,
+    while the workers still have until Slurm's SIGKILL (``KillWait``, or a lifeline's grace).
+    """
     if notice is None or notice.allocation != allocation:
         return kind, deadline, "assumed deadline (no stop notice)"
-    if notice.query == ANSWERED:
-        return notice.kind, min(deadline, notice.deadline), describe(notice)
+    if notice.query == ANSWERED and notice.slurm_deadline is not None:
+        return notice.kind, min(deadline, notice.slurm_deadline), describe(notice)
     if notice.query.startswith(UNANSWERED):
         note = f"assumed deadline (Slurm: {notice.query})"
     elif notice.query == ASKING:
         note = "assumed deadline (Slurm did not answer in time)"
     else:
         note = "assumed deadline (no Slurm here)"
-    return kind, min(deadline, notice.deadline), note
+    return kind, deadline, note
 
 
 def describe(notice: StopNotice, now: float | None = None) -> str:
