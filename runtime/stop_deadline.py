@@ -17,8 +17,10 @@ a thousand nodes asking slurmctld at once while it preempts would be a storm); t
 wait briefly for its notice. No Slurm here (``hpc run``, a container): the assumption,
 unchanged.
 
-The decisions are pure (:func:`slurm_stop`, :func:`refine`, :func:`plan`); :func:`ask_slurm`
-and :func:`await_answer` are the two that touch the world.
+The stop notice itself (:class:`StopNotice`, what ``HPC_STOP_FILE`` holds) is declared here;
+the launcher's :class:`runtime.stopping.StopTracker` writes it. The decisions are pure
+(:func:`slurm_stop`, :func:`refine`, :func:`plan`); :func:`ask_slurm` and
+:func:`await_answer` are the two that touch the world.
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from hpc.contract import jobdir
+from hpc.contract.slurm import SlurmClient
 from hpc.contract.slurm_parse import JobInfo, JobState
 from runtime.preemption import TIME_LIMIT_SLACK_S
-
-if TYPE_CHECKING:   # runtime.stopping imports this module
-    from runtime.stopping import StopNotice
 
 QUERY_BUDGET_S = 1.5
 """How long the launcher waits for ``scontrol show job`` on a warning before it goes on with
@@ -49,6 +49,52 @@ NO_SLURM = ""            # nothing to ask (hpc run, a container): the assumption
 ASKING = "asking"        # a launcher is asking Slurm: readers wait up to ANSWER_WAIT_S
 ANSWERED = "answered"    # the deadline is the earlier of the assumed and Slurm's
 UNANSWERED = "unanswered"  # no usable answer in time (the reason follows): the assumption
+
+
+STOP_KINDS = ("preempted", "time_limit")
+
+
+@dataclass(frozen=True)
+class StopNotice:
+    """A stop that began: what it is and when the hard stop is expected.
+
+    Attributes:
+        allocation: The allocation that is stopping.
+        kind: ``preempted`` or ``time_limit``.
+        signal: The first signal the launcher got (``SIGUSR2``, ``SIGTERM``).
+        received_at: Wall time it arrived.
+        deadline: Wall time of the expected SIGTERM from Slurm (SIGKILL follows ``KillWait``
+            later), the one to plan against: the earlier of the assumed and Slurm's; after
+            a SIGTERM, that moment.
+        assumed_deadline: The launcher's own estimate (the warning plus GraceTime, or the
+            job's end time), once Slurm was asked.
+        slurm_deadline: Slurm's ``EndTime`` read on the warning, if it answered.
+        query: Where Slurm's answer stands (this module): ``""`` (no Slurm
+            here), ``asking``, ``answered``, ``unanswered: why``.
+    """
+
+    allocation: int
+    kind: str
+    signal: str
+    received_at: float
+    deadline: float
+    assumed_deadline: float | None = None
+    slurm_deadline: float | None = None
+    query: str = NO_SLURM
+
+    def __post_init__(self) -> None:
+        assert self.kind in STOP_KINDS, self.kind
+
+    @classmethod
+    def read(cls, path: str | Path) -> StopNotice | None:
+        """The notice at ``path``, or None when there is none (or it cannot be read)."""
+        data = jobdir.read_json(Path(path)) if str(path) else None
+        if not isinstance(data, dict) or not data:
+            return None
+        try:
+            return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        except (KeyError, TypeError, AssertionError):
+            return None
 
 
 @dataclass(frozen=True)
@@ -163,8 +209,6 @@ def ask_slurm(job_id: str, env: Mapping[str, str] | None = None,
     Raises:
         SlurmError: no answer within the budget, or the controller refused.
     """
-    from hpc.contract.slurm import SlurmClient
-
     return SlurmClient(env, retry_total_s=0, command_timeout_s=budget_s).show_job(job_id)
 
 
@@ -181,7 +225,5 @@ def await_answer(read: Callable[[], StopNotice | None], since: float, *,
 
 
 def read_notice(path: str | Path) -> StopNotice | None:
-    """The notice at ``path`` (lazy import: :mod:`runtime.stopping` imports this module)."""
-    from runtime.stopping import StopNotice
-
+    """The notice at ``path``, or None."""
     return StopNotice.read(path)

@@ -43,62 +43,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
 from hpc.contract.environment import STOPPED_EXIT
+from hpc.contract.slurm import SlurmError
 from runtime import stop_deadline
+from runtime.stop_deadline import STOP_KINDS, StopNotice  # noqa: F401 - re-exported
 from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 
 log = logging.getLogger("hpc.launch")
 
-STOP_KINDS = ("preempted", "time_limit")
-
-
-@dataclass(frozen=True)
-class StopNotice:
-    """A stop that began: what it is and when the hard stop is expected.
-
-    Attributes:
-        allocation: The allocation that is stopping.
-        kind: ``preempted`` or ``time_limit``.
-        signal: The first signal the launcher got (``SIGUSR2``, ``SIGTERM``).
-        received_at: Wall time it arrived.
-        deadline: Wall time of the expected SIGTERM from Slurm (SIGKILL follows ``KillWait``
-            later), the one to plan against: the earlier of the assumed and Slurm's; after
-            a SIGTERM, that moment.
-        assumed_deadline: The launcher's own estimate (the warning plus GraceTime, or the
-            job's end time), once Slurm was asked.
-        slurm_deadline: Slurm's ``EndTime`` read on the warning, if it answered.
-        query: Where Slurm's answer stands (:mod:`runtime.stop_deadline`): ``""`` (no Slurm
-            here), ``asking``, ``answered``, ``unanswered: why``.
-    """
-
-    allocation: int
-    kind: str
-    signal: str
-    received_at: float
-    deadline: float
-    assumed_deadline: float | None = None
-    slurm_deadline: float | None = None
-    query: str = stop_deadline.NO_SLURM
-
-    def __post_init__(self) -> None:
-        assert self.kind in STOP_KINDS, self.kind
-
-    @classmethod
-    def read(cls, path: str | Path) -> StopNotice | None:
-        """The notice at ``path``, or None when there is none (or it cannot be read)."""
-        data = jobdir.read_json(Path(path)) if str(path) else None
-        if not isinstance(data, dict) or not data:
-            return None
-        try:
-            return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-        except (KeyError, TypeError, AssertionError):
-            return None
 
 
 def notice_path(job_dir: Path, allocation: int) -> Path:
@@ -224,8 +182,6 @@ class StopTracker:
             self.refined.set()
 
     def _ask(self) -> tuple[stop_deadline.SlurmStop | None, str]:
-        from hpc.contract.slurm import SlurmError
-
         started = time.monotonic()
         try:
             info = self.ask_slurm()
