@@ -38,7 +38,6 @@ from urllib.parse import urlparse
 
 from hpc.contract import jobdir
 from hpc.contract.errors import HpcError, SpecError
-from hpc.index import resolve
 
 SYNCED = "wandb_synced.json"          # what hpc sync uploaded already (folder names)
 DEFAULT_BASE_URL = "https://api.wandb.ai"
@@ -271,6 +270,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from hpc.index import resolve   # here: `hpc --help` imports this module for add_parser only
+
     path = Path(args.job).expanduser()
     if path.is_dir() and jobdir.is_job_dir(path):
         job_dir = path

@@ -9,10 +9,6 @@ from pathlib import Path
 from hpc.contract import jobdir
 from hpc.contract.errors import HpcError, SpecError
 from hpc.contract.jobpaths import JobPaths
-from hpc.index import resolve
-from hpc.report import plot
-from hpc.report.load import load
-from hpc.report.table import format_table, to_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Here, not at the top: `hpc --help` imports this module for add_parser only.
+    from hpc.index import resolve
+    from hpc.report import plot
+    from hpc.report.load import load
+    from hpc.report.table import format_table, to_json
+
     path = Path(args.job).expanduser()
     if path.is_dir() and (jobdir.is_job_dir(path) or JobPaths(path).events.exists()):
         job_dir = path
