@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run locally (no Slurm): N processes through the elastic agent")
     _add_job_options(run, slurm=False)
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="show every log line on the console (the launcher's environment "
+                          "decisions, torch's agent, the Session's set-up); the job directory's "
+                          "logs always have them")
 
     for name, help_text in (("submit", "submit to Slurm"), ("render", "print the sbatch script that submit would run")):
         sp = sub.add_parser(name, help=help_text)
@@ -184,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from hpc.backends import local
-        return local.run(build_spec(args))
+        return local.run(build_spec(args), verbose=args.verbose)
     if args.command in ("submit", "render"):
         spec = build_spec(args)
         from hpc import submission as submit

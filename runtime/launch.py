@@ -43,6 +43,7 @@ from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import NetworkError, detect
+from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, health, outcome, stop_deadline, stopping, succession
 from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
@@ -63,13 +64,15 @@ RDZV_CONF: dict[str, Any] = {
 STORE_LOST_S = 10.0
 
 
-def _logs_specs(plan: LaunchPlan) -> Any:
-    """Per-rank log files: ``logs/alloc-A/restart-K/rank-R.log``; rank 0 is tee'd to stdout."""
+def _logs_specs(plan: LaunchPlan, tee: RankTee) -> Any:
+    """Per-rank log files: ``logs/alloc-A/restart-K/rank-R.log``; rank 0's is copied to the
+    console by ``tee`` (filtered, :mod:`runtime.console`), not by torch's tee."""
     from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
     class HpcLogsSpecs(LogsSpecs):
         def __init__(self) -> None:
             super().__init__(log_dir=str(plan.log_dir))
+            self.paths: dict[int, Path] = {}      # global rank -> its current log file
 
         @property
         def root_log_dir(self) -> str:
@@ -82,12 +85,13 @@ def _logs_specs(plan: LaunchPlan) -> Any:
                 rank = int(wenv["RANK"])
                 path = jobdir.rank_log(plan.job_dir, plan.allocation, restart, rank, plan.epoch)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                self.paths[rank] = path
                 dest.stdouts[local_rank] = str(path)
                 dest.stderrs[local_rank] = ""
                 dest.error_files[local_rank] = str(path.with_suffix(".error.json"))
                 wenv["TORCHELASTIC_ERROR_FILE"] = dest.error_files[local_rank]
                 if rank == 0:
-                    dest.tee_stdouts[local_rank] = str(path)
+                    tee.follow(path, f"[rank{rank}]: ")
             return dest
 
     return HpcLogsSpecs()
@@ -95,9 +99,11 @@ def _logs_specs(plan: LaunchPlan) -> Any:
 
 
 
-def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None = None) -> int:
+def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None = None,
+        tee: RankTee | None = None) -> int:
     """Runs the elastic agent for ``plan`` (again, with a new rendezvous host, when the old one
     is lost and a majority survives: :mod:`runtime.succession`); returns the exit status."""
+    tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     for change in plan.env_changes:
         log.info("env %s", change.describe())
     os.environ.update(plan.worker_env)
@@ -120,7 +126,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
     while True:
         end = pending or _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
-                                    members=len(epoch.members))
+                                    members=len(epoch.members), tee=tee)
         pending = None
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
@@ -157,7 +163,8 @@ def _futile(plan: LaunchPlan, result: Any) -> str | None:
 
 
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
-               board: succession.Board | None, members: int = 0) -> outcome.AgentEnd:
+               board: succession.Board | None, members: int = 0,
+               tee: RankTee | None = None) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
     Slurm, the fence: a newer epoch decided without this node stops its workers."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -166,14 +173,23 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     spec = plan.spec
+    tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     os.environ[job_env.RDZV_EPOCH] = str(epoch)
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
+    logs_specs = _logs_specs(plan, tee)
+
+    def why(failures: Any) -> str:
+        rank, failure = outcome.root_failure(failures)
+        return outcome.failure_reason(rank, failure, outcome.read_tail(logs_specs.paths.get(rank)))
+
+    def on_restart(failures: Any, restart: int, of: int) -> None:
+        tee.drain()
+        log.warning("%s: starting the workers again (restart %d of %d)", why(failures), restart, of)
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
         run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend="c10d",
         rdzv_configs=dict(RDZV_CONF, is_host=plan.is_rdzv_host), max_restarts=spec.max_restarts,
-        monitor_interval=0.5, start_method="spawn", logs_specs=_logs_specs(plan),
-        log_line_prefix_template="[rank${rank}]: ",
+        monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )
     # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
@@ -195,13 +211,13 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
-                futile=lambda result: _futile(plan, result) or watchdog.repeated()):
+                futile=lambda result: _futile(plan, result) or watchdog.repeated(),
+                on_restart=on_restart):
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
-        rank, failure = outcome.root_failure(e.failures)
         exit_codes = tuple(sorted({f.exitcode for f in e.failures.values()}))
-        reason = f"rank {rank} exited with {failure.exitcode}: {outcome.failure_message(failure.message)}".strip()
+        reason = why(e.failures)
     except SignalException as e:
         result, reason = "signal", f"launcher got {e.sigval.name}"
     except RendezvousError as e:
@@ -215,6 +231,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
         log.exception("the elastic agent failed")
         result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
+    ended = time.time()
+    tee.drain()    # rank 0's last lines (its traceback) before this launcher's verdict
     watchdog.stop()
     if forwarder.stop is not None:
         forwarder.stop.cancel()   # the workers ended: no time-limit SIGTERM now
@@ -224,7 +242,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
-    return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes)
+    return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes, ended=ended)
 
 
 def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.AgentEnd,
@@ -399,18 +417,43 @@ def slurm_deadlines(env: Mapping[str, str]) -> tuple[float | None, float | None]
     return end, grace
 
 
-def _setup_logging(plan: LaunchPlan) -> None:
+def _setup_logging(plan: LaunchPlan, verbose: bool) -> None:
+    """Everything (INFO and up, torch's agent included) to ``node-HOST.log``; to the console
+    (stderr) what matters (NOTE and up, :mod:`runtime.console`), everything with ``verbose``."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [hpc launch node {plan.node_rank}] %(levelname)s %(message)s")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr),
-                                       logging.FileHandler(plan.log_dir / f"node-{socket.gethostname()}.log")]
+    to_file = logging.FileHandler(plan.log_dir / f"node-{socket.gethostname()}.log")
+    to_file.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(console_level(verbose))
+    multi = plan.nnodes[1] > 1
+    console.setFormatter(fmt if verbose else ConsoleFormatter(f"hpc node {plan.node_rank}" if multi else "hpc"))
     root = logging.getLogger()
-    for h in handlers:
-        h.setFormatter(fmt)
-        root.addHandler(h)
+    root.addHandler(to_file)
+    root.addHandler(console)
     root.setLevel(logging.INFO)
+    # torch's agent reports what our own lines say better (a worker failed, its peers were
+    # stopped): its log goes to the file; to the console only with verbose.
     for noisy in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logger = logging.getLogger(noisy)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+        logger.handlers = [to_file] + ([console] if verbose else [])
+
+
+def started_line(plan: LaunchPlan, env: Mapping[str, str]) -> str:
+    """The console's one line that the job started: world size, job dir, W&B run (pure)."""
+    spec = plan.spec
+    lo, hi = plan.nnodes
+    nodes = f"{hi} node{'s' if hi > 1 else ''}" if lo == hi else f"{lo}:{hi} nodes"
+    world = str(hi * spec.nproc_per_node) if lo == hi else \
+        f"{lo * spec.nproc_per_node}-{hi * spec.nproc_per_node}"
+    procs = f"{spec.nproc_per_node} process{'es' if spec.nproc_per_node > 1 else ''}"
+    mode = env.get("WANDB_MODE", spec.wandb_mode)
+    wandb = "W&B off" if mode == "disabled" else \
+        f"W&B run {env.get('WANDB_RUN_ID', '?')} ({mode}, in {env.get('WANDB_DIR', plan.job_dir)}/wandb)"
+    return (f"started {Path(spec.script).name}: world {world} ({nodes} x {procs}); "
+            f"job dir {plan.job_dir}; {wandb}")
 
 
 def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None) -> int | None:
@@ -486,9 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     plan = dataclasses.replace(plan, local=args.local)
-    _setup_logging(plan)
+    verbose = verbose_from_env(os.environ)
+    _setup_logging(plan, verbose)
     log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,
              socket.gethostname(), plan.rdzv_endpoint, run_id)
+    if plan.is_rdzv_host and args.lost_host is None:
+        log.log(NOTE, "%s", started_line(plan, {**os.environ, **plan.worker_env}))
     if args.lost_host is None:
         left = _health_check(plan, slurm, network_problem)
         if left is not None:
@@ -512,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
     events = LauncherRecorder(job_dir, allocation=plan.allocation, node_rank=node_rank,
                               slurm_job_id=slurm.job_id)   # events.jsonl: the allocation's frame
-    code = run(plan, forwarder, lost_epoch=args.lost_host)
+    tee = RankTee(sys.stdout, verbose=verbose)
+    code = run(plan, forwarder, lost_epoch=args.lost_host, tee=tee)
+    tee.close()
     events.end(code, forwarder.received)
     return code
 

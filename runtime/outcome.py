@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -67,6 +69,7 @@ class AgentEnd:
     watchdog: Any = None         # runtime.liveness.watchdog.Watchdog (its verdict amends the kind)
     exit_codes: tuple[int, ...] = ()  # the failed workers' exit statuses
     extra: dict[str, Any] = field(default_factory=dict)
+    ended: float | None = None   # wall time the agent saw its workers end
 
 
 # What scontrol says when the cluster or the job forbids a requeue (JobRequeue=0, --no-requeue
@@ -116,14 +119,17 @@ def permanent_failure(failures: Mapping[int, Any]) -> str | None:
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The rank whose failure explains the others, and that failure (pure).
 
-    The earliest failure whose message is not a peer's collateral connection error; when every
+    The earliest failure whose message is not a peer's collateral connection error and that is
+    not a death by SIGTERM (torch's agent sends it to the other workers once one failed, and
+    their failures carry a timestamp as late as the real one's, to the second); when every
     failure is collateral, the earliest. ``failures`` maps rank to torch's ``ProcessFailure``
-    (``timestamp``, ``message``).
+    (``timestamp``, ``message``, ``exitcode``).
     """
     def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
         rank, failure = item
         text = str(failure.message)
-        return any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
+        stopped = getattr(failure, "exitcode", None) == -signal.SIGTERM
+        return stopped or any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
 
     return min(failures.items(), key=key)
 
@@ -133,6 +139,82 @@ def failure_message(message: Any) -> str:
     if isinstance(message, dict):
         message = message.get("message", "")
     return str(message).strip().splitlines()[-1] if str(message).strip() else "(no error message)"
+
+
+# What torch's agent says of a worker that exited with a status but wrote no error file (a
+# script that exits on a bad argument, sys.exit("...")): it names no cause.
+TORCH_NO_ERROR_FILE = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+# Lines of a rank's output that are never the script's own last word.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+_NOT_THE_ERROR = (
+    re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[hpc[\w.]*\] (DEBUG|INFO|NOTE) "),  # our notes
+    re.compile(r"^\[[IW]\d{4} "),          # torch's C++ info and warning lines
+    re.compile(r"^\[hpc worker\] "),       # the worker wrapper's own notes
+    re.compile(r"^wandb: "),
+    re.compile(re.escape(TORCH_NO_ERROR_FILE)),
+)
+TAIL_BYTES = 64 << 10
+
+
+def last_error_line(output: str) -> str | None:
+    """The script's own last meaningful line in a rank's output (pure): the error an
+    ``argparse`` exit or ``sys.exit("...")`` printed, the last line of a traceback.
+
+    Blank lines, torch's ``[rankN]:`` prefixes, its elastic boilerplate and C++ warnings, our
+    own notes and W&B's lines are skipped.
+    """
+    for raw in reversed(output.splitlines()):
+        line = _RANK_PREFIX.sub("", raw, count=1).strip()
+        if line and not any(p.search(line) for p in _NOT_THE_ERROR):
+            return line[:500]
+    return None
+
+
+def read_tail(path: Path | None, size: int = TAIL_BYTES) -> str:
+    """The last ``size`` bytes of a file as text ("" when there is none)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def failure_reason(rank: int, failure: Any, output_tail: str = "") -> str:
+    """Why a rank failed, in one line (pure): ``rank R exited with N: <the error>``.
+
+    The error is the exception line of torch's error file (an uncaught exception) or, when the
+    script wrote none (it exited with a status after printing its error), the last meaningful
+    line of its own output, never torch's generic pointer to its documentation.
+    """
+    message = failure_message(failure.message)
+    if TORCH_NO_ERROR_FILE in message or message == "(no error message)":
+        message = last_error_line(output_tail) or (
+            "(no error message; the script printed nothing that says why)")
+    return f"rank {rank} exited with {failure.exitcode}: {message}".strip()
+
+
+# A signal this close to the workers' end arrived as they were ending (the agent looks every 0.5 s).
+ENDING_S = 2.0
+
+
+def signals_note(received: list[tuple[float, str]], ended: float) -> str:
+    """What a finished allocation says of the warning signals it got (pure).
+
+    The work was done, so the workers did not stop for them: either the signal came as they
+    were ending, or they went on (a script without a handler for the warning signal ignores
+    it; the Session finishes instead of stopping at its last step). Which of the two is told
+    by when it arrived, not assumed: a script that ignores the warning runs to its end.
+    """
+    names = ",".join(dict.fromkeys(n for _, n in received))
+    first = min(t for t, _ in received)
+    before = ended - first
+    if before <= ENDING_S:
+        return f"{names} arrived as the workers were ending ({before:.1f}s before)"
+    return (f"{names} arrived {before:.0f}s before the workers ended; they did not stop for it "
+            "and finished the work")
 
 
 def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Outcome | None:
@@ -208,7 +290,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     if kind != "finished":
         reason = diskspace.explain(plan.job_dir, reason)   # names ENOSPC when the disk is full
     if forwarder.received and kind == "finished":
-        reason = "signals " + ",".join(n for _, n in forwarder.received) + " arrived after the work was done"
+        reason = signals_note(forwarder.received, end.ended or time.time())
     if end.extra.get("succession"):
         reason = "; ".join(x for x in (reason, end.extra["succession"]) if x)
     log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from hpc.contract import components, interval, jobdir
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
+from runtime.console import DDP_UNUSED_EXPECTED, NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness import events, stragglers
@@ -304,9 +305,9 @@ class Session:
         # (find_unused_parameters disables the rebuild; it costs one autograd-graph walk per
         # step). Pass reproducible_resume=False to trade that for the rebuilt layout.
         if reproducible_resume and self.is_rank0:
-            log.info("DDP: find_unused_parameters=True keeps one gradient-bucket layout, so a resumed run "
-                     "is bit-identical; torch's warning that no unused parameters were found is expected "
-                     "(wrap(..., reproducible_resume=False) skips the extra graph walk)")
+            log.info("DDP: %s, so a resumed run is bit-identical; torch's warning that no unused "
+                     "parameters were found is expected (wrap(..., reproducible_resume=False) skips "
+                     "the extra graph walk)", DDP_UNUSED_EXPECTED)
         ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                   find_unused_parameters=reproducible_resume)
         if self.world_size > 1 and pace_hook:
@@ -405,7 +406,8 @@ class Session:
                 self._stop(request)
                 return
             if request is not None and self.is_rank0:   # the work is done: finish, no requeue
-                log.info("%s arrived at the last step: finishing instead of stopping", request.signal_name)
+                log.log(NOTE, "%s arrived at the last step: finishing instead of stopping",
+                        request.signal_name)
             if self._checkpointer is not None and self.step < stop \
                     and self._checkpointer.should_save(self.step):
                 self.save(blocking=False)

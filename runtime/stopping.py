@@ -254,7 +254,9 @@ def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
 
 @contextlib.contextmanager
 def no_restarts_once_stopping(stopping: Callable[[], bool],
-                              futile: Callable[[Any], str | None] = lambda result: None) -> Iterator[None]:
+                              futile: Callable[[Any], str | None] = lambda result: None,
+                              on_restart: Callable[[Any, int, int], None] | None = None
+                              ) -> Iterator[None]:
     """While inside, torch's elastic agent restarts no workers once ``stopping()`` is true.
 
     ``launch_agent`` builds a ``LocalElasticAgent`` by its module-global name; inside this
@@ -267,6 +269,9 @@ def no_restarts_once_stopping(stopping: Callable[[], bool],
     full, the checkpoint directory is a file), or None: with a reason, a failed group is not
     restarted either; ``result`` is the agent's ``RunResult`` (its ``failures``). The restarts are for
     faults that go away; these would spend them all redoing work from the last checkpoint.
+
+    ``on_restart(failures, restart, max_restarts)`` is told of each restart the agent is about
+    to make after failed workers (``failures``: global rank -> torch's ``ProcessFailure``).
     """
     try:
         from torch.distributed.launcher import api as launcher_api
@@ -293,6 +298,13 @@ def no_restarts_once_stopping(stopping: Callable[[], bool],
                 log.error("the workers failed and %s: no restart (%d left unused), it would "
                           "only fail the same way", why, left)
                 self._remaining_restarts = 0
+            elif left and getattr(getattr(result, "state", None), "name", "") == "FAILED" \
+                    and on_restart is not None:
+                total = getattr(getattr(worker_group, "spec", None), "max_restarts", left)
+                try:
+                    on_restart(getattr(result, "failures", {}), total - left + 1, total)
+                except Exception:  # noqa: BLE001 - a message must not break the agent
+                    log.exception("cannot describe the failed workers")
             return result
 
     launcher_api.LocalElasticAgent = StopAwareAgent

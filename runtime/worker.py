@@ -94,10 +94,40 @@ def main(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit:
         raise
-    except BaseException as e:
+    except Exception as e:
         # The agent reads this file to say *why* a rank failed (outcomes.jsonl, hpc status).
         record_failure(e)
+        print_once(e)
+        sys.exit(1)     # as an uncaught exception would, without the exception hooks
+    except BaseException as e:
+        record_failure(e)
         raise
+
+
+def print_once(e: BaseException) -> None:
+    """Prints the script's traceback once, as Python would (from the script's frame on).
+
+    An uncaught exception goes through ``sys.excepthook``, and hooks chain: wandb's prints the
+    traceback and then calls torch's, which prints it again with a ``[rankN]:`` prefix, so a
+    Session script's failure was shown twice, once per restart.
+    """
+    import traceback
+
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and _outside_script(tb):
+        tb = tb.tb_next
+    try:
+        sys.stdout.flush()
+        traceback.print_exception(type(e), e, tb, file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _outside_script(tb: object) -> bool:
+    """Whether a traceback entry is this wrapper's or runpy's (skipped in the printout)."""
+    name = tb.tb_frame.f_code.co_filename   # type: ignore[attr-defined]
+    return name == __file__ or name.startswith("<frozen runpy>") or name.endswith("runpy.py")
 
 
 def record_failure(e: BaseException) -> None:

@@ -116,9 +116,27 @@ def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_i
             str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id, "--local"]
 
 
-def run(spec: JobSpec) -> int:
+def resume_hint(last: jobdir.Outcome, job_dir: Path) -> str:
+    """How to go on after a stop, saying only what is known (pure): the checkpoint's step, else
+    the step reached, else that hpc saw no checkpoint (a script's own snapshot is not seen)."""
+    how = f"run the same command with --job-dir {job_dir}"
+    if last.step is not None:
+        return f"to resume from step {last.step}, {how}"
+    if last.last_step is not None:
+        return (f"no checkpoint was saved (the run reached step {last.last_step}); to start "
+                f"it again, {how}")
+    return (f"to resume, {how} (hpc saw no checkpoint of its own: a script that saves its own "
+            "resumes from it)")
+
+
+def run(spec: JobSpec, *, verbose: bool = False) -> int:
     """Runs ``spec`` locally; returns the job's exit status. The run is recorded in the job
-    index (:mod:`hpc.index`), so ``hpc status`` lists it with the submitted jobs."""
+    index (:mod:`hpc.index`), so ``hpc status`` lists it with the submitted jobs.
+
+    Args:
+        spec: The job.
+        verbose: Every log line on the console, not only what matters (``hpc run -v``).
+    """
     job_dir, lock = prepare(spec)
     with lock:
         try:
@@ -126,15 +144,13 @@ def run(spec: JobSpec) -> int:
         except OSError as e:   # an unwritable $HPC_HOME costs the listing, never the run
             _say(f"hpc run: note: not listed in hpc status ({e.strerror or e}); "
                  f"hpc status {job_dir} still shows it")
-        return _run(spec, job_dir, lock)
+        return _run(spec, job_dir, lock, verbose)
 
 
-def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
+def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False) -> int:
     nodes = spec.max_nodes
     port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
-    _say(f"hpc run: {Path(spec.script).name} on {nodes} local node(s) x {spec.nproc_per_node} "
-         f"process(es); job dir {job_dir}")
     if (warning := checkpoint_warning(spec)) is not None:
         _say(f"hpc run: warning: {warning}")
     started = time.monotonic()
@@ -145,6 +161,8 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
     earlier = jobdir.read_outcomes(job_dir)
     allocation = max([len(earlier), *(o.allocation + 1 for o in earlier)])
     env = dict(os.environ, **{job_env.ALLOCATION: str(allocation)})
+    if verbose:
+        env[job_env.VERBOSE] = "1"   # the launchers' consoles show every log line
     me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
     procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]
@@ -180,8 +198,7 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock) -> int:
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
     _say(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
     if last and last.kind in ("preempted", "time_limit"):
-        _say(f"hpc run: to resume from step {last.step}, run the same command with "
-             f"--job-dir {job_dir}")
+        _say(f"hpc run: {resume_hint(last, job_dir)}")
     result = job_dir / jobdir.RESULT
     if result.exists() and code == 0:
         _say(f"hpc run: result {result}")

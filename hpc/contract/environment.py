@@ -27,6 +27,7 @@ GRACE_S = "HPC_GRACE_S"                  # the partition's preemption GraceTime
 PROGRESS_EVERY_S = "HPC_PROGRESS_EVERY_S"  # how often rank 0 writes progress.json (tests)
 HEARTBEAT_DIR = "HPC_HEARTBEAT_DIR"      # node-local directory of the workers' heartbeats
 RDZV_EPOCH = "HPC_RDZV_EPOCH"            # the rendezvous epoch (a new one after a lost host)
+VERBOSE = "HPC_VERBOSE"                  # "1": the console shows every log line (hpc run -v)
 # The contract for users' own scripts (docs/own-script.md): read these, change nothing else.
 CHECKPOINT_DIR = "HPC_CHECKPOINT_DIR"    # a directory that survives requeues (JOB_DIR/checkpoints)
 RESUMED = "HPC_RESUMED"                  # "1": an earlier allocation or worker generation ran

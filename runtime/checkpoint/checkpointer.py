@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hpc.contract.components import CHECKPOINT, CheckpointConfig
 from runtime import rng, succession
+from runtime.console import NOTE
 from runtime.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir, parse_step,
     quarantine_name, quarantined_to_prune, read_latest, retry_transient, step_dirname, steps_to_prune,
@@ -456,7 +457,7 @@ class Checkpointer:
         self.loaded_manifest = manifest
         self._maybe_warm_up()
         if self.rank == 0:
-            log.info("checkpoint: resumed from %s (saved at world size %d, now %d)",
+            log.log(NOTE, "checkpoint: resumed from %s (saved at world size %d, now %d)",
                      step_dir, manifest.world_size, self.world_size)
         return manifest
 
@@ -529,8 +530,8 @@ class Checkpointer:
         kill_point("before_latest", self.rank)
         _write_atomic(self.directory / LATEST_NAME, final.name + "\n")
         size = sum(f.size for f in manifest.files)
-        log.info("checkpoint: saved %s (%.1f MB, %d files) in %.2fs", final.name, size / 1e6,
-                 len(manifest.files), flight.save_s)
+        log.log(NOTE, "checkpoint: saved %s (%.1f MB, %d files) in %.2fs", final.name, size / 1e6,
+                len(manifest.files), flight.save_s)
         self._prune(flight.step)
 
     def _finish(self, step: int, err: str | None, save_s: float) -> None:
