@@ -173,9 +173,10 @@ def process_start_time() -> float | None:
 class AgentEvents(logging.Handler):
     """Turns torch's elastic-agent events into ours (installed by the launcher on each node).
 
-    The agent records its rendezvous rounds (``RENDEZVOUS`` with ``duration_ms``) and each
-    worker's start (``START``) on the ``torchelastic-events-null`` logger; both mark where a
-    group formed or re-formed, which the workers alone can not tell.
+    The agent records its rendezvous rounds (``RENDEZVOUS`` with ``duration_ms``), each
+    worker's start (``START``) and, when it is done, how its last workers ended, on the
+    ``torchelastic-events-null`` logger; they mark where a group formed, re-formed and ended,
+    which the workers alone can not tell (and a script without the Session tells nothing).
     """
 
     LOGGER = "torchelastic-events-null"
@@ -202,6 +203,10 @@ class AgentEvents(logging.Handler):
             elif state == "START" and list(inner.get("local_rank") or [None])[0] == 0:
                 self.events.emit("workers_started", t=now, agent_restarts=meta.get("agent_restarts"),
                                  nodes=inner.get("group_world_size"))
+            elif state in ("SUCCEEDED", "FAILED", "TERMINATED") and \
+                    list(inner.get("local_rank") or [None])[0] == 0:
+                self.events.emit("workers_ended", t=now, state=state,
+                                 agent_restarts=meta.get("agent_restarts"))
         except Exception:  # noqa: BLE001 - bookkeeping only
             pass
 

@@ -8,6 +8,7 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
 ``alloc_start``        launcher   each node: ``node_rank``, ``slurm_job_id``
 ``agent_rendezvous``   launcher   the elastic agent's rendezvous round ``[t0, t]``
 ``workers_started``    launcher   the agent started (or restarted) its workers
+``workers_ended``      launcher   the agent's last workers ended (``state``: SUCCEEDED, FAILED...)
 ``signal``             launcher   a warning signal reached the node (``signal``)
 ``alloc_end``          launcher   ``kind`` and ``exit_code`` as in ``outcomes.jsonl``
 ``session_start``      rank 0     ``restart``, ``t_proc`` (when the worker process started)

@@ -17,6 +17,12 @@ where two claims overlap the more specific wins, in the order of :data:`PAINT_OR
   end of its save;
 - ``unaccounted``: whatever no event explains; it is shown, never spread over the others.
 
+A script without the Session records no events of its own: its allocation has only the
+launchers' frame (the agent's rendezvous rounds, ``workers_started``, ``workers_ended``).
+Its workers' running time then counts as ``productive``, since that is what they do unless we
+know better, and the allocation carries a note that says what the ledger cannot see there
+(the script's own start-up, checkpoints, restores, failures and lost work).
+
 Node-seconds: every node of an allocation counts from the allocation's start to its own end
 (its launcher's ``alloc_end``; else when Slurm dropped it from the job, when known; else the
 allocation's end). A node that ended without its launcher's record died: from the first
@@ -74,6 +80,7 @@ class AllocationLedger:
     node_dead: dict[str, float] = field(default_factory=dict)   # node -> when it was found dead
     markers: list[Marker] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)     # what the ledger cannot see here
 
     @property
     def wall_s(self) -> float:
@@ -90,6 +97,10 @@ class Ledger:
     interruptions: int
     interval: dict[str, Any] | None
     checkpoints: dict[str, Any]
+
+    @property
+    def notes(self) -> list[str]:
+        return [n for a in self.allocations for n in a.notes]
 
     @property
     def goodput(self) -> float:
@@ -109,7 +120,7 @@ class Ledger:
                 "categories": self.categories, "queue_s": self.queue_s,
                 "lost_steps": self.lost_steps, "interruptions": self.interruptions,
                 "checkpoints": self.checkpoints, "checkpoint_interval": self.interval,
-                "allocations": allocs}
+                "notes": self.notes, "allocations": allocs}
 
 
 class _Timeline:
@@ -319,8 +330,20 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
     markers: list[Marker] = []
     curve: list[tuple[float, int]] = []
 
-    first_start = min((i.start for i in incs), default=t_end)
+    groups = _plain_groups(aevs, t_end) if not incs else []
+    first_start = min([i.start for i in incs] + [g[0] for g in groups], default=t_end)
     layers["startup"].append((t_start, first_start))
+    notes = []
+    for k, (g0, g1) in enumerate(groups):   # a script without the Session: running is working
+        layers["productive"].append((g0, g1))
+        nxt_g = groups[k + 1][0] if k + 1 < len(groups) else None
+        layers["rendezvous" if nxt_g else "teardown"].append((g1, nxt_g or t_end))   # re-form
+        if k > 0:
+            markers.append(Marker(g0, "restart", f"workers start again ({k})"))
+    if groups:
+        notes.append(f"allocation {alloc}: the script records no Session events; its workers' "
+                     "running time counts as productive steps (its own start-up, checkpoints, "
+                     "restores, failures and lost work are not seen)")
     for e in aevs:
         if e["ev"] == "agent_rendezvous":
             layers["rendezvous"].append((e.get("t0"), e["t"]))
@@ -421,5 +444,27 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         queue_s=queue, start_step=restores[0] if restores else None,
         last_step=max(lasts) if lasts else None,
         lost_steps=sum(lost_by_inc.get(id(i), 0) for i in incs),
-        restarts=max(0, len(incs) - 1), spans=tl.spans(),
-        node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve))
+        restarts=max(0, len(incs) - 1, len(groups) - 1), spans=tl.spans(),
+        node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve), notes=notes)
+
+
+def _plain_groups(aevs: list[Mapping[str, Any]], t_end: float) -> list[tuple[float, float]]:
+    """The worker groups of an allocation seen only by its launchers: ``(start, end)`` each.
+
+    One node's view (the lowest node rank that started workers: the rendezvous host, in every
+    group). A group runs from its ``workers_started`` until the next rendezvous round begins
+    (a restart), its workers end, or the allocation ends.
+    """
+    starts = [e for e in aevs if e["ev"] == "workers_started"]
+    if not starts:
+        return []
+    node = min(int(e.get("node_rank") or 0) for e in starts)
+    mine = [e for e in aevs if int(e.get("node_rank") or 0) == node]
+    times = [float(e["t"]) for e in mine if e["ev"] == "workers_started"]
+    stops = [float(e.get("t0") or e["t"]) for e in mine if e["ev"] == "agent_rendezvous"] + \
+        [float(e["t"]) for e in mine if e["ev"] == "workers_ended"]
+    out = []
+    for t0 in times:
+        t1 = min([s for s in stops if s > t0] + [t_end])
+        out.append((t0, t1))
+    return out

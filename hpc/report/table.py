@@ -57,6 +57,8 @@ def format_table(ledger: Ledger, title: str = "") -> str:
         lines.append(f"  Young/Daly interval: {_dur(iv['every_s'])}{used} = sqrt(2 x {iv['save_cost_s']:.3f}s "
                      f"x MTBF {_dur(iv['mtbf_s'])}); MTBF from {iv['interruptions']} interruption(s) in "
                      f"{_dur(iv['observed_s'])} + prior {_dur(iv['prior_mtbf_s'])}")
+    if ledger.notes:
+        lines += [""] + [f"  note: {n}" for n in ledger.notes]
     return "\n".join(lines) + "\n"
 
 

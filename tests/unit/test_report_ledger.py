@@ -253,3 +253,41 @@ def test_slurm_runs_are_matched_by_time_not_by_order():
     assert a.queue_s == 20.0 and a.start == 0.0
     (b,) = build(clean_run(), slurm_runs={0: runs[0]}).allocations   # only a stranger's run
     assert b.queue_s is None
+
+
+def plain_run(t=0.0, restarts=0):
+    """A script without the Session: only the launcher's frame. 2 s launcher start-up, a 1 s
+    rendezvous round, workers from 3 to 93 s (a restart re-forms for 2 s at 50), end at 95."""
+    evs = [launcher(t, "alloc_start", node_rank=0),
+           launcher(t + 3, "agent_rendezvous", t0=t + 2, node_rank=0),
+           launcher(t + 3, "workers_started", node_rank=0, agent_restarts=0)]
+    if restarts:
+        evs += [launcher(t + 52, "agent_rendezvous", t0=t + 50, node_rank=0),
+                launcher(t + 52, "workers_started", node_rank=0, agent_restarts=1)]
+    return evs + [launcher(t + 93, "workers_ended", node_rank=0, state="SUCCEEDED"),
+                  launcher(t + 95, "alloc_end", node_rank=0, kind="finished", exit_code=0)]
+
+
+def test_a_script_without_the_session_is_productive_while_it_runs():
+    led = build(plain_run())
+    c = led.categories
+    assert c["productive"] == pytest.approx(90)            # 3..93: the workers ran
+    assert c["startup"] == pytest.approx(2) and c["rendezvous"] == pytest.approx(1)
+    assert c["teardown"] == pytest.approx(2)
+    assert sum(c.values()) == pytest.approx(95)
+    assert led.goodput == pytest.approx(90 / 95)
+    assert len(led.notes) == 1 and "no Session events" in led.notes[0]
+    assert "not seen" in format_table(led) and json.loads(to_json(led))["notes"] == led.notes
+
+
+def test_a_script_without_the_session_restarted_re_forms_between_its_groups():
+    led = build(plain_run(restarts=1))
+    c = led.categories
+    assert c["rendezvous"] == pytest.approx(1 + 2)         # the first round + the re-form
+    assert c["productive"] == pytest.approx(47 + 41)       # 3..50 and 52..93
+    assert led.allocations[0].restarts == 1
+    assert [m.kind for m in led.allocations[0].markers] == ["restart"]
+
+
+def test_session_runs_carry_no_note():
+    assert build(clean_run()).notes == []

@@ -1,0 +1,99 @@
+"""Summaries and reports of a script without the Session, for real (issue 24, point 5).
+
+tests/distributed/scripts/plain_snapshot.py is a plain torchrun DDP script with its own
+snapshot file and no signal handler. Under ``hpc run`` the warning signal (SIGUSR2, sent to
+``hpc run`` as a user testing a handler would) reaches its workers, which ignore it:
+
+* when the script finishes anyway, the outcome says when the signal came (seconds before the
+  workers ended), not that it "arrived after the work was done";
+* when the stop it announced ends the workers, ``hpc run`` says how to resume without a
+  "step None": hpc saw no checkpoint of its own;
+* ``hpc report`` counts the workers' running time as productive (not 98 % start-up) and notes
+  what it cannot see.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.distributed
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "plain_snapshot.py"
+
+
+def start(job: Path, steps: int, step_sleep: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--steps", str(steps), "--step-sleep", str(step_sleep),
+           "--save-every", "1000", "--snapshot", str(job / "snapshot.pt"), "--out", str(job)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def warn_at_step(p: subprocess.Popen, job: Path, step: int, timeout: float = 120) -> float:
+    """Sends SIGUSR2 to ``hpc run`` once rank 0 printed ``step N``; returns when."""
+    log = job / "logs" / "alloc-0" / "restart-0" / "rank-0.log"
+    end = time.time() + timeout
+    while time.time() < end:
+        if log.exists() and f"step {step} loss" in log.read_text():
+            p.send_signal(signal.SIGUSR2)
+            return time.time()
+        assert p.poll() is None, p.communicate()[0]
+        time.sleep(0.1)
+    p.kill()
+    raise AssertionError(f"rank 0 never reached step {step}: {p.communicate()[0]}")
+
+
+def outcome(job: Path) -> dict:
+    return [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()][-1]
+
+
+def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_path: Path) -> None:
+    job = tmp_path / "finish"
+    steps, sleep = 80, 0.1                     # 8 s of steps; the warning comes at step 10
+    p = start(job, steps, sleep)
+    sent = warn_at_step(p, job, 10)
+    out, _ = p.communicate(timeout=120)
+    done = time.time()
+    assert p.returncode == 0, out
+    o = outcome(job)
+    assert o["kind"] == "finished", o
+    assert "after the work was done" not in o["reason"], o
+    before = float(o["reason"].split(" arrived ")[1].split("s before")[0])
+    assert "SIGUSR2 arrived" in o["reason"] and "did not stop for it" in o["reason"], o
+    assert 4.0 <= before <= done - sent, o      # 70 steps of 0.1 s were still to come
+
+    r = subprocess.run([sys.executable, "-m", "hpc", "report", str(job), "--json"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ledger = json.loads(r.stdout)
+    cats, total = ledger["categories"], ledger["allocated_node_s"]
+    assert cats["productive"] >= steps * sleep, ledger       # at least the steps' own sleep
+    assert cats["startup"] < 0.5 * total and ledger["goodput"] > 0.4, ledger
+    assert ledger["notes"] and "no Session events" in ledger["notes"][0], ledger
+    table = subprocess.run([sys.executable, "-m", "hpc", "report", str(job)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "note: allocation 0: the script records no Session events" in table, table
+
+
+def test_stopped_by_the_warning_says_how_to_resume_without_a_step_it_does_not_know(tmp_path: Path) -> None:
+    """The warning announces a preemption 30 s away; the script goes on, so the launcher
+    SIGTERMs its workers ~27 s later: a stop, recorded as preempted, with nothing saved that
+    hpc knows of."""
+    job = tmp_path / "stop"
+    p = start(job, 2000, 0.05)
+    warn_at_step(p, job, 10)
+    out, _ = p.communicate(timeout=150)
+    assert p.returncode == 75, out
+    o = outcome(job)
+    assert o["kind"] == "preempted" and o["step"] is None, o
+    assert "None" not in out, out
+    hint = [x for x in out.splitlines() if x.startswith("hpc run: to resume")]
+    assert hint and f"--job-dir {job}" in hint[0] and "hpc saw no checkpoint" in hint[0], out
