@@ -84,16 +84,16 @@ def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_pa
 
 
 def test_stopped_by_the_warning_says_how_to_resume_without_a_step_it_does_not_know(tmp_path: Path) -> None:
-    """The warning announces a preemption 30 s away; the script goes on, so the launcher
-    SIGTERMs its workers ~27 s later: a stop, recorded as preempted, with nothing saved that
-    hpc knows of."""
+    """The warning announces a stop (a preemption 30 s away, locally); the script goes on, so
+    the launcher SIGTERMs its workers before that: a stop (preempted or time_limit, as the
+    launcher classifies the warning), with nothing saved that hpc knows of."""
     job = tmp_path / "stop"
     p = start(job, 2000, 0.05)
     warn_at_step(p, job, 10)
     out, _ = p.communicate(timeout=150)
     assert p.returncode == 75, out
     o = outcome(job)
-    assert o["kind"] == "preempted" and o["step"] is None, o
+    assert o["kind"] in ("preempted", "time_limit") and o["step"] is None, o
     assert "None" not in out, out
     hint = [x for x in out.splitlines() if x.startswith("hpc run: to resume")]
     assert hint and f"--job-dir {job}" in hint[0] and "hpc saw no checkpoint" in hint[0], out
