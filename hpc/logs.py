@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import TextIO
 
 from hpc.contract.errors import SpecError
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient
 from hpc.index import JobRecord, resolve
 from hpc.status import Poller
 
-_ALLOC = re.compile(r"alloc-(\d+)$")
-_RESTART = re.compile(r"(?:epoch-(\d+)-)?restart-(\d+)$")
 # Final for sure. PREEMPTED and NODE_FAIL may be followed by a requeue under the same id, so
 # they count as final only after they stayed so for several polls.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -37,26 +36,13 @@ TEE_PREFIX = "[rank"
 
 def rank_logs(job_dir: Path, rank: int = 0) -> list[Path]:
     """The rank's log files in life order: by allocation, rendezvous epoch, then restart."""
-    out: list[tuple[int, int, int, Path]] = []
-    logs = Path(job_dir) / "logs"
-    if not logs.is_dir():
-        return []
-    for alloc in logs.iterdir():
-        a = _ALLOC.match(alloc.name)
-        if not (a and alloc.is_dir()):
-            continue
-        for restart in alloc.iterdir():
-            r = _RESTART.match(restart.name)
-            path = restart / f"rank-{rank}.log"
-            if r and path.is_file():
-                out.append((int(a.group(1)), int(r.group(1) or 0), int(r.group(2)), path))
-    return [p for *_, p in sorted(out)]
+    return [p for *_, p in JobPaths(job_dir).rank_logs(rank)]
 
 
 def log_files(job_dir: Path, job_id: str, rank: int = 0) -> list[Path]:
     """Everything ``hpc logs`` shows, in order: the rank's logs, then the batch output."""
     files = rank_logs(job_dir, rank)
-    batch = Path(job_dir) / "logs" / f"slurm-{job_id}.out"
+    batch = JobPaths(job_dir).batch_log(job_id)
     if batch.is_file():
         files.append(batch)
     return files
@@ -150,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         raise SpecError("JOB", args.job, "a job submitted with hpc (its directory is recorded "
                         "in $HPC_HOME/jobs.jsonl) or a job directory", "hpc logs runs/gpt")
     job_dir = Path(job.job_dir)
-    batch = job_dir / "logs" / f"slurm-{job.job_id}.out"
+    batch = JobPaths(job_dir).batch_log(job.job_id)
     follower = Follower(lambda: log_files(job_dir, job.job_id, args.rank), sys.stdout,
                         drop_tee=lambda path: path == batch)
     if args.follow and not job.job_id:   # hpc run: no Slurm state to follow
@@ -158,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
               "it live): printing its output so far", file=sys.stderr)
     if not args.follow or not job.job_id:
         if not follower.step(final=True):
-            print(f"hpc logs: no output yet in {job_dir / 'logs'}", file=sys.stderr)
+            print(f"hpc logs: no output yet in {JobPaths(job_dir).logs}", file=sys.stderr)
         return 0
 
     poller = Poller(SlurmClient(), [job])

@@ -39,13 +39,13 @@ from typing import Any
 
 from hpc import render
 from hpc.backends.sbatch import SBATCH_OPTIONS
-from hpc.contract import jobdir, joblock
+from hpc.contract import jobdir, joblock, jobpaths
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import TAG_PREFIX, SlurmClient
 from hpc.index import JobRecord, current_cluster, record_job
 
-SWEEP_FILE = "sweep.json"
+SWEEP_FILE = jobpaths.SWEEP
 MAX_TASKS = 10_000   # Slurm's default MaxArraySize is 1001; sites raise it, rarely this far
 
 

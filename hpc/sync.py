@@ -36,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, jobpaths
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.errors import HpcError, SpecError
 
-SYNCED = "wandb_synced.json"          # what hpc sync uploaded already (folder names)
+SYNCED = jobpaths.WANDB_SYNCED          # what hpc sync uploaded already (folder names)
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
@@ -105,7 +106,7 @@ def plan(job_dir: Path, *, now: float | None = None, settle_s: float = 30.0) -> 
     except FileNotFoundError:
         raise HpcError(f"{job_dir} has no W&B run ({jobdir.WANDB_RUN_ID} is missing): the job "
                        "has not started yet, or W&B was disabled for it") from None
-    folders = offline_folders(job_dir / "wandb", run_id)
+    folders = offline_folders(JobPaths(job_dir).wandb_dir, run_id)
     done = read_synced(job_dir, run_id) | {
         f.name for f in folders if (f / f"run-{run_id}.wandb.synced").exists()}
     now = time.time() if now is None else now

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.contract.jobpaths import JobPaths
+
 FATAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95})
 GPU_QUERY = "index,pci.bus_id,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
 TEST_FAIL = "HPC_TEST_HEALTH_FAIL"
@@ -52,7 +54,7 @@ class Finding:
 
 def job_dir_writable(job_dir: Path, host: str, *, probe_root: Path | None = None) -> Finding:
     """Writes a token under ``job_dir/health`` and reads it back."""
-    root = probe_root or Path(job_dir) / "health"
+    root = probe_root or JobPaths(job_dir).health_root
     probe = root / f".probe-{host}-{os.getpid()}"
     token = uuid.uuid4().hex
     try:
@@ -152,7 +154,7 @@ def run_checks(job_dir: Path, *, host: str, node_rank: int, gpus_per_node: int,
 
 def claim_leave(job_dir: Path, allocation: int, *, nodes: int, min_nodes: int, host: str) -> bool:
     """Claims one of the ``nodes - min_nodes`` slots a failing node needs to leave (O_EXCL)."""
-    root = Path(job_dir) / "health" / f"alloc-{allocation}"
+    root = JobPaths(job_dir).health(allocation)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:

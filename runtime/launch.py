@@ -35,6 +35,7 @@ from typing import Any
 from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
@@ -422,7 +423,7 @@ def _setup_logging(plan: LaunchPlan, verbose: bool) -> None:
     (stderr) what matters (NOTE and up, :mod:`runtime.console`), everything with ``verbose``."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [hpc launch node {plan.node_rank}] %(levelname)s %(message)s")
-    to_file = logging.FileHandler(plan.log_dir / f"node-{socket.gethostname()}.log")
+    to_file = logging.FileHandler(JobPaths(plan.job_dir).node_log(plan.allocation, socket.gethostname()))
     to_file.setFormatter(fmt)
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(console_level(verbose))

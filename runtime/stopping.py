@@ -49,6 +49,7 @@ from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.environment import STOPPED_EXIT
 from hpc.contract.slurm import SlurmError
 from runtime import stop_deadline
@@ -61,7 +62,7 @@ log = logging.getLogger("hpc.launch")
 
 def notice_path(job_dir: Path, allocation: int) -> Path:
     """Where an allocation's stop notice goes: ``logs/alloc-A/stop.json``."""
-    return jobdir.alloc_log_dir(job_dir, allocation) / "stop.json"
+    return JobPaths(job_dir).stop_notice(allocation)
 
 
 def notice_for(signal_name: str, received_at: float, *, allocation: int,

@@ -43,10 +43,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, jobpaths
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.environment import JobEnvironment
 
-BOARD_DIR = ".rdzv"
+BOARD_DIR = jobpaths.RDZV_BOARD
 ANNOUNCE_WINDOW_S = 8.0     # how long survivors wait for each other before deciding
 
 
@@ -94,10 +95,11 @@ class Board:
     """The succession files of one allocation on the shared job directory."""
 
     def __init__(self, job_dir: Path, allocation: int) -> None:
-        self.root = Path(job_dir) / BOARD_DIR / f"alloc-{allocation}"
+        self.paths, self.allocation = JobPaths(job_dir), allocation
+        self.root = self.paths.rdzv_board(allocation)
 
     def _epoch_dir(self, index: int) -> Path:
-        return self.root / f"epoch-{index}"
+        return self.paths.rdzv_epoch(self.allocation, index)
 
     def announce(self, index: int, host: str) -> None:
         d = self._epoch_dir(index)
@@ -110,7 +112,7 @@ class Board:
 
     def decide(self, index: int, election: Election) -> Election:
         """Writes the decision for ``index`` unless one exists; returns the one that counts."""
-        path = self._epoch_dir(index) / "decision.json"
+        path = self.paths.rdzv_decision(self.allocation, index)
         data = {"epoch": asdict(election.epoch) if election.epoch else None, "reason": election.reason}
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -125,7 +127,7 @@ class Board:
         return election
 
     def decision(self, index: int) -> Election | None:
-        data = jobdir.read_json(self._epoch_dir(index) / "decision.json")
+        data = jobdir.read_json(self.paths.rdzv_decision(self.allocation, index))
         if data is None:
             return None
         ep = data.get("epoch")
@@ -135,10 +137,10 @@ class Board:
     def publish(self, epoch: Epoch) -> None:
         """Names the current epoch and its host (for fencing and for later joiners)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        jobdir.write_atomic(self.root / "current.json", json.dumps(asdict(epoch)) + "\n")
+        jobdir.write_atomic(self.paths.rdzv_current(self.allocation), json.dumps(asdict(epoch)) + "\n")
 
     def current(self) -> Epoch | None:
-        data = jobdir.read_json(self.root / "current.json")
+        data = jobdir.read_json(self.paths.rdzv_current(self.allocation))
         if not data:
             return None
         return Epoch(data["index"], data["host"], tuple(data["members"]), data.get("reason", ""))

@@ -12,6 +12,7 @@ Names with a ``{field}`` are patterns, filled by the :class:`JobPaths` method of
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,22 @@ RDZV_BOARD = ".rdzv"                   # .rdzv/alloc-A/: the succession board
 EPOCH = "epoch-{index}"
 DECISION = "decision.json"
 CURRENT = "current.json"
+
+
+_ALLOC_RE = re.compile(r"alloc-([0-9]+)")
+_RESTART_RE = re.compile(r"(?:epoch-([0-9]+)-)?restart-([0-9]+)")
+
+
+def parse_alloc(name: str) -> int | None:
+    """The allocation of a folder named :data:`ALLOC` (``alloc-3`` -> 3), else None."""
+    m = _ALLOC_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_restart(name: str) -> tuple[int, int] | None:
+    """(epoch, restart) of a folder named :data:`RESTART` or :data:`EPOCH_RESTART`, else None."""
+    m = _RESTART_RE.fullmatch(name)
+    return (int(m.group(1) or 0), int(m.group(2))) if m else None
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,24 @@ class JobPaths:
                   else RESTART.format(restart=restart))
         return self.alloc_logs(allocation) / folder / RANK_LOG.format(rank=rank)
 
+    def rank_logs(self, rank: int) -> list[tuple[int, int, int, Path]]:
+        """Every log of ``rank`` as (allocation, epoch, restart, path), in life order."""
+        out = []
+        try:
+            allocs = list(self.logs.iterdir())
+        except OSError:
+            return []
+        for alloc in allocs:
+            a = parse_alloc(alloc.name)
+            if a is None or not alloc.is_dir():
+                continue
+            for restart in alloc.iterdir():
+                r = parse_restart(restart.name)
+                path = restart / RANK_LOG.format(rank=rank)
+                if r is not None and path.is_file():
+                    out.append((a, *r, path))
+        return sorted(out)
+
     def hang_stacks(self, allocation: int, host: str, n: int) -> Path:
         return self.alloc_logs(allocation) / HANG_STACKS.format(host=host, n=n)
 
@@ -225,3 +260,9 @@ class JobPaths:
 
     def rdzv_epoch(self, allocation: int, index: int) -> Path:
         return self.rdzv_board(allocation) / EPOCH.format(index=index)
+
+    def rdzv_decision(self, allocation: int, index: int) -> Path:
+        return self.rdzv_epoch(allocation, index) / DECISION
+
+    def rdzv_current(self, allocation: int) -> Path:
+        return self.rdzv_board(allocation) / CURRENT

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import components, interval, jobdir, spec_terms, stall, values
+from hpc.contract import components, interval, jobdir, jobpaths, spec_terms, stall, values
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -539,7 +539,7 @@ class JobSpec:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = "jobspec.json") -> JobSpec:
+    def from_json(cls, text: str, source: str = jobpaths.JOBSPEC) -> JobSpec:
         """Reads a spec written by :meth:`to_json`, checked like any other.
 
         Args:

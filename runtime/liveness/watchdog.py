@@ -56,6 +56,7 @@ from pathlib import Path
 
 from hpc.contract import environment as job_env
 from hpc.contract import jobdir
+from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
 from runtime.liveness import events, nccl, proc, stacks
 from hpc.contract.stall import BUSY_TIMEOUT_S
@@ -216,7 +217,7 @@ class Watchdog:
 
     @property
     def node_dir(self) -> Path:
-        return self.job_dir / "liveness" / f"alloc-{self.allocation}"
+        return JobPaths(self.job_dir).liveness(self.allocation)
 
     # --- the launcher's three calls ---------------------------------------------------
     def start(self) -> None:
@@ -380,12 +381,12 @@ class Watchdog:
             dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
         if verdict.hard and verdict.suspect_rank is None:   # from judge: name the suspect
             verdict = blame(verdict, dumps)
-        logs = jobdir.alloc_log_dir(self.job_dir, self.allocation)
-        logs.mkdir(parents=True, exist_ok=True)
+        paths = JobPaths(self.job_dir)
+        paths.alloc_logs(self.allocation).mkdir(parents=True, exist_ok=True)
         n = len(self.hangs) + 1
-        while (logs / f"hang-{self.host}-{n}.txt").exists():   # an earlier watchdog's (epoch)
+        while paths.hang_stacks(self.allocation, self.host, n).exists():   # an earlier watchdog's (epoch)
             n += 1
-        path = logs / f"hang-{self.host}-{n}.txt"
+        path = paths.hang_stacks(self.allocation, self.host, n)
         path.write_text(stack_report(verdict, dumps, host=self.host, node_rank=self.node_rank))
         event = events.HangEvent(
             allocation=self.allocation, node=self.host, node_rank=self.node_rank,
@@ -443,7 +444,7 @@ class Watchdog:
                            if r.beat.compute_s is not None and r.beat.phase == "step"]}
         try:
             self.node_dir.mkdir(parents=True, exist_ok=True)
-            jobdir.write_atomic(self.node_dir / f"node-{self.node_rank}.json",
+            jobdir.write_atomic(JobPaths(self.job_dir).liveness_node(self.allocation, self.node_rank),
                                 json.dumps(record), durable=False)
         except OSError as e:
             log.warning("cannot publish this node's liveness: %s", e)
@@ -455,8 +456,9 @@ class Watchdog:
         cut) stops counting after :data:`PEER_RECORD_FRESH_S`.
         """
         out = []
-        for path in self.node_dir.glob("node-*.json"):
-            if path.name == f"node-{self.node_rank}.json":
+        mine = JobPaths(self.job_dir).liveness_node(self.allocation, self.node_rank)
+        for path in JobPaths(self.job_dir).liveness_nodes(self.allocation):
+            if path == mine:
                 continue
             record = jobdir.read_json(path)
             try:
