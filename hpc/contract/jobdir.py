@@ -27,6 +27,10 @@ Both a Slurm job and a local ``hpc run`` write the same layout, so ``hpc status`
       result.json                  written by the example trainer
       .hpc-lock.json               who runs the job now (hpc.contract.joblock)
       .hpc-reserve                 space given back on a full disk so the outcome is recorded
+      events.jsonl, resubmissions.jsonl, health/, .rdzv/, sweep.json   (see their modules)
+
+The names and paths are declared once in :mod:`hpc.contract.jobpaths` (``JobPaths``); what
+each JSONL file holds, who writes and who reads it, in :mod:`hpc.contract.records`.
 
 Job directories that hpc creates are private to the user (0700): they hold logs and may hold
 secrets a user's script prints. An existing directory is never re-moded: it is reused only
