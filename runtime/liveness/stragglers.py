@@ -18,14 +18,13 @@ optimizer, under FSDP everything) is hidden behind the collective and not seen.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.contract import jobpaths, records
+from hpc.contract import jobdir, jobpaths, records
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.records import Straggler
 
@@ -71,7 +70,8 @@ def paces_from_records(records: Sequence[dict]) -> list[RankPace]:
     """The per-rank paces in the nodes' published liveness records (malformed ones skipped)."""
     out = []
     for rec in records:
-        for r in rec.get("pace", ()):
+        pace = rec.get("pace", ())
+        for r in pace if isinstance(pace, list) else ():
             try:
                 out.append(RankPace(int(r["rank"]), str(rec["node"]), int(rec["node_rank"]),
                                     float(r["compute_s"])))
@@ -104,11 +104,9 @@ class StragglerWatch:
         now = time.time()
         records = []
         for path in JobPaths(self.job_dir).liveness_nodes(self.allocation):
-            try:
-                rec = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if now - float(rec.get("time", 0)) < self.fresh_s:
+            rec = jobdir.read_json(path)        # None: missing, torn or not an object
+            t = rec.get("time") if rec is not None else None
+            if isinstance(t, (int, float)) and now - t < self.fresh_s:
                 records.append(rec)
         slow = find(paces_from_records(records))
         self.streak = {p.rank: self.streak.get(p.rank, 0) + 1 for p, _ in slow}

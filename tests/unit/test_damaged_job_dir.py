@@ -118,3 +118,24 @@ def test_permanent_failures_are_told_from_ones_a_restart_fixes() -> None:
                              0: f("ValueError: nan loss")})
     assert got == "rank 1 failed with 'No space left on device' (OSError: [Errno 28] No space left on device)"
     assert "Disk quota exceeded" in (permanent_failure({3: f("OSError: [Errno 122] Disk quota exceeded")}) or "")
+
+
+def test_rank0_straggler_check_skips_damaged_liveness_records(tmp_path: Path) -> None:
+    import json as _json
+
+    from hpc.contract.jobpaths import JobPaths
+    from runtime.liveness.stragglers import StragglerWatch
+
+    paths = JobPaths(tmp_path)
+    paths.liveness(0).mkdir(parents=True)
+    now = time.time()
+    good = lambda rank, s: {"node": f"n{rank}", "node_rank": rank, "time": now,  # noqa: E731
+                            "pace": [{"rank": rank, "compute_s": s}]}
+    for n, content in enumerate([b"[1, 2]", b"\xff\xfe", b'{"time": "soon"}', b'{"time": 1e18, "pace": 5}',
+                                 _json.dumps(good(0, 0.1)).encode(), _json.dumps(good(1, 0.1)).encode(),
+                                 _json.dumps(good(2, 0.9)).encode()]):
+        paths.liveness_node(0, n).write_bytes(content)
+    watch = StragglerWatch(tmp_path, 0)
+    assert watch.check(step=5) == []                         # once is not yet persistent
+    [slow] = watch.check(step=6)
+    assert slow.rank == 2
