@@ -38,9 +38,15 @@ VERBOSE_ENV = job_env.VERBOSE
 DDP_UNUSED_EXPECTED = "find_unused_parameters=True keeps one gradient-bucket layout"
 
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-_OUR_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[hpc[\w.]*\] "
+_OUR_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[hpc(?:\.[\w.]+)?\] "
                       r"(DEBUG|INFO|NOTE|WARNING|ERROR|CRITICAL) (.*)$")
 _DDP_UNUSED_WARNING = re.compile(r"^\[W\d{4} .*reducer\.cpp:\d+\] Warning: find_unused_parameters=True")
+
+
+def our_log_line(line: str) -> tuple[int, str] | None:
+    """(level, message) of a line written by one of our ``hpc.*`` loggers, else None (pure)."""
+    m = _OUR_LOG.match(line)
+    return (logging.getLevelName(m.group(1)), m.group(2)) if m is not None else None
 
 
 def verbose_from_env(env: Mapping[str, str]) -> bool:
@@ -86,16 +92,16 @@ class LineFilter:
     def __call__(self, line: str) -> str | None:
         """The line to show for ``line`` (no newline), or None to show nothing."""
         line = _TORCH_PREFIX.sub("", line, count=1)
-        ours = _OUR_LOG.match(line)
+        ours = our_log_line(line)
         if ours is not None:
-            level, message = logging.getLevelName(ours.group(1)), ours.group(2)
+            level, message = ours
             if DDP_UNUSED_EXPECTED in message:
                 self._ddp_explained = True
             if self.verbose:
                 return line
             if level < NOTE:
                 return None
-            return message if level == NOTE else f"{ours.group(1).lower()}: {message}"
+            return message if level == NOTE else f"{logging.getLevelName(level).lower()}: {message}"
         if not self.verbose and self._ddp_explained and _DDP_UNUSED_WARNING.match(line):
             return None
         return line

@@ -30,6 +30,7 @@ from hpc.contract import diskspace, jobdir
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import JobState, expand_hostlist
 from runtime import exclusions, stopping
+from runtime.console import our_log_line
 from runtime.env import SlurmEnv
 from runtime.liveness.stragglers import read as read_stragglers
 from runtime.requeue import claim, decide_requeue, request_batch_requeue
@@ -147,7 +148,6 @@ TORCH_NO_ERROR_FILE = "To enable traceback see: https://pytorch.org/docs/stable/
 # Lines of a rank's output that are never the script's own last word.
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 _NOT_THE_ERROR = (
-    re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \[hpc[\w.]*\] (DEBUG|INFO|NOTE) "),  # our notes
     re.compile(r"^\[[IW]\d{4} "),          # torch's C++ info and warning lines
     re.compile(r"^\[hpc worker\] "),       # the worker wrapper's own notes
     re.compile(r"^wandb: "),
@@ -165,6 +165,9 @@ def last_error_line(output: str) -> str | None:
     """
     for raw in reversed(output.splitlines()):
         line = _RANK_PREFIX.sub("", raw, count=1).strip()
+        ours = our_log_line(line)
+        if ours is not None and ours[0] < logging.WARNING:   # our own notes
+            continue
         if line and not any(p.search(line) for p in _NOT_THE_ERROR):
             return line[:500]
     return None

@@ -32,6 +32,13 @@ def test_quiet_filter_keeps_what_matters() -> None:
                      "Traceback (most recent call last):"]
 
 
+def test_a_scripts_own_logger_is_not_ours() -> None:
+    """Only the hpc.* loggers' lines are ours to hide; a script's logger named hpc_train is not."""
+    own = "2026-11-25 19:41:32,115 [hpc_train] INFO epoch 1 done"
+    assert LineFilter(verbose=False)(own) == own
+    assert last_error_line(f"{own}\n") == own
+
+
 def test_torch_ddp_warning_kept_when_nobody_explained_it() -> None:
     """A script's own DDP(find_unused_parameters=True) gets torch's advice; only the Session's
     choice, explained in its log, makes the warning expected."""
