@@ -6,22 +6,26 @@ record type both sides use (torch-free, so ``hpc status`` and ``hpc report`` rea
 runtime wrote with the same code). torchft's ``proto/torchft.proto`` is the model: every
 message in one place.
 
-====================  ==============  =====================================  ===========================================
-file                  record          written by                             read by
-====================  ==============  =====================================  ===========================================
-``outcomes.jsonl``    :class:`Outcome`  the launcher recording the allocation  ``hpc status/run/report``, the launchers
-                                      (runtime.outcome, node 0 or survivor)  (allocation number, node 0's outcome)
-``hangs.jsonl``       :class:`HangEvent`  each node's watchdog                 the outcome (runtime.liveness.watchdog),
-                                      (runtime.liveness.watchdog)            rank 0's W&B events, ``hpc status/report``
-``exclusions.jsonl``  :class:`Exclusion`  watchdog (stall), outcome (lost),    the batch shell (runtime.exclusions),
-                                      launcher (health)                      the outcome
-``stragglers.jsonl``  :class:`Straggler`  rank 0 (runtime.liveness.stragglers) the outcome, ``hpc status``
-``resubmissions.jsonl`` :class:`Link`   the launcher that resubmits            the launchers (allocation base),
-                                      (runtime.resubmit)                     ``hpc status``
-``events.jsonl``      an event (dict,   the launchers and rank 0               ``hpc report``, ``--checkpoint-interval
-                      :func:`event`)    (runtime.events)                       auto`` (see hpc.contract.events)
-``$HPC_HOME/jobs.jsonl`` :class:`JobRecord`  ``hpc submit/sweep/run``, resubmit ``hpc status/logs/cancel``
-====================  ==============  =====================================  ===========================================
+====================  ================  ==============================  ================================
+file                  record            written by                      read by
+====================  ================  ==============================  ================================
+outcomes.jsonl        Outcome           the launcher that records the   hpc status/run/report; the
+                                        allocation (node 0, or a        launchers (allocation number,
+                                        survivor)                       node 0's outcome)
+hangs.jsonl           HangEvent         each node's watchdog            the outcome; rank 0 (W&B
+                                        (runtime.liveness.watchdog)     events); hpc status/report
+exclusions.jsonl      Exclusion         watchdog (stall), outcome       the batch shell
+                                        (lost), launcher (health)       (runtime.exclusions); the
+                                                                        outcome
+stragglers.jsonl      Straggler         rank 0                          the outcome; hpc status
+                                        (runtime.liveness.stragglers)
+resubmissions.jsonl   Link              the launcher that resubmits     the launchers (allocation base);
+                                        (runtime.resubmit)              hpc status
+events.jsonl          event() (a dict)  the launchers and rank 0        hpc report; --checkpoint-
+                                        (runtime.events)                interval auto
+$HPC_HOME/jobs.jsonl  JobRecord         hpc submit/sweep/run; a         hpc status/logs/cancel
+                                        resubmission
+====================  ================  ==============================  ================================
 
 Writing: :func:`append` writes one JSON object per line in a single ``O_APPEND`` write, so
 lines from several processes and nodes never interleave; ``durable=True`` fsyncs, and with a
