@@ -42,6 +42,7 @@ from hpc.contract.errors import HpcError, SpecError
 
 SYNCED = jobpaths.WANDB_SYNCED          # what hpc sync uploaded already (folder names)
 DEFAULT_BASE_URL = "https://api.wandb.ai"
+RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,14 @@ def plan(job_dir: Path, *, now: float | None = None, settle_s: float = 30.0) -> 
     """
     job_dir = Path(job_dir)
     try:
-        run_id = (job_dir / jobdir.WANDB_RUN_ID).read_text().strip()
+        run_id = JobPaths(job_dir).wandb_run_id.read_bytes().decode("utf-8", "replace").strip()
     except FileNotFoundError:
         raise HpcError(f"{job_dir} has no W&B run ({jobdir.WANDB_RUN_ID} is missing): the job "
                        "has not started yet, or W&B was disabled for it") from None
+    if not RUN_ID_RE.fullmatch(run_id):   # it goes to `wandb sync --id` and into a pattern
+        raise HpcError(f"{JobPaths(job_dir).wandb_run_id} holds {run_id[:80]!r}, not a W&B run id "
+                       "(letters, digits, - and _): the file was changed or damaged; put the run's "
+                       "id back (the offline-run-*-ID folders under wandb/ name it)")
     folders = offline_folders(JobPaths(job_dir).wandb_dir, run_id)
     done = read_synced(job_dir, run_id) | {
         f.name for f in folders if (f / f"run-{run_id}.wandb.synced").exists()}

@@ -139,3 +139,20 @@ def test_rank0_straggler_check_skips_damaged_liveness_records(tmp_path: Path) ->
     assert watch.check(step=5) == []                         # once is not yet persistent
     [slow] = watch.check(step=6)
     assert slow.rank == 2
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe", b"--project=evil", b"a b", b"x/../../y", b""])
+def test_hpc_sync_refuses_a_damaged_wandb_run_id(tmp_path: Path, content: bytes) -> None:
+    from hpc import sync
+    from hpc.contract.errors import HpcError
+
+    (tmp_path / "wandb_run_id").write_bytes(content + b"\n")
+    with pytest.raises(HpcError, match="not a W&B run id"):
+        sync.plan(tmp_path)
+
+
+def test_hpc_sync_plans_a_real_run_id(tmp_path: Path) -> None:
+    from hpc import sync
+
+    (tmp_path / "wandb_run_id").write_text("ab12cd34\n")
+    assert sync.plan(tmp_path).run_id == "ab12cd34"
