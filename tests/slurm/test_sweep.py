@@ -131,16 +131,25 @@ def test_cancel_one_task_leaves_the_others_running(slurm_cluster, tmp_path: Path
     assert r.returncode == 0, r.stderr
     array_id = (root / "slurm_job_id").read_text().strip()
 
-    def states() -> dict[str, str]:
-        out = subprocess.run(["squeue", "-h", "--array", "-j", array_id, "-o", "%i %T"], env=env,
-                             capture_output=True, text=True).stdout.split()
-        return dict(zip(out[::2], out[1::2]))
+    seen: dict[str, str] = {}
 
-    wait_until(lambda: states().get(f"{array_id}_0") == states().get(f"{array_id}_1") == "RUNNING",
+    def read() -> bool:
+        """Reads each task's state into ``seen``; False when squeue failed (a busy controller):
+        an empty answer then is no sign that a task left the queue."""
+        r = subprocess.run(["squeue", "-h", "--array", "-j", array_id, "-o", "%i %T"], env=env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            return False
+        out = r.stdout.split()
+        seen.clear()
+        seen.update(zip(out[::2], out[1::2]))
+        return True
+
+    wait_until(lambda: read() and seen.get(f"{array_id}_0") == seen.get(f"{array_id}_1") == "RUNNING",
                60, "both tasks running")
     c = hpc(env, "cancel", f"{array_id}_1")
     assert c.returncode == 0 and f"Cancelled job {array_id}_1" in c.stdout, c.stderr
-    wait_until(lambda: f"{array_id}_1" not in states(), 60, "task 1 gone")
-    assert states().get(f"{array_id}_0") == "RUNNING"
+    wait_until(lambda: read() and f"{array_id}_1" not in seen, 60, "task 1 gone")
+    assert seen.get(f"{array_id}_0") == "RUNNING", seen
     assert hpc(env, "cancel", array_id).returncode == 0
-    wait_until(lambda: not states(), 60, "the whole array gone")
+    wait_until(lambda: read() and not seen, 60, "the whole array gone")
