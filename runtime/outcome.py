@@ -30,7 +30,7 @@ from hpc.contract import diskspace, jobdir
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import JobState, expand_hostlist
 from runtime import exclusions, stopping
-from runtime.console import our_log_line
+from runtime.console import NOTE, our_log_line
 from runtime.env import SlurmEnv
 from runtime.liveness.stragglers import read as read_stragglers
 from runtime.requeue import claim, decide_requeue, request_batch_requeue
@@ -296,7 +296,9 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
         reason = signals_note(forwarder.received, end.ended or time.time())
     if end.extra.get("succession"):
         reason = "; ".join(x for x in (reason, end.extra["succession"]) if x)
-    log.info("allocation %d ended: %s (exit %d) %s", plan.allocation, kind, code, reason)
+    # On a batch job's console (its Slurm output) the outcome matters; hpc run says it itself.
+    log.log(logging.INFO if plan.local else NOTE, "allocation %d ended: %s (exit %d) %s",
+            plan.allocation, kind, code, reason)
     slurm = SlurmEnv.from_env(os.environ)
     if kind == "node_failure" and plan.node_rank != 0:
         # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
