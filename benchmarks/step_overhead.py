@@ -7,11 +7,11 @@ re-checked until the measured step is within 2 % of the target, and the bare ste
 rounds actually measured is reported. Fixed work, not a sleep: a Session that takes CPU from
 the training (threads, the W&B process) shows up as a slower step, as it would in a job.
 
-The Session loop is what a user gets: the model wrapped by ``s.wrap()`` (DDP with the
-Session's bucket-timing comm hook for the straggler watch and one bucket layout for bit-exact
-resumes; the bare loop uses plain ``DDP(model)``), ``s.steps()`` (heartbeat to the node's stall watch,
-events.jsonl summary, progress.json, the progress line, the preemption agreement, spaced to
-~100 ms after 20 steps), the resumable sampler, and ``s.log(loss=...)`` reduced across ranks
+The Session loop is what a user gets: the model wrapped by ``s.wrap()`` (DDP with one
+bucket layout for bit-exact resumes, fixed at wrap time; the bare loop uses plain ``DDP(model)``;
+the straggler watch's pace probe runs inside ``s.steps()``, on about one step per 0.1 s),
+``s.steps()`` (heartbeat to the node's stall watch, events.jsonl summary, progress.json, the
+progress line, the preemption agreement, spaced to ~100 ms after 20 steps), the resumable sampler, and ``s.log(loss=...)`` reduced across ranks
 and logged to an offline W&B run every ``--log-every`` steps. Parts of it also run alone on
 the bare loop (the s.wrap() model only, sampler only, metric reduction only, agreement polled every step), and a bare
 round is also compared with bare rounds (the A/A control, which shows the benchmark's own
@@ -325,8 +325,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str)
 
         bare_model = DDP(model())
         work = Work(bare_model, torch.optim.SGD(bare_model.parameters(), lr=1e-3), args.work)
-        # The Session's own wrap, as a user gets it (its bucket-timing comm hook for the straggler
-        # watch, one bucket layout for bit-exact resumes); the same work otherwise.
+        # The Session's own wrap, as a user gets it (one bucket layout for bit-exact resumes;
+        # the straggler watch's pace probe arms itself in s.steps()); the same work otherwise.
         session_model = s.wrap(model())
         work.session = Work(session_model, torch.optim.SGD(session_model.parameters(), lr=1e-3), args.work)
         sampler = ResumableSampler(10**7, global_batch=64, seed=0)

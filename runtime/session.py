@@ -38,7 +38,7 @@ import torch.distributed as dist
 from hpc.contract import components, interval, jobdir
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
-from runtime.console import DDP_UNUSED_EXPECTED, NOTE
+from runtime.console import NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness import events, stragglers
@@ -102,7 +102,7 @@ class Session:
         self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
         self._beat: Any = NullHeartbeat()
         self._timeout_note = ""
-        self._arrived: float | None = None   # when this step's first gradient bucket was ready
+        self._pace: Any = None               # runtime.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
 
@@ -271,7 +271,7 @@ class Session:
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
              mixed_precision: bool | None = None, reproducible_resume: bool = True,
-             pace_hook: bool = True) -> torch.nn.Module:
+             find_unused_parameters: bool = False, pace_hook: bool = True) -> torch.nn.Module:
         """Moves ``model`` to the device and wraps it in DDP, or FSDP2 (``fully_shard``).
 
         Args:
@@ -279,13 +279,22 @@ class Session:
             fsdp: Shard with FSDP2 instead of replicating with DDP.
             blocks: For FSDP2, the submodules to shard one by one (e.g. transformer blocks).
             mixed_precision: bf16 compute with fp32 reductions under FSDP2 (default: on CUDA).
-            reproducible_resume: DDP only: keep one gradient-bucket layout for the whole run, so
-                a resumed run is bit-identical to an uninterrupted one at any world size.
-            pace_hook: DDP only: register a comm hook (DDP's own all-reduce, timed) that tells
-                stragglers apart. DDP takes one comm hook: pass False to register your own;
-                straggler reports then time the whole step body, where DDP hides a slow rank.
+            reproducible_resume: DDP only: keep one gradient-bucket layout for the whole run,
+                so a resumed run is bit-identical to an uninterrupted one at any world size
+                (the buckets then follow the parameters' order; see ``runtime.ddp``).
+            find_unused_parameters: DDP only: for a model that leaves some parameters out of
+                the loss (DDP's option of that name; it costs a graph walk and an all-reduce
+                per step). Without it such a model stops at its second step with torch's
+                error, which names this option.
+            pace_hook: DDP only: time this rank's forward and backward pass on sampled steps
+                for the straggler watch (autograd hooks during those steps only; DDP's comm
+                hook stays free for yours). False: straggler reports time the whole step
+                body, where DDP hides a slow rank.
         """
+        from runtime import ddp as ddp_build
+
         model = model.to(self.device)
+        self._pace = None
         if fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -296,22 +305,15 @@ class Session:
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # DDP re-orders its gradient buckets after the first step it runs. A resumed job's
-        # first step would then reduce with a different layout than the uninterrupted run
-        # used at that step, and with more than two ranks the sums round differently. Keeping
-        # the initial layout for the whole run makes a resumed run bit-identical
-        # (find_unused_parameters disables the rebuild; it costs one autograd-graph walk per
-        # step). Pass reproducible_resume=False to trade that for the rebuilt layout.
-        if reproducible_resume and self.is_rank0:
-            log.info("DDP: %s, so a resumed run is bit-identical; torch's warning that no unused "
-                     "parameters were found is expected (wrap(..., reproducible_resume=False) skips "
-                     "the extra graph walk)", DDP_UNUSED_EXPECTED)
-        ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                  find_unused_parameters=reproducible_resume)
+        ddp = ddp_build.SessionDDP(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters)
+        if reproducible_resume and not ddp_build.fix_bucket_layout(ddp) \
+                and not find_unused_parameters and self.is_rank0:
+            log.warning("DDP: this torch cannot fix the gradient-bucket layout; a resumed run may "
+                        "differ from an uninterrupted one in the last bits")
         if self.world_size > 1 and pace_hook:
-            ddp.register_comm_hook(self, _timed_allreduce)   # straggler accounting (same sums)
+            self._pace = ddp_build.PaceProbe(list(ddp.parameters()))   # straggler accounting
         return ddp
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -378,7 +380,7 @@ class Session:
             self._stragglers = StragglerWatch(self.job_dir, self.env.allocation)
         tick = time.perf_counter()
         for step in range(start, stop):
-            self._arrived = None
+            timed = self._pace is not None and self._pace.arm(tick)
             if self._slow_s:
                 time.sleep(self._slow_s)   # HPC_TEST_SLOW_NODE: a slow node, for the tests
             yield step
@@ -388,9 +390,14 @@ class Session:
             if done <= CALIBRATE_AFTER_STEPS:    # kept only until the interval is fixed
                 step_times.append(now - tick)
             # The first step (compilation, warm-up) is no sample of an ordinary one. Work
-            # before the first collective (DDP's first bucket; else the whole body) tells a
-            # straggler (runtime.liveness.stragglers).
-            compute = (self._arrived or now) - tick
+            # before DDP's reduction waits on the others (its backward pass, on sampled steps;
+            # without DDP the whole body) tells a straggler (runtime.liveness.stragglers).
+            compute = None
+            if self._pace is None:
+                compute = now - tick
+            elif timed:
+                grads_at = self._pace.take()
+                compute = grads_at - tick if grads_at is not None else None
             self._beat.step_done(self.step, now - tick if done > 1 else None, compute)
             tick = now
             if self._stragglers is not None and self._stragglers.due():
@@ -579,16 +586,6 @@ def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
         return spec.wandb_mode
     mode = environ.get("WANDB_MODE", "").strip().lower()
     return {"": "offline", "dryrun": "offline", "run": "online"}.get(mode, mode)
-
-
-def _timed_allreduce(session, bucket):  # type: ignore[no-untyped-def]  # DDP refuses str annotations
-    """DDP's own all-reduce (divide, then sum), noting when this step's first bucket was ready:
-    the moment this rank reached its first collective of the step."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    if bucket.index() == 0 and session._arrived is None:
-        session._arrived = time.perf_counter()
-    return allreduce_hook(None, bucket)
 
 
 def _test_slowdown(environ: Mapping[str, str]) -> float:

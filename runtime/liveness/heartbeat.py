@@ -55,7 +55,7 @@ class Heartbeat:
     samples: int          # step times the p99 is over
     budget_s: float | None = None   # the phase's own budget, when its opener gave one
     measured_s: float | None = None  # the longest earlier run of this phase in this process
-    compute_s: float | None = None   # median work before the step's first collective (stragglers)
+    compute_s: float | None = None   # median work before DDP's reduction waits (stragglers)
     alive_every_s: float | None = None   # period of the writer's alive beat; None: it has none
     alive: float | None = None       # when the alive beat last touched the record (the reader's)
 

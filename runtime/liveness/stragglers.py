@@ -1,19 +1,20 @@
 """Stragglers: ranks persistently slower than the others, reported (never killed).
 
 At the loop boundary every rank's step time is the same: a synchronous job waits for its
-slowest rank in each collective. What differs is how long a rank works *before* it reaches
-the step's first collective. The Session measures it (``compute`` time: from the start of
-the step to the moment its first gradient bucket is ready for DDP's all-reduce, or to the end
-of the step's body without DDP) and the heartbeat carries its median over the last
-:data:`WINDOW` steps; each node's watchdog publishes its ranks' medians in the job directory
+slowest rank in each collective. What differs is how long a rank works *before* DDP's
+reduction makes it wait for the others. The Session measures it (``compute`` time: from the
+start of the step to the end of its backward pass, on about one step each 0.1 s, by
+``runtime.ddp.PaceProbe``; to the end of the step's body without DDP) and the heartbeat
+carries its median over the last :data:`WINDOW` samples; each node's watchdog publishes its ranks' medians in the job directory
 (``liveness/alloc-A/node-N.json``); rank 0 reads them every :data:`CHECK_EVERY_S` and calls
 :func:`find`. A rank whose median is above ``RATIO x`` the median of the other ranks' (and
 slower by at least :data:`MIN_GAP_S`) in :data:`PERSIST` checks in a row is a straggler: named in the
 rank-0 log, the run's W&B events, ``stragglers.jsonl`` and, through the allocation's outcome,
 ``hpc status``.
 
-Limits: slowness after a rank's first bucket is ready (the rest of its backward pass, the
-optimizer, under FSDP everything) is hidden behind the collective and not seen.
+Limits: slowness after a rank's backward pass (the optimizer step; under FSDP, whose
+collectives run inside forward and backward, everything) is hidden behind the collectives and
+not seen. On a GPU the hooks mark when the backward pass was queued, not when it ran.
 """
 
 from __future__ import annotations
