@@ -1,0 +1,119 @@
+"""A synthetic job history of N nodes and many allocations, and what reading it costs.
+
+The records are written by the real writers, as a real job writes them: every node's
+launcher its allocation frame into ``events.jsonl`` (:class:`runtime.events.EventLog`:
+``alloc_start``, ``agent_rendezvous``, ``workers_started``, ``alloc_end``), rank 0 its
+Session's events (a ``steps`` summary every :data:`runtime.events.SUMMARY_EVERY_S` seconds of
+an hour-long allocation, a checkpoint every 10 minutes), and node 0 one outcome per
+allocation (:func:`hpc.contract.jobdir.append_outcome`). Then ``hpc status DIR`` and
+``hpc report DIR`` run as the user runs them (a fresh process each), timed, with their peak
+memory (``ru_maxrss`` of the child).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpc.contract import jobdir
+from hpc.contract.records import Outcome
+from runtime.events import SUMMARY_EVERY_S, EventLog
+
+ALLOC_S = 3600.0          # each allocation trains an hour
+CKPT_EVERY_S = 600.0
+STEP_S = 0.5
+
+
+def write(job_dir: Path, nodes: int, allocations: int = 20) -> int:
+    """Writes the history into ``job_dir``; returns the number of event lines."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    lines = 0
+    t = time.time() - allocations * (ALLOC_S + 120)
+    step = 0
+    for a in range(allocations):
+        start = t
+        for r in range(nodes):
+            log = EventLog(job_dir, allocation=a, sync_every_s=0, node=f"node{r:05d}", node_rank=r)
+            log.emit("alloc_start", t=start + 0.01 * r, slurm_job_id="")
+            log.emit("agent_rendezvous", t=start + 20, t0=start + 5, agent_restarts=0)
+            log.emit("workers_started", t=start + 21, agent_restarts=0, nodes=nodes)
+            log.close()
+            lines += 3
+        r0 = EventLog(job_dir, allocation=a, sync_every_s=0, node="node00000", rank=0, restart=0)
+        r0.emit("session_start", t=start + 22, t_proc=start + 21, world_size=nodes * 8)
+        r0.emit("rendezvous", t=start + 30, world_size=nodes * 8)
+        r0.emit("restore_begin", t=start + 30)
+        r0.emit("restore_end", t=start + 40, step=step, from_checkpoint=a > 0)
+        r0.emit("loop_start", t=start + 40, step=step)
+        r0.emit("first_step", t=start + 41, step=step + 1)
+        lines += 6
+        now, first = start + 41, step + 1
+        while now < start + ALLOC_S:
+            count = int(SUMMARY_EVERY_S / STEP_S)
+            r0.emit("steps", t=now + SUMMARY_EVERY_S, t0=now, first=first, last=first + count - 1,
+                    count=count)
+            now += SUMMARY_EVERY_S
+            first += count
+            lines += 1
+            if int((now - start) // CKPT_EVERY_S) != int((now - SUMMARY_EVERY_S - start) // CKPT_EVERY_S):
+                r0.emit("ckpt_save", t=now, step=first - 1, block_s=0.2)
+                r0.emit("ckpt_commit", t=now + 3, step=first - 1, save_s=3.0)
+                lines += 2
+        step = first - 1
+        r0.emit("stop_begin", t=now, kind="time_limit", signal="SIGUSR2")
+        r0.emit("stop_end", t=now + 5, saved_step=step)
+        r0.emit("session_end", t=now + 6, ok=True)
+        r0.close()
+        lines += 3
+        for r in range(nodes):
+            log = EventLog(job_dir, allocation=a, sync_every_s=0, node=f"node{r:05d}", node_rank=r)
+            log.emit("alloc_end", t=now + 8, kind="time_limit", exit_code=75)
+            log.close()
+            lines += 1
+        jobdir.append_outcome(job_dir, Outcome(
+            allocation=a, kind="time_limit", exit_code=75, step=step, reason="time limit",
+            node="node00000", time=now + 8, world_size=nodes * 8, start_step=step - int(ALLOC_S / STEP_S),
+            last_step=step))
+        t = now + 120
+    return lines
+
+
+def _timed(argv: list[str], env: dict) -> tuple[float, float, int, str]:
+    """(seconds, peak RSS in MB, exit status, last line of stderr) of one command."""
+    started = time.perf_counter()
+    with open(os.devnull, "w") as out, subprocess.Popen(argv, env=env, stdout=out,
+                                                         stderr=subprocess.PIPE, text=True) as p:
+        _, status, usage = os.wait4(p.pid, 0)      # this child's own rusage
+        took = time.perf_counter() - started
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err = p.stderr.read() if p.stderr else ""
+    return took, usage.ru_maxrss / 1024, p.returncode, (err.strip().splitlines() or [""])[-1]
+
+
+def measure(nodes: int, *, allocations: int = 20, work: Path) -> dict:
+    """Writes the history for ``nodes`` nodes, times ``hpc status`` and ``hpc report`` on it."""
+    job_dir = Path(work) / "history"
+    started = time.perf_counter()
+    lines = write(job_dir, nodes, allocations)
+    write_s = time.perf_counter() - started
+    env = {**os.environ, "HPC_HOME": str(Path(work) / "hpc-home")}
+    hpc = [sys.executable, "-m", "hpc"]
+    status_s, status_mb, status_rc, status_err = _timed([*hpc, "status", str(job_dir)], env)
+    report_s, report_mb, report_rc, report_err = _timed([*hpc, "report", str(job_dir)], env)
+    row = {"events_lines": lines, "events_mb": round((job_dir / "events.jsonl").stat().st_size / 2**20, 2),
+           "history_write_s": round(write_s, 2),
+           "status_s": round(status_s, 3) if status_rc == 0 else None,
+           "status_rss_mb": round(status_mb, 1),
+           "report_s": round(report_s, 3) if report_rc == 0 else None,
+           "report_rss_mb": round(report_mb, 1)}
+    notes = {}
+    if status_rc != 0:
+        notes["status_s"] = f"hpc status exited {status_rc}: {status_err}"
+    if report_rc != 0:
+        notes["report_s"] = f"hpc report exited {report_rc}: {report_err}"
+    if notes:
+        row["history_notes"] = notes
+    return row

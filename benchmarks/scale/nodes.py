@@ -1,0 +1,278 @@
+"""One OS process hosting many simulated node agents (threads), driven by :mod:`.run`.
+
+Each agent is one node's control plane, with the project's real code:
+
+* **join**: torch's c10d rendezvous handler with the launcher's settings
+  (:data:`runtime.launch.RDZV_CONF`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
+  its keep-alive thread then runs as in a real agent;
+* **keepalive**: a real :class:`~runtime.liveness.peers.PeerBeacon` thread (its store client
+  wrapped to count requests);
+* **node records**: the stall watch's cross-node part (:meth:`Watchdog._publish` and
+  :meth:`Watchdog._peer_records`, what :meth:`Watchdog.check` does on the job directory
+  every poll) over the heartbeats of 8 fake workers (records as real workers publish them;
+  their own heartbeat files are node-local, ``/dev/shm``, and do not grow with N);
+* **election**: :func:`runtime.succession.run_election` on the job directory after node 0
+  (the rendezvous host) is declared lost.
+
+The phases start on wall-clock times that :mod:`.run` writes into the control directory
+(``go-<phase>.json``); this process answers with ``<phase>-<pid>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.scale.meter import CountingStore, FsCounter
+from runtime.launch import RDZV_CONF
+from runtime.liveness.deadline import StallPolicy
+from runtime.liveness.heartbeat import Heartbeat
+from runtime.liveness.peers import PeerBeacon
+from runtime.liveness.verdict import assess
+from runtime.liveness.watchdog import POLL_S, Watchdog
+from runtime import succession
+
+RANKS_PER_NODE = 8
+RUN_ID = "scale"
+
+
+def host_name(rank: int) -> str:
+    return f"node{rank:05d}"
+
+
+class CountedBeacon(PeerBeacon):
+    """The real beacon; its store client counts the requests it makes."""
+
+    def __init__(self, *args: Any, counter: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+
+    def _connect(self):  # noqa: ANN202
+        return CountingStore(super()._connect(), self.counter)
+
+    def halt(self) -> None:
+        """Stops the thread without saying done (a node that goes silent)."""
+        self._stop.set()
+
+
+def fake_beats(node_rank: int, now: float) -> list[Heartbeat]:
+    """What the node's 8 workers last published: a step a moment ago (as a Session does)."""
+    return [Heartbeat(pid=100000 + node_rank * RANKS_PER_NODE + i, rank=node_rank * RANKS_PER_NODE + i,
+                      local_rank=i, restart=0, phase="step", step=1000, steps_done=1000,
+                      time=now - 0.3, p99_s=0.5, samples=200, compute_s=0.4, alive_every_s=1.0,
+                      alive=now - 0.2) for i in range(RANKS_PER_NODE)]
+
+
+def wait_for(ctl: Path, name: str, timeout_s: float = 1800.0) -> dict:
+    path = ctl / f"go-{name}.json"
+    end = time.time() + timeout_s
+    while not path.exists():
+        if time.time() > end:
+            raise TimeoutError(f"no {path} in {timeout_s}s")
+        time.sleep(0.05)
+    data = json.loads(path.read_text())
+    if data.get("t"):
+        time.sleep(max(0.0, data["t"] - time.time()))
+    return data
+
+
+def answer(ctl: Path, name: str, data: dict) -> None:
+    tmp = ctl / f".{name}-{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, ctl / f"{name}-{os.getpid()}.json")
+
+
+class Host:
+    """The agents ``first .. first+count-1`` of an ``nodes``-node job."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.ranks = list(range(a.first, a.first + a.count))
+        self.ctl, self.job_dir = Path(a.ctl), Path(a.job_dir)
+        self.fs = FsCounter(self.job_dir)
+        self.rdzv_requests = [0]
+        self.beacon_requests = [0]
+        self.handlers: dict[int, Any] = {}
+        self.beacons: dict[int, CountedBeacon] = {}
+
+    # --- join ---------------------------------------------------------------------------
+    def make_handlers(self, join_timeout_s: float) -> None:
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        conf = dict(RDZV_CONF, join_timeout=int(join_timeout_s))
+        for r in self.ranks:
+            params = RendezvousParameters("c10d", self.a.endpoint, RUN_ID, self.a.nodes, self.a.nodes,
+                                          local_addr=host_name(r), is_host=False, **conf)
+            h = get_rendezvous_handler(params)
+            backend = h._state_holder._backend   # count its requests (torch's private name)
+            backend._store = CountingStore(backend._store, self.rdzv_requests)
+            self.handlers[r] = h
+
+    def join(self) -> dict:
+        done: dict[int, float] = {}
+        errors: list[str] = []
+
+        def one(r: int) -> None:
+            try:
+                self.handlers[r].next_rendezvous()
+                done[r] = time.time()
+            except Exception as e:  # recorded, never invented
+                errors.append(f"node {r}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in self.ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {"done": done, "errors": errors[:5], "rdzv_requests": self.rdzv_requests[0]}
+
+    # --- keepalive, load window and detection --------------------------------------------
+    def start_beacons(self) -> None:
+        for r in self.ranks:
+            b = CountedBeacon(self.a.endpoint, RUN_ID, node_rank=r, host=host_name(r),
+                              max_nodes=self.a.nodes, counter=self.beacon_requests)
+            self.beacons[r] = b
+            b.start()
+
+    def window(self, go: dict) -> dict:
+        """Counts requests over ``[t0, t1]``; then watches the victim's detection."""
+        time.sleep(max(0.0, go["t0"] - time.time()))
+        b0, r0 = self.beacon_requests[0], self.rdzv_requests[0]
+        time.sleep(max(0.0, go["t1"] - time.time()))
+        b1, r1 = self.beacon_requests[0], self.rdzv_requests[0]
+        span = go["t1"] - go["t0"]
+        victim = go["victim"]
+        observers = [r for r in self.ranks if r != victim][: self.a.observers]
+        if 0 in self.ranks and 0 not in observers:
+            observers = [0, *observers[:-1]]
+        # Healthy nodes named lost (false positives) while nobody is silent: up to the stop.
+        wrongly: set[int] = set()
+        while time.time() < go["t_stop"]:
+            for r in observers:
+                try:
+                    wrongly.update(self.beacons[r].tracker.lost(time.monotonic()))
+                except RuntimeError:
+                    pass
+            time.sleep(0.5)
+        out = {"beacon_req": b1 - b0, "rdzv_req": r1 - r0, "span_s": span,
+               "false_lost": sorted(wrongly)}
+        seen: dict[int, float] = {}
+        end = go["t_stop"] + go["detect_timeout_s"]
+        while time.time() < end and len(seen) < len(observers):
+            mono = time.monotonic()
+            for r in observers:
+                if r in seen:
+                    continue
+                try:
+                    if victim in self.beacons[r].tracker.lost(mono):
+                        seen[r] = time.time()
+                except RuntimeError:   # the beacon thread changed the dict meanwhile
+                    pass
+            time.sleep(0.1)
+        out["detected"] = {str(r): t - go["t_stop"] for r, t in seen.items()}
+        out["observers"] = len(observers)
+        return out
+
+    def stop_liveness(self) -> None:
+        for b in self.beacons.values():
+            b.halt()
+        for h in self.handlers.values():
+            try:
+                h._stop_heartbeats()
+            except Exception:
+                pass
+
+    # --- the stall watch's node records -------------------------------------------------------
+    def records(self, go: dict) -> dict:
+        policy = StallPolicy()
+        dogs = {r: Watchdog(self.job_dir, allocation=0, node_rank=r, policy=policy,
+                            exclude_nodes=False) for r in self.ranks}
+        for r, d in dogs.items():
+            d.host = host_name(r)
+        ticks = go["ticks"]
+        before = dict(self.fs.counts)
+        started = time.time()
+        for _ in range(ticks):
+            now = time.time()
+            for r, d in dogs.items():
+                self.fs.local.owner = r
+                d._published = 0.0      # publish each tick: one record per PUBLISH_EVERY_S
+                d._peer_records(now)
+                d._publish(assess(fake_beats(r, now), {}, now, policy), now)
+            self.fs.local.owner = None
+        took = time.time() - started
+        reads = {r: self.fs.counts.get(r, 0) - before.get(r, 0) for r in self.ranks}
+        return {"ops_per_node_tick": statistics.mean(reads.values()) / ticks,
+                "tick_s": took / ticks, "agents": len(self.ranks)}
+
+    # --- succession --------------------------------------------------------------------------
+    def elect(self, go: dict) -> dict:
+        order = [host_name(r) for r in range(self.a.nodes)]
+        epoch = succession.epoch_zero(order[0], order)
+        board = succession.Board(self.job_dir, 0)
+        decided: dict[int, Any] = {}
+        before = dict(self.fs.counts)
+
+        def one(r: int) -> None:
+            self.fs.local.owner = r
+            e = succession.run_election(board, epoch, host_name(r), order=order, min_nodes=1)
+            decided[r] = (time.time(), e.epoch.index if e.epoch else None,
+                          e.epoch.host if e.epoch else None, len(e.epoch.members) if e.epoch else 0)
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in self.ranks if r != 0]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ops = {r: self.fs.counts.get(r, 0) - before.get(r, 0) for r in decided}
+        return {"decided": {str(r): v for r, v in decided.items()},
+                "fs_ops": sum(ops.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--first", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--ctl", required=True)
+    p.add_argument("--observers", type=int, default=8)
+    p.add_argument("--join-timeout", type=float, default=600.0)
+    p.add_argument("--skip-liveness", action="store_true", help="no join, keepalive, detection")
+    a = p.parse_args(argv)
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    threading.stack_size(512 << 10)
+    host = Host(a)
+    ctl = host.ctl
+    if not a.skip_liveness:
+        host.make_handlers(a.join_timeout)
+    answer(ctl, "ready", {})
+    if wait_for(ctl, "join").get("skip"):
+        answer(ctl, "joined", {"done": {}, "errors": [], "rdzv_requests": 0})
+    else:
+        answer(ctl, "joined", host.join())
+    go = wait_for(ctl, "load", timeout_s=600)
+    if go.get("skip"):
+        answer(ctl, "load", {})
+    else:
+        host.start_beacons()
+        answer(ctl, "load", host.window(go))
+        host.stop_liveness()
+    answer(ctl, "records", host.records(wait_for(ctl, "records")))
+    answer(ctl, "elect", host.elect(wait_for(ctl, "elect")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
