@@ -34,7 +34,7 @@ from benchmarks.scale.meter import CountingStore, FsCounter
 from runtime.launch import RDZV_CONF
 from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
-from runtime.liveness.peers import PeerBeacon
+from runtime.liveness.peers import BEAT_S, PeerBeacon
 from runtime.liveness.verdict import assess
 from runtime.liveness.watchdog import POLL_S, Watchdog
 from runtime import succession
@@ -136,7 +136,9 @@ class Host:
 
     # --- keepalive, load window and detection --------------------------------------------
     def start_beacons(self) -> None:
+        """Starts the beacons spread over one beat (launchers never start in the same ms)."""
         for r in self.ranks:
+            time.sleep(BEAT_S / len(self.ranks))
             b = CountedBeacon(self.a.endpoint, RUN_ID, node_rank=r, host=host_name(r),
                               max_nodes=self.a.nodes, counter=self.beacon_requests)
             self.beacons[r] = b

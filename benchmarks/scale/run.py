@@ -156,7 +156,7 @@ def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server
     row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
     row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
     # The load window: beacons warm up for two beats, then count.
-    t0 = time.time() + 2 * BEAT_S + 1.0
+    t0 = time.time() + 4 * BEAT_S + n / 100   # started over a beat, connected, two beats read
     t1 = t0 + window_s
     detect_timeout = LOST_AFTER_S + 30.0
     _go(ctl, "load", t=0, t0=t0, t1=t1, t_stop=t1, victim=victim, detect_timeout_s=detect_timeout)

@@ -1,0 +1,61 @@
+"""The control plane of a 64-node job, simulated with the real code (benchmarks/scale).
+
+One run of :func:`benchmarks.scale.run.simulate` at N = 64 (8 ranks per node): torch's c10d
+rendezvous and libuv TCPStore, the launchers' keepalive beacons, a node suspended with
+SIGSTOP, the stall watch's node records, the succession election on the job directory, and
+``hpc status``/``hpc report`` on 64 nodes x 20 allocations of events. The bounds are the
+ones that must hold whatever the machine's load (see docs/scale.md for the measured table):
+a regression that makes a figure grow (more reads per peer, an election that waits out its
+window, a report that reads the history twice) shows here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.scale.run import simulate
+from runtime.liveness.peers import LOST_AFTER_S
+from runtime.succession import ANNOUNCE_WINDOW_S
+
+pytestmark = pytest.mark.distributed
+
+N = 64
+
+
+@pytest.fixture(scope="module")
+def row(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return simulate(N, procs=2, window_s=3.0, ticks=1, join_timeout_s=120.0,
+                    work=tmp_path_factory.mktemp("scale"))
+
+
+def test_all_64_nodes_join_the_rendezvous(row: dict) -> None:
+    assert row["joined"] == N, row["notes"]
+    assert row["join_s"] is not None and row["join_s"] < 60.0
+
+
+def test_a_suspended_node_is_named_lost_by_the_host_and_no_healthy_one_is(row: dict) -> None:
+    # Named once its counter stood still LOST_AFTER_S; the host's beacon reads every peer
+    # each beat. Generous for a loaded machine, far below the collective timeout (600 s).
+    assert row["detect_host_s"] is not None, row["notes"]
+    assert row["detect_host_s"] <= LOST_AFTER_S + 15.0
+    assert row["false_lost"] == [], "healthy nodes were named lost while all beat"
+
+
+def test_the_election_after_the_host_loss_is_one_decision_within_bounds(row: dict) -> None:
+    assert row["elect_agree"], row["notes"]
+    # All survivors announce at once: nobody waits out the announce window.
+    assert row["elect_s"] < min(5.0, ANNOUNCE_WINDOW_S)
+    assert row["elect_fs_ops_per_node"] <= 30
+
+
+def test_the_job_directory_operations_of_one_node_stay_linear_in_the_peers(row: dict) -> None:
+    # Today each stall-watch poll reads every peer's record (O(N) per node): ~0.75 N + 2.
+    # More than one operation per peer per poll is a regression.
+    assert row["fs_ops_per_node_tick"] <= N + 10
+
+
+def test_status_and_report_read_64_nodes_x_20_allocations_in_bounds(row: dict) -> None:
+    assert row["events_lines"] > 64 * 20 * 4
+    assert row["report_s"] is not None and row["report_s"] < 20.0, row.get("history_notes")
+    assert row["status_s"] is not None and row["status_s"] < 20.0, row.get("history_notes")
+    assert row["report_rss_mb"] < 500
