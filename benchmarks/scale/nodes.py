@@ -240,7 +240,7 @@ class Host:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--first", type=int, required=True)
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
