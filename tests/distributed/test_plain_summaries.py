@@ -84,12 +84,15 @@ def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_pa
 
 
 def test_stopped_by_the_warning_says_how_to_resume_without_a_step_it_does_not_know(tmp_path: Path) -> None:
-    """The warning announces a stop (a preemption 30 s away, locally); the script goes on, so
-    the launcher SIGTERMs its workers before that: a stop (preempted or time_limit, as the
-    launcher classifies the warning), with nothing saved that hpc knows of."""
+    """The warning announces a stop; the script goes on, and the SIGTERM that follows (sent
+    to hpc run here, as Slurm would send it; the launcher's own comes up to ~110 s later
+    locally) ends its workers: a stop (preempted or time_limit, as the launcher classifies the
+    warning), with nothing saved that hpc knows of."""
     job = tmp_path / "stop"
     p = start(job, 2000, 0.05)
     warn_at_step(p, job, 10)
+    time.sleep(2.0)
+    p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=150)
     assert p.returncode == 75, out
     o = outcome(job)
