@@ -169,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = subparser(parser, args.command)
         command.error(unknown_arguments(command, extras, argv, script_args))
     args.script_args = script_args
+    args.argv = argv + (["--", *script_args] if script_args else [])   # to print how to resume
     try:
         with spec_terms.cli_terms():   # every error of the command names flags, not fields
             return _dispatch(args)
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from hpc.backends import local
-        return local.run(build_spec(args), verbose=args.verbose)
+        return local.run(build_spec(args), verbose=args.verbose, argv=args.argv)
     if args.command in ("submit", "render"):
         spec = build_spec(args)
         from hpc import submission as submit

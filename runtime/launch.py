@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         ask_slurm=functools.partial(stop_deadline.ask_slurm, slurm.job_id)
         if asks and node_rank == 0 else None,
         restarts=slurm.restart_count if slurm.active else None,
-        follow=asks and node_rank != 0)
+        follow=asks and node_rank != 0, under_slurm=slurm.active)
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

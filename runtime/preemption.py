@@ -46,18 +46,21 @@ class Decision:
 
 
 def classify_warning(signal_name: str, received_at: float, *, job_end_time: float | None,
-                     lead_s: float) -> str:
+                     lead_s: float, under_slurm: bool = True) -> str:
     """Is a warning the time limit's or a preemption's? (pure)
 
     Slurm sends the job's ``--signal`` both ahead of its time limit and, with
     ``preempt_send_user_signal``, at preemption. A warning that arrives within the lead time
-    (plus Slurm's ~30 s check granularity) of the job's end time is the time limit's.
+    (plus Slurm's ~30 s check granularity) of the job's end time is the time limit's. Under
+    Slurm with the end time unknown, a warning is taken as the time limit's; outside Slurm
+    (``hpc run``, a plain torchrun) there is no time limit: a warning is a request to stop
+    from outside (Ctrl-C, a signal sent by hand), a preemption.
     """
     if signal_name == "SIGTERM":
         return "preempted"
     if job_end_time and received_at >= job_end_time - lead_s - TIME_LIMIT_SLACK_S:
         return "time_limit"
-    return "preempted" if job_end_time else "time_limit"
+    return "preempted" if job_end_time or not under_slurm else "time_limit"
 
 
 def deadline_for(kind: str, received_at: float, *, job_end_time: float | None, lead_s: float,
@@ -88,17 +91,19 @@ class PreemptionWatcher:
         job_end_time: Wall time of the job's time limit, if known (``HPC_JOB_END_TIME``).
         lead_s: The job's ``--signal-lead``.
         grace_s: Seconds between a preemption's SIGTERM and its SIGKILL.
+        under_slurm: Whether the job runs under Slurm (else a warning is never a time limit's).
         clock: Wall clock (tests pass a fake).
     """
 
     def __init__(self, signals: Iterable[str], group: Any = None, *, job_end_time: float | None = None,
                  lead_s: float = components.PREEMPTION.lead_s, grace_s: float = DEFAULT_GRACE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 under_slurm: bool = True, clock: Callable[[], float] = time.time) -> None:
         self.signal_names = tuple(dict.fromkeys(signals))
         self.group = group
         self.job_end_time = job_end_time
         self.lead_s = lead_s
         self.grace_s = grace_s
+        self.under_slurm = under_slurm
         self.clock = clock
         self.received: list[tuple[float, str]] = []
         self._pending: Any = None
@@ -107,11 +112,11 @@ class PreemptionWatcher:
 
     @classmethod
     def from_config(cls, config: PreemptionConfig, group: Any = None, *,
-                    job_end_time: float | None = None,
-                    grace_s: float = DEFAULT_GRACE_S) -> PreemptionWatcher:
+                    job_end_time: float | None = None, grace_s: float = DEFAULT_GRACE_S,
+                    under_slurm: bool = True) -> PreemptionWatcher:
         """The watcher for the job's preemption settings (``JobSpec.preemption``)."""
         return cls(config.signal_names, group, job_end_time=job_end_time, lead_s=config.lead_s,
-                   grace_s=grace_s)
+                   grace_s=grace_s, under_slurm=under_slurm)
 
     # -- recording (signal context: no I/O, no collectives) -------------------------------
     def install(self, environ: Mapping[str, str] | None = None) -> None:
@@ -182,7 +187,8 @@ class PreemptionWatcher:
         first = -neg_first
         name = "SIGTERM" if term else next((n for _, n in self.received if n != "SIGTERM"),
                                            self.signal_names[0])
-        kind = classify_warning(name, first, job_end_time=self.job_end_time, lead_s=self.lead_s)
+        kind = classify_warning(name, first, job_end_time=self.job_end_time, lead_s=self.lead_s,
+                                under_slurm=self.under_slurm)
         deadline = deadline_for(kind, first, job_end_time=self.job_end_time, lead_s=self.lead_s,
                                 grace_s=self.grace_s)
         return StopRequest(kind=kind, signal_name=name, received_at=first, deadline=deadline)

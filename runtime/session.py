@@ -112,6 +112,10 @@ class Session:
         return self.env.rank
 
     @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
     def world_size(self) -> int:
         return self.env.world_size
 
@@ -171,7 +175,7 @@ class Session:
         control = dist.new_group(backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
         self._watcher = PreemptionWatcher.from_config(
             self.spec.preemption if self.spec else components.PREEMPTION, control,
-            job_end_time=end, grace_s=grace)
+            job_end_time=end, grace_s=grace, under_slurm=self.env.slurm.active)
         self._watcher.install()
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",

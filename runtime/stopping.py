@@ -66,13 +66,15 @@ def notice_path(job_dir: Path, allocation: int) -> Path:
 
 
 def notice_for(signal_name: str, received_at: float, *, allocation: int,
-               job_end_time: float | None, lead_s: float, grace_s: float | None) -> StopNotice:
+               job_end_time: float | None, lead_s: float, grace_s: float | None,
+               under_slurm: bool = True) -> StopNotice:
     """Which stop a signal announces and when the hard stop comes (pure).
 
     The same rules as the Session's watcher (:mod:`runtime.preemption`): a warning close to the
     job's end time is the time limit's, any other warning or a SIGTERM a preemption's.
     """
-    kind = classify_warning(signal_name, received_at, job_end_time=job_end_time, lead_s=lead_s)
+    kind = classify_warning(signal_name, received_at, job_end_time=job_end_time, lead_s=lead_s,
+                            under_slurm=under_slurm)
     if signal_name == "SIGTERM":
         deadline = received_at
     else:
@@ -100,13 +102,15 @@ class StopTracker:
             there is none yet (never over the asking one's), and takes the earlier deadline
             from that launcher's notice when it comes within
             :data:`~runtime.stop_deadline.ANSWER_WAIT_S`.
+        under_slurm: Whether the job runs under Slurm (else a warning is a preemption's).
     """
 
     def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
                  lead_s: float, grace_s: float | None, enforce: bool = False,
                  ask_slurm: Callable[[], Any] | None = None, restarts: int | None = None,
-                 follow: bool = False) -> None:
+                 follow: bool = False, under_slurm: bool = True) -> None:
         self.path = Path(path)
+        self.under_slurm = under_slurm
         self.allocation = allocation
         self.job_end_time, self.lead_s, self.grace_s = job_end_time, lead_s, grace_s
         self.notice: StopNotice | None = None
@@ -130,7 +134,7 @@ class StopTracker:
                 return
             notice = notice_for(name, when, allocation=self.allocation,
                                 job_end_time=self.job_end_time, lead_s=self.lead_s,
-                                grace_s=self.grace_s)
+                                grace_s=self.grace_s, under_slurm=self.under_slurm)
             asks = name != "SIGTERM" and (self.ask_slurm is not None or self.follow)
             if asks:
                 notice = dataclasses.replace(notice, query=stop_deadline.ASKING)

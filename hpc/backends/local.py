@@ -9,9 +9,15 @@ directory.
 
 - It holds the job directory's lock (:mod:`hpc.contract.joblock`) while the job runs; a
   second ``hpc run`` or ``hpc submit`` on the same directory is refused.
-- Ctrl-C (SIGINT), SIGTERM and SIGHUP (the terminal closed, the ssh session dropped) are
-  passed to the launchers as SIGTERM, which they pass on to the workers as the warning: the
-  workers save a checkpoint and exit (status 75, resumable). A second Ctrl-C stops at once.
+- The first Ctrl-C (SIGINT) is passed on as the job's warning signal (``--signal``, SIGUSR2 by
+  default): the one a time limit or a preemption sends, which the Session and scripts with
+  their own handler save on; they exit and the job ends resumable (status 75), with the exact
+  command that resumes it. Workers that ignore the warning get SIGTERM ~27 s later. A second
+  Ctrl-C stops at once (SIGINT to the launchers: torch's agent ends its workers), and still
+  says how to resume (from the last committed checkpoint). SIGTERM and SIGHUP (the terminal
+  closed, the ssh session dropped) are passed on as SIGTERM, which the launchers pass to the
+  workers (the Session takes it as a warning too). The warning signal sent to ``hpc run`` by
+  hand (``kill -USR2 PID``) goes to the workers as is: the way to test a script's handler.
 - The launchers run in their own session (a terminal's signals reach only ``hpc run``, which
   decides), and the kernel sends them SIGTERM when ``hpc run`` dies, even by SIGKILL
   (``PR_SET_PDEATHSIG``): the workers save and stop, and a launcher whose ``hpc run`` is gone
@@ -29,7 +35,9 @@ import socket
 import subprocess
 import sys
 import time
+import shlex
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +137,31 @@ def resume_hint(last: jobdir.Outcome, job_dir: Path) -> str:
             "resumes from it)")
 
 
-def run(spec: JobSpec, *, verbose: bool = False) -> int:
+def resume_command(argv: Sequence[str] | None, job_dir: Path) -> str:
+    """What resumes this job: the user's own ``hpc`` command with ``--job-dir`` (pure).
+
+    Args:
+        argv: The command's arguments after ``hpc`` (None: not started from the CLI).
+        job_dir: The job directory (added when the command does not name it).
+    """
+    if argv is None:
+        return f"the same hpc.run(spec) with job_dir={str(job_dir)!r}"
+    args = list(argv)
+    cut = args.index("--") if "--" in args else len(args)
+    head, tail = args[:cut], args[cut:]
+    if not any(a == "--job-dir" or a.startswith("--job-dir=") for a in head):
+        head += ["--job-dir", str(job_dir)]
+    return "hpc " + shlex.join(head + tail)
+
+
+def run(spec: JobSpec, *, verbose: bool = False, argv: Sequence[str] | None = None) -> int:
     """Runs ``spec`` locally; returns the job's exit status. The run is recorded in the job
     index (:mod:`hpc.index`), so ``hpc status`` lists it with the submitted jobs.
 
     Args:
         spec: The job.
         verbose: Every log line on the console, not only what matters (``hpc run -v``).
+        argv: The ``hpc`` command's arguments, to tell the user how to resume it.
     """
     job_dir, lock = prepare(spec)
     with lock:
@@ -144,10 +170,11 @@ def run(spec: JobSpec, *, verbose: bool = False) -> int:
         except OSError as e:   # an unwritable $HPC_HOME costs the listing, never the run
             _say(f"hpc run: note: not listed in hpc status ({e.strerror or e}); "
                  f"hpc status {job_dir} still shows it")
-        return _run(spec, job_dir, lock, verbose)
+        return _run(spec, job_dir, lock, verbose, resume_command(argv, job_dir))
 
 
-def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False) -> int:
+def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False,
+         resume: str = "") -> int:
     nodes = spec.max_nodes
     port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
@@ -155,8 +182,8 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         _say(f"hpc run: warning: {warning}")
     started = time.monotonic()
     # Launchers get their own session so a terminal's Ctrl-C reaches only us: the first
-    # Ctrl-C becomes a SIGTERM warning (workers save and exit), a second one stops hard.
-    # SIGHUP (terminal gone) and SIGTERM stop the same way; our own death sends them SIGTERM.
+    # Ctrl-C becomes the warning signal (workers save and exit), a second one stops hard.
+    # SIGHUP (terminal gone) and SIGTERM become SIGTERM; our own death sends them SIGTERM.
     # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
     earlier = jobdir.read_outcomes(job_dir)
     allocation = max([len(earlier), *(o.allocation + 1 for o in earlier)])
@@ -166,13 +193,15 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
     me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
     procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]
+    warning = signal.Signals[f"SIG{spec.signal}"]
 
     def forward(signum: int, _frame: object) -> None:
         if signum == signal.SIGINT:
             interrupts[0] += 1
-            signum = signal.SIGTERM if interrupts[0] == 1 else signal.SIGINT
-            _say("hpc run: interrupted: asking the workers to save and stop (Ctrl-C again to "
-                 "stop now)" if interrupts[0] == 1 else "hpc run: stopping now")
+            signum = warning if interrupts[0] == 1 else signal.SIGINT
+            _say(f"hpc run: Ctrl-C: sent the warning ({warning.name}) to the workers: they save "
+                 "and stop (Ctrl-C again to stop now)" if interrupts[0] == 1 else
+                 "hpc run: Ctrl-C again: stopping now")
         elif signum in (signal.SIGHUP, signal.SIGTERM):
             _say(f"hpc run: {signal.Signals(signum).name}: asking the workers to save and stop")
             signum = signal.SIGTERM
@@ -181,7 +210,7 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward)
-           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)}
+           for s in {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2, warning}}
     try:
         for i in range(nodes):
             procs.append(subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id),
@@ -193,8 +222,14 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         for s, h in old.items():
             signal.signal(s, h)
     code = codes[0] if codes[0] != 0 else max(codes, key=abs)
+    if code < 0:                  # a launcher killed by a signal: the shell's convention
+        code = 128 - code
     outcomes = [o for o in jobdir.read_outcomes(job_dir) if o.allocation == allocation]
     last = outcomes[-1] if outcomes else None   # never an earlier allocation's
+    if interrupts[0]:
+        _say(_interrupted(job_dir, spec, interrupts[0], last, code, time.monotonic() - started))
+        _say(f"hpc run: resume with: {resume}")
+        return code
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
     _say(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
     if last and last.kind in ("preempted", "time_limit"):
@@ -203,3 +238,13 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
     if result.exists() and code == 0:
         _say(f"hpc run: result {result}")
     return code
+
+
+def _interrupted(job_dir: Path, spec: JobSpec, presses: int, last: jobdir.Outcome | None,
+                 code: int, took_s: float) -> str:
+    """The summary of a run stopped by Ctrl-C: where it stopped and what was saved."""
+    saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
+    at = f" at step {last.last_step}" if last is not None and last.last_step is not None else ""
+    how = "stopped by Ctrl-C" if presses == 1 else "stopped at once by a second Ctrl-C"
+    kept = f"checkpoint step {saved} saved" if saved is not None else "no checkpoint saved"
+    return f"hpc run: {how}{at} ({kept}) in {took_s:.1f}s, exit {code}; job dir {job_dir}"

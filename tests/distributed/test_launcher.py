@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -187,13 +188,87 @@ def test_signal_to_hpc_run_saves_stops_and_leaves_no_process(tmp_path: Path, sig
         p.send_signal(sig)
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 75, out                     # stopped, resumable
-        said = "interrupted" if sig == signal.SIGINT else sig.name
-        assert f"hpc run: {said}: asking the workers to save and stop" in out
+        if sig == signal.SIGINT:                           # the warning the Session saves on
+            assert "hpc run: Ctrl-C: sent the warning (SIGUSR2) to the workers" in out
+            assert "hpc run: stopped by Ctrl-C at step" in out and "resume with: hpc run " in out
+        else:
+            assert f"hpc run: {sig.name}: asking the workers to save and stop" in out
         wait_for(lambda: not marked_processes(marker), timeout=5, what="no process of the job left")
         last = outcomes(job)[-1]
         assert last["kind"] == "preempted" and last["step"] and last["step"] > 0, last
         assert (job / "checkpoints" / "latest").read_text().strip() == f"step-{last['step']:06d}"
         assert not (job / ".hpc-lock.json").exists()      # the next run may start
+    finally:
+        kill_leftovers(marker)
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+SAVER = REPO / "tests" / "distributed" / "scripts" / "usr2_saver.py"
+
+
+def test_ctrl_c_warns_a_plain_script_which_saves_and_resumes_with_the_printed_command(tmp_path: Path):
+    """The first Ctrl-C reaches the workers as SIGUSR2, the signal docs/own-script.md teaches
+    scripts to handle (this one does not handle SIGTERM): it saves and exits 75, the summary
+    says so and prints the command that resumes it, which does."""
+    job, marker = tmp_path / "job dir", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "hpc", "run", str(SAVER), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--out", str(tmp_path)]
+    p = subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: any("usr2_saver: start step" in f.read_text(errors="replace")
+                             for f in job.glob("logs/alloc-*/restart-*/rank-0.log")),
+                 timeout=120, what="the script to start")
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 75, out
+        saved = json.loads((job / "checkpoints" / "snapshot.json").read_text())["step"]
+        assert saved > 0 and f"usr2_saver: saved step {saved} on the warning" in out
+        assert "hpc run: Ctrl-C: sent the warning (SIGUSR2) to the workers" in out
+        assert "hpc run: stopped by Ctrl-C at step" in out and "29.9s left" not in out
+        assert outcomes(job)[-1]["kind"] == "preempted"      # resumable, no time limit locally
+        wait_for(lambda: not marked_processes(marker), timeout=5, what="no process of the job left")
+        line = [x for x in out.splitlines() if x.startswith("hpc run: resume with: ")][-1]
+        resume = shlex.split(line[len("hpc run: resume with: "):])
+        assert resume[0] == "hpc" and resume[resume.index("--job-dir") + 1] == str(job)
+        again = subprocess.run([sys.executable, "-m", "hpc", *resume[1:]], cwd=REPO,
+                               env=marked_env(marker), capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"usr2_saver: start step {saved}" in again.stdout
+        assert (tmp_path / "done").exists()
+    finally:
+        kill_leftovers(marker)
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_second_ctrl_c_stops_at_once_and_says_how_to_resume(tmp_path: Path):
+    """Workers that ignore the warning (they record SIGUSR2 and SIGTERM and carry on): the
+    second Ctrl-C ends the job within seconds, and the summary still says how to resume."""
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir",
+           str(job), "--", "--out", str(job), "--seconds", "600"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), start_new_session=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (job / "pid-0-0").exists() and (job / "pid-1-0").exists(), what="workers")
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        time.sleep(3.0)
+        assert p.poll() is None, "the first Ctrl-C only warns"
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out, _ = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert took < 20, (took, out)                   # ~1-3 s measured on an idle machine
+        assert p.returncode == 130, out
+        assert "hpc run: stopped at once by a second Ctrl-C" in out
+        assert f"hpc run: resume with: hpc run {PROBE} --nproc-per-node 2 --job-dir {job}" in out
+        wait_for(lambda: not marked_processes(marker), timeout=10, what="no process of the job left")
     finally:
         kill_leftovers(marker)
         if p.poll() is None:

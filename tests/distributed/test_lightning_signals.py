@@ -48,12 +48,12 @@ def stop_with(job: Path, p: subprocess.Popen[str], sig: signal.Signals) -> str:
 @pytest.mark.timeout(240)
 def test_on_the_warning_the_lightning_example_saves_and_exits_75(tmp_path: Path):
     job = tmp_path / "job"
-    stop_with(job, start(tmp_path, job), signal.SIGUSR2)   # a time-limit warning, 120 s ahead
+    stop_with(job, start(tmp_path, job), signal.SIGUSR2)   # the warning (hpc run: a preemption's, 30 s)
     rank0 = (job / "logs/alloc-0/restart-0/rank-0.log").read_text(errors="replace")
     assert "saved, stopping" in rank0, rank0[-2000:]
     [record] = outcomes(job)
-    assert (record["kind"], record["exit_code"]) == ("time_limit", 75), record
-    assert record["reason"] == "SIGUSR2 (time_limit): the script stopped for it (exit 75)", record["reason"]
+    assert (record["kind"], record["exit_code"]) == ("preempted", 75), record
+    assert record["reason"] == "SIGUSR2 (preempted): the script stopped for it (exit 75)", record["reason"]
 
 
 @pytest.mark.timeout(240)

@@ -76,7 +76,8 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
         time.sleep(1.5)
         assert p.poll() is None, "the warning killed the job"
         stop = json.loads((job / "logs/alloc-0/stop.json").read_text())
-        assert stop["signal"] == "SIGUSR2" and stop["kind"] == "time_limit", stop
+        # hpc run has no time limit: a warning is a preemption's (Ctrl-C sends it too).
+        assert stop["signal"] == "SIGUSR2" and stop["kind"] == "preempted", stop
         assert stop["deadline"] > stop["received_at"]
         started = time.time()
         os.kill(launcher, signal.SIGTERM)        # Slurm's SIGTERM: the workers die of it
@@ -91,8 +92,8 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     assert sorted(x.name for x in (job / "logs/alloc-0").glob("restart-*")) == ["restart-0"], \
         "the workers were restarted inside the stopping allocation"
     last = outcomes(job)[-1]
-    assert (last["allocation"], last["kind"], last["exit_code"]) == (0, "time_limit", 75), last
-    assert "SIGUSR2 (time_limit): the workers did not stop by themselves" in last["reason"], last
+    assert (last["allocation"], last["kind"], last["exit_code"]) == (0, "preempted", 75), last
+    assert "SIGUSR2 (preempted): the workers did not stop by themselves" in last["reason"], last
     print(f"SIGTERM to the launcher -> hpc run exited 75 in {stopped_in:.2f} s")
     assert stopped_in < 5, f"the stop took {stopped_in:.1f} s: Slurm's KillWait may be shorter"
 
@@ -108,7 +109,7 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     assert seen["HPC_STOP_FILE"] == str(job / "logs/alloc-1/stop.json")
     first = json.loads((job / "started-0-0-0").read_text())
     assert first["HPC_RESUMED"] == "0" and first["HPC_REQUEUE_COUNT"] == "0"
-    assert [o["kind"] for o in outcomes(job)] == ["time_limit", "finished"]
+    assert [o["kind"] for o in outcomes(job)] == ["preempted", "finished"]
     # The SIGTERM'd allocation's offline W&B data was kept (the worker finished the run first).
     run_id = (job / "wandb_run_id").read_text().strip()
     files = run_files(job / "wandb", run_id)

@@ -188,3 +188,17 @@ def test_every_argument_parser_in_the_project_refuses_abbreviations():
                     if not (isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False):
                         missing.append(f"{path.relative_to(root)}:{node.lineno}")
     assert missing == []
+
+
+def test_the_resume_command_is_the_users_own_with_the_job_dir():
+    from pathlib import Path
+
+    from hpc.backends.local import resume_command
+
+    job = Path("/tmp/my jobs/train_gpt-1")
+    assert resume_command(["run", "train.py", "--nproc-per-node", "2", "--", "--preset", "tiny"], job) == \
+        "hpc run train.py --nproc-per-node 2 --job-dir '/tmp/my jobs/train_gpt-1' -- --preset tiny"
+    given = ["run", "train.py", "--job-dir", "j", "--", "--lr", "3e-4"]
+    assert resume_command(given, job) == "hpc run train.py --job-dir j -- --lr 3e-4"
+    assert resume_command(["run", "t.py", "--job-dir=j"], job) == "hpc run t.py --job-dir=j"
+    assert "job_dir='/tmp/my jobs/train_gpt-1'" in resume_command(None, job)

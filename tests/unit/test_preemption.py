@@ -25,6 +25,19 @@ def test_warning_long_before_end_is_a_preemption():
     assert classify_warning("SIGUSR2", 1000.0, job_end_time=5000.0, lead_s=120) == "preempted"
 
 
+def test_warning_outside_slurm_is_a_preemption_not_a_time_limit():
+    # hpc run (Ctrl-C, kill -USR2): there is no time limit; under Slurm with the end time
+    # unknown the warning is still taken as the time limit's.
+    assert classify_warning("SIGUSR2", 1000.0, job_end_time=None, lead_s=120, under_slurm=False) == "preempted"
+    assert classify_warning("SIGUSR2", 1000.0, job_end_time=None, lead_s=120) == "time_limit"
+    from runtime.stopping import enforce_in, notice_for
+
+    notice = notice_for("SIGUSR2", 1000.0, allocation=0, job_end_time=None, lead_s=120,
+                        grace_s=None, under_slurm=False)
+    assert notice.kind == "preempted" and notice.deadline == 1030.0
+    assert enforce_in(notice, 1000.0) == 27.0      # workers that ignore it: SIGTERM after 27 s
+
+
 def test_deadlines():
     assert deadline_for("time_limit", 4880.0, job_end_time=5000.0, lead_s=120) == 5000.0
     assert deadline_for("time_limit", 100.0, job_end_time=None, lead_s=120) == 220.0
