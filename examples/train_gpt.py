@@ -181,7 +181,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of steps)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--log-every", type=int, default=5,
+                   help="reduce, log (W&B) and print a progress line every N steps (lines at most "
+                        "one a second)")
     p.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fail-once", action="store_true", help=argparse.SUPPRESS)  # restarted workers go on
     p.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -207,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup or max(1, max_steps // 10), max_steps))
         train = TrainState()
         start = s.restore(model=model, optim=optim, sched=sched, sampler=sampler, train=train)
+        if start >= max_steps:      # a finished job dir run again: its result.json stands
+            if s.is_rank0:
+                print(f"train_gpt: already finished at step {start} (of {max_steps}); "
+                      f"{s.job_dir / 'result.json'} is kept", flush=True)
+            s.finish()
+            return
         if s.is_rank0:
             print(f"train_gpt: preset {args.preset}, {sum(p.numel() for p in model.parameters())} "
                   f"params/rank, world {s.world_size}, global batch {global_batch} = {s.world_size} "
@@ -240,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
                 time.sleep(args.step_sleep)
 
         digest = weights_digest(model)
-        # The last step's loss over the whole global batch (each rank saw only its share).
+        # The last step's loss over the whole global batch (each rank saw only its share): the
+        # figure of the last progress line too (the Session reduces each rank's last value).
         final_loss = torch.tensor([train.loss], dtype=torch.float64)
         torch.distributed.all_reduce(final_loss)
         train.loss = final_loss.item() / s.world_size

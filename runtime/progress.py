@@ -114,11 +114,16 @@ class ProgressMeter:
             return None
         return (self.total_steps - self.step) / speed
 
-    def line(self) -> str:
-        """One line: `step 120/1000 (12.0%) | 4.31 steps/s | loss 2.1345 | eta 3m24s`."""
-        pct = 100.0 * self.step / self.total_steps
+    def line(self, step: int | None = None) -> str:
+        """One line: `step 120/1000 (12.0%) | 4.31 steps/s | loss 2.1345 | eta 3m24s`.
+
+        Args:
+            step: The step the line names (default: the latest; a logged row's step lags it).
+        """
+        step = self.step if step is None else step
+        pct = 100.0 * step / self.total_steps
         speed = self.speed
         rate = "? steps/s" if speed is None else f"{speed:.2f} steps/s"
         loss = "?" if self.loss is None else f"{self.loss:.4f}"
         eta = "?" if self.eta_s is None else format_duration(self.eta_s)
-        return f"step {self.step}/{self.total_steps} ({pct:.1f}%) | {rate} | loss {loss} | eta {eta}"
+        return f"step {step}/{self.total_steps} ({pct:.1f}%) | {rate} | loss {loss} | eta {eta}"

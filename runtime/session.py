@@ -57,6 +57,9 @@ CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the pol
 POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
 MAX_POLL_EVERY = 50
 PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
+LINE_MIN_S = 1.0                # console progress: a line per log step, at most one a second,
+LINE_MAX_S = 30.0               # and at least one this often (a slow loop, a large log_every)
+LAST_LOSS = "_last/loss"        # the last step's loss, reduced with a row for the progress line
 
 
 class Session:
@@ -96,6 +99,7 @@ class Session:
         self._progress: Any = None
         self._started = time.time()
         self._progress_written = 0.0
+        self._line_at = 0.0                  # when rank 0 last printed a progress line (monotonic)
         self._poll_every = 1
         self._start_step = 0
         self._owns_group = False
@@ -377,7 +381,8 @@ class Session:
         self._start_step = start
         self._rec.loop_start(start)
         if self.is_rank0:
-            self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=15.0)
+            self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=LINE_MAX_S)
+            self._line_at = time.monotonic()
         step_times: list[float] = []
         self._beat.set_base("step")
         if self.is_rank0 and not isinstance(self._beat, NullHeartbeat) and self.world_size > 1:
@@ -536,30 +541,44 @@ class Session:
     def _end_of_step(self, *, last: bool) -> None:
         self._write_progress(force=last)
         if self._progress is not None:
-            loss = self._pending_metrics.get("loss", [None])[-1]
-            line = self._progress.update(self.step, loss=loss)
-            if last:
-                line = self._progress.line()
-            if line:
-                print(line, flush=True)
+            self._progress.update(self.step)          # the speed; lines are printed below
         self._log_row_in_flight()   # the previous log step's row: its reduction is done by now
         if not (self.step % self.log_every == 0 or last) or not self._pending_metrics:
+            if last or time.monotonic() - self._line_at >= LINE_MAX_S:
+                self._print_progress(self.step)       # no row to wait for
             return
         local = {k: sum(v) / len(v) for k, v in self._pending_metrics.items()}
+        ops = dict(self._metric_ops)
+        if "loss" in self._pending_metrics:           # the progress line's: the step's, not the mean
+            local[LAST_LOSS], ops[LAST_LOSS] = self._pending_metrics["loss"][-1], "mean"
         # Posted, not waited for: the row is logged at the next step (or below, at the last),
         # so no step waits for a metric all-reduce (~2 ms on gloo every log_every steps).
         self._row_in_flight = (self.step, start_reduce(
-            local, self._metric_ops, group=self.cpu_group if self.world_size > 1 else None))
+            local, ops, group=self.cpu_group if self.world_size > 1 else None))
         self._pending_metrics.clear()
         if last:
             self._log_row_in_flight()
 
     def _log_row_in_flight(self) -> None:
-        """Logs the metric row whose reduction :meth:`_end_of_step` posted, if any."""
+        """Logs the metric row whose reduction :meth:`_end_of_step` posted, if any, and prints
+        rank 0's progress line for its step."""
         if self._row_in_flight is not None:
             step, pending = self._row_in_flight
             self._row_in_flight = None
-            self._ensure_sink().log(pending.result(), step=step)
+            row = dict(pending.result())
+            loss = row.pop(LAST_LOSS, None)
+            self._ensure_sink().log(row, step=step)
+            if self._progress is not None:
+                if loss is not None:
+                    self._progress.loss = loss
+                if step >= self._progress.total_steps or time.monotonic() - self._line_at >= LINE_MIN_S:
+                    self._print_progress(step)
+
+    def _print_progress(self, step: int) -> None:
+        """Rank 0's console line for ``step`` (speed, the latest logged loss over all ranks, ETA)."""
+        if self._progress is not None:
+            self._line_at = time.monotonic()
+            print(self._progress.line(step), flush=True)
 
     def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None) -> Any:
         """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily)."""

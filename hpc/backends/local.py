@@ -163,6 +163,13 @@ def run(spec: JobSpec, *, verbose: bool = False, argv: Sequence[str] | None = No
         verbose: Every log line on the console, not only what matters (``hpc run -v``).
         argv: The ``hpc`` command's arguments, to tell the user how to resume it.
     """
+    done = already_finished(spec)
+    if done is not None:
+        result = Path(spec.job_dir) / jobdir.RESULT
+        _say(f"hpc run: {spec.job_dir} already finished this job (step {done.last_step}); nothing to "
+             f"run{f', its result stays in {result}' if result.exists() else ''}. To train again, "
+             "use another --job-dir (or change the script's arguments to go on from its checkpoint)")
+        return 0
     job_dir, lock = prepare(spec)
     with lock:
         try:
@@ -171,6 +178,22 @@ def run(spec: JobSpec, *, verbose: bool = False, argv: Sequence[str] | None = No
             _say(f"hpc run: note: not listed in hpc status ({e.strerror or e}); "
                  f"hpc status {job_dir} still shows it")
         return _run(spec, job_dir, lock, verbose, resume_command(argv, job_dir))
+
+
+def already_finished(spec: JobSpec) -> jobdir.Outcome | None:
+    """The ``finished`` outcome when ``spec`` is exactly the job its directory already ran to
+    the end (the same command again: nothing to do), else None."""
+    job_dir = Path(spec.job_dir)
+    if not (job_dir / jobdir.JOBSPEC).is_file():
+        return None
+    outcomes = jobdir.read_outcomes(job_dir)
+    if not outcomes or outcomes[-1].kind != "finished":
+        return None
+    try:
+        same = JobSpec.load(job_dir) == spec
+    except Exception:  # noqa: BLE001 - an unreadable spec: run, and prepare() says why
+        return None
+    return outcomes[-1] if same else None
 
 
 def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False,

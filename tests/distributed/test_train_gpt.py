@@ -184,3 +184,42 @@ def test_quick_start_crash_resumes_from_a_checkpoint_with_default_settings(tmp_p
     assert result(job)["weights_sha256"] == result(ref)["weights_sha256"]
     assert result(job)["sample_order_sha256"] == result(ref)["sample_order_sha256"]
     assert "hpc run: warning" not in out               # a Session script, auto interval: no warning
+
+
+def progress_lines(out: str) -> dict[int, str]:
+    """Rank 0's progress lines by step: ``step 10/40 (25.0%) | ... | loss 3.4112 | eta 6s``."""
+    import re
+
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"step (\d+)/\d+ \(.*", out)}
+
+
+def test_the_console_follows_log_every_and_agrees_with_the_result(tmp_path: Path):
+    """--log-every N: a progress line every N steps (steps of >= 0.1 s, so the one-a-second
+    limit does not drop any); the last line's loss is the final line's and result.json's;
+    the same command on the finished job dir again does nothing and keeps result.json."""
+    job = tmp_path / "job"
+    code, out = finish(start(job, 2, "--log-every", "10", "--step-sleep", "0.1"))
+    assert code == 0, out
+    lines = progress_lines(out)
+    assert {10, 20, 30, 40} <= set(lines), out
+    final = result(job)
+    last_loss = lines[40].split("| loss ")[1].split(" ")[0]
+    assert f"train_gpt: done at step 40, loss {last_loss}," in out
+    assert f"{final['final_loss']:.4f}" == last_loss
+    before = (job / "result.json").read_bytes()
+    t0 = time.monotonic()
+    code, again = finish(start(job, 2, "--log-every", "10", "--step-sleep", "0.1"))
+    assert code == 0, again
+    assert "already finished this job (step 40)" in again and "train_gpt:" not in again
+    assert time.monotonic() - t0 < 10                     # no launcher, no workers started
+    assert (job / "result.json").read_bytes() == before
+    # The same job dir with other arguments that train no further: the script says so.
+    code, other = finish(start(job, 2, "--log-every", "20"))
+    assert code == 0, other
+    assert "train_gpt: already finished at step 40" in other
+    assert (job / "result.json").read_bytes() == before
+
+    sparse = tmp_path / "sparse"
+    code, out = finish(start(sparse, 2, "--log-every", "20", "--step-sleep", "0.1"))
+    assert code == 0, out
+    assert {20, 40} <= set(progress_lines(out)) and not {10, 30} & set(progress_lines(out)), out

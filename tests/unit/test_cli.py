@@ -202,3 +202,20 @@ def test_the_resume_command_is_the_users_own_with_the_job_dir():
     assert resume_command(given, job) == "hpc run train.py --job-dir j -- --lr 3e-4"
     assert resume_command(["run", "t.py", "--job-dir=j"], job) == "hpc run t.py --job-dir=j"
     assert "job_dir='/tmp/my jobs/train_gpt-1'" in resume_command(None, job)
+
+
+def test_the_same_command_on_a_finished_job_dir_is_already_finished(tmp_path: Path):
+    from hpc.backends.local import already_finished
+    from hpc.contract import jobdir
+    from hpc.contract.jobspec import JobSpec
+
+    spec = JobSpec(script="/x/train.py", script_args=("--preset", "tiny"), job_dir=str(tmp_path))
+    (tmp_path / jobdir.JOBSPEC).write_text(spec.to_json())
+    assert already_finished(spec) is None                          # never ran
+    jobdir.append_outcome(tmp_path, jobdir.Outcome(allocation=0, kind="preempted", exit_code=75))
+    assert already_finished(spec) is None                          # stopped: resume it
+    jobdir.append_outcome(tmp_path, jobdir.Outcome(allocation=1, kind="finished", exit_code=0,
+                                                   last_step=40))
+    assert already_finished(spec).last_step == 40
+    assert already_finished(spec.replace(script_args=("--preset", "tiny", "--max-steps", "80"))) is None
+    assert already_finished(spec.replace(nproc_per_node=2)) is None
