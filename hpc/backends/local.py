@@ -267,7 +267,9 @@ def _interrupted(job_dir: Path, spec: JobSpec, presses: int, last: jobdir.Outcom
                  code: int, took_s: float) -> str:
     """The summary of a run stopped by Ctrl-C: where it stopped and what was saved."""
     saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
-    at = f" at step {last.last_step}" if last is not None and last.last_step is not None else ""
+    step = last.last_step if last is not None else None   # None: a script without the Session
+    at = f" at step {step}" if step is not None else ""
     how = "stopped by Ctrl-C" if presses == 1 else "stopped at once by a second Ctrl-C"
-    kept = f"checkpoint step {saved} saved" if saved is not None else "no checkpoint saved"
-    return f"hpc run: {how}{at} ({kept}) in {took_s:.1f}s, exit {code}; job dir {job_dir}"
+    kept = f" (checkpoint step {saved} saved)" if saved is not None else \
+        " (no checkpoint saved)" if step is not None else ""   # a plain script's saves are its own
+    return f"hpc run: {how}{at}{kept} in {took_s:.1f}s, exit {code}; job dir {job_dir}"
