@@ -425,7 +425,7 @@ class Session:
                 log.log(NOTE, "%s arrived at the last step: finishing instead of stopping",
                         request.signal_name)
             if self._checkpointer is not None and self.step < stop \
-                    and self._checkpointer.should_save(self.step):
+                    and self._checkpointer.should_save(self.step, timed=done % self._poll_every == 0):
                 self.save(blocking=False)
         self._rec.flush_steps()
         if self._checkpointer is not None:

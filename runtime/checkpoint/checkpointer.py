@@ -36,6 +36,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import itertools
@@ -286,16 +287,25 @@ class Checkpointer:
         """Step of the newest committed checkpoint known to this job (None before any)."""
         return self._latest
 
-    def should_save(self, step: int, now: float | None = None) -> bool:
+    def should_save(self, step: int, now: float | None = None, *, timed: bool = True) -> bool:
         """Whether a save is due at ``step``; collective when a minute interval is set.
 
         Called every step, it also starts the background warm-up of the async staging buffers
         once the state restored (or started fresh) by :meth:`load_latest` is complete.
+
+        Args:
+            step: Steps done.
+            now: Wall time (default: now).
+            timed: Also apply the minute interval (one broadcast: rank 0's clock decides). With
+                False only the step rules apply, with no collective: every rank must pass the
+                same value at a step (the Session asks the clock at its agreement steps only).
         """
         self._maybe_warm_up()
-        due = self.schedule.due(step, time.time() if now is None else now,
-                                last_step=self._last_save_step, last_time=self._last_save_time)
-        if self.schedule.every_min is not None and self._ctl is not None:
+        timed = timed and self.schedule.every_min is not None
+        schedule = self.schedule if timed else dataclasses.replace(self.schedule, every_min=None)
+        due = schedule.due(step, time.time() if now is None else now,
+                           last_step=self._last_save_step, last_time=self._last_save_time)
+        if timed and self._ctl is not None:
             flag = torch.tensor([int(due)])
             dist.broadcast(flag, group=self._ctl, group_src=0)  # one clock decides
             due = bool(flag.item())

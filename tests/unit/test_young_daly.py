@@ -205,3 +205,16 @@ def test_auto_on_a_first_allocation_probes_early_then_keeps_the_bounds(tmp_path)
     ckpt = _Ckpt()
     SessionRecorder(tmp_path, rank=0, allocation=2, restart=0, world_size=2).restored(ckpt, 40, True, "fixed")
     assert ckpt.schedule.every_min is None and ckpt.schedule.probe_step is None
+
+
+def test_the_minute_interval_is_asked_only_when_timed(tmp_path):
+    """The Session asks the clock (one broadcast under DDP) only at its agreement steps; in
+    between only the step rules apply, with no collective."""
+    import time as _time
+
+    from runtime.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path / "ckpt", every_steps=50, every_min=5.0)
+    later = _time.time() + 301
+    assert ckpt.should_save(7, now=later) and not ckpt.should_save(7, now=later, timed=False)
+    assert ckpt.should_save(50, now=later, timed=False)          # the step rule still applies
