@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from hpc.contract import environment as job_env
+from hpc.contract import slurm
 from runtime import stopping
 
 log = logging.getLogger("hpc.launch")
@@ -41,16 +42,19 @@ class SignalForwarder:
         name = signal.Signals(signum).name
         now = time.time()
         self.received.append((now, name))
-        if self.stop is not None:
-            self.stop.on_signal(name, now)
         # Workers (re)started from now on learn of the warning from their environment.
         os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
-        for pid in children(os.getpid()):
+        # Forwarded first: the stop tracker then starts a Slurm query, a child of this process
+        # too, which must not get the signal (nor any later one while it runs: IN_FLIGHT).
+        workers = [pid for pid in children(os.getpid()) if pid not in slurm.IN_FLIGHT]
+        for pid in workers:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-        log.warning("received %s: forwarded to workers %s", name, children(os.getpid()))
+        if self.stop is not None:
+            self.stop.on_signal(name, now)
+        log.warning("received %s: forwarded to workers %s", name, workers)
 
 
 def children(ppid: int) -> list[int]:

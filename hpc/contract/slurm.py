@@ -111,10 +111,27 @@ def _job_id(job_id: str) -> str:
     return job_id
 
 
+IN_FLIGHT: set[int] = set()
+"""PIDs of the Slurm commands this process is running now. A job's launcher passes the signals
+it gets on to its children (the workers); a command it runs at that moment (``scontrol show
+job`` on a warning) is its child too, and would die of the forwarded signal (seen on the test
+cluster: exit status -12, SIGUSR2). The launcher skips these."""
+
+
 def _subprocess_runner(argv: Sequence[str], stdin: str | None, timeout_s: float,
                        env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
-                          timeout=timeout_s, env=dict(env))
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env))
+    IN_FLIGHT.add(proc.pid)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()   # as subprocess.run: not for its pipes, which a grandchild may hold open
+        raise
+    finally:
+        IN_FLIGHT.discard(proc.pid)
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
 
 
 class SlurmClient:

@@ -172,3 +172,39 @@ def test_an_old_notice_without_the_new_fields_still_reads(tmp_path: Path) -> Non
         "allocation": 0, "kind": "preempted", "signal": "SIGUSR2", "received_at": 1.0, "deadline": 11.0}))
     got = stopping.StopNotice.read(tmp_path / "stop.json")
     assert got.deadline == 11.0 and got.query == "" and got.slurm_deadline is None
+
+
+FORWARD = """
+import functools, json, os, signal, sys, time
+from pathlib import Path
+from runtime import stop_deadline, stopping
+from runtime.forwarding import SignalForwarder
+
+notice, env = Path(sys.argv[1]), {**os.environ, "PATH": sys.argv[2] + ":" + os.environ["PATH"]}
+f = SignalForwarder((signal.SIGUSR2,))
+f.stop = stopping.StopTracker(notice, allocation=0, job_end_time=None, lead_s=120, grace_s=10,
+                              restarts=0, ask_slurm=functools.partial(stop_deadline.ask_slurm, "1", env))
+f.install()
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(0.4)                        # the query runs (1 s): a second signal comes
+os.kill(os.getpid(), signal.SIGUSR2)
+assert f.stop.refined.wait(10)
+print(json.dumps({"query": f.stop.notice.query}))
+"""
+
+
+def test_the_launcher_does_not_forward_the_warning_to_its_own_slurm_query(tmp_path: Path) -> None:
+    """The launcher passes each signal on to its children; its `scontrol show job`, started on
+    the warning, is one of them. Seen on the test cluster: it died of a SIGUSR2 (exit status
+    -12) and the deadline stayed assumed. Here a second signal comes while it runs."""
+    import subprocess
+    import sys
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\nsleep 1\ncat '{FIXTURES / 'scontrol_show_job_preempt_grace.txt'}'\n")
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    r = subprocess.run([sys.executable, "-c", FORWARD, str(tmp_path / "stop.json"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["query"] == "answered", r.stdout + r.stderr
