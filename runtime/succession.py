@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -114,14 +115,23 @@ class Board:
         """Writes the decision for ``index`` unless one exists; returns the one that counts."""
         path = self.paths.rdzv_decision(self.allocation, index)
         data = {"epoch": asdict(election.epoch) if election.epoch else None, "reason": election.reason}
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            return self.decision(index) or election
+        # Written whole under a private name, then linked into place: the link fails if a
+        # decision exists, and a reader never sees one half-written (an empty decision.json,
+        # read between an O_EXCL create and its write, made survivors go on with their own
+        # election: two member lists for one epoch, seen at 1,024 simulated nodes).
+        tmp = path.with_name(f".{path.stem}-{socket.gethostname()}-{os.getpid()}-"
+                             f"{threading.get_ident()}{path.suffix}")   # not an announcement
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return self.decision(index) or election
+        finally:
+            tmp.unlink(missing_ok=True)
         if election.epoch is not None:
             self.publish(election.epoch)
         return election

@@ -200,6 +200,8 @@ class Host:
         for r, d in dogs.items():
             d.host = host_name(r)
         ticks = go["ticks"]
+        if not ticks:
+            return {}
         before = dict(self.fs.counts)
         started = time.time()
         for _ in range(ticks):

@@ -131,7 +131,8 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 2,
                 h.wait()
         server.kill()
         server.wait()
-    row.update(history.measure(n, allocations=history_allocs, work=tmp))
+    if history_allocs:
+        row.update(history.measure(n, allocations=history_allocs, work=tmp))
     row["load_after"] = load()
     return row
 
@@ -193,7 +194,9 @@ def _records_and_election(row: dict, n: int, ctl: Path, pids: list[int], ticks: 
     # The stall watch's records on the job directory.
     _go(ctl, "records", t=time.time() + 0.5, ticks=ticks)
     recs = _collect(ctl, "records", pids, 1800)
-    if recs:
+    if not ticks:
+        pass
+    elif recs:
         agents = sum(r["agents"] for r in recs)
         per_tick = sum(r["ops_per_node_tick"] * r["agents"] for r in recs) / agents
         row["fs_ops_per_node_tick"] = round(per_tick, 1)
@@ -212,6 +215,7 @@ def _records_and_election(row: dict, n: int, ctl: Path, pids: list[int], ticks: 
         row["elect_s"] = round(max(v[0] for v in decided) - t_elect, 3)
         row["elect_fs_ops_per_node"] = round(sum(e["fs_ops"] for e in elected) / len(decided), 1)
         row["elect_agree"] = len(outcomes) == 1 and len(decided) == n - 1
+        row["elect_members"] = min(v[3] for v in decided)   # of n - 1 survivors
         if not row["elect_agree"]:
             row["notes"]["elect_s"] = f"survivors disagreed or missed: {sorted(outcomes)[:3]}"
     else:
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-liveness-from", type=int, default=1 << 30,
                    help="from this N on, skip join/keepalive/detection (with --skip-liveness)")
     p.add_argument("--skip-liveness", default="", help="the reason recorded for skipping")
+    p.add_argument("--elect-only", action="store_true",
+                   help="measure the election again and update those figures in --out")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
     p.add_argument("--merge", action="store_true", help="keep the rows of other N in --out")
     a = p.parse_args(argv)
@@ -266,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.merge and out.exists():
         old = json.loads(out.read_text())["figures"]
         rows = [r for k, r in old.items() if int(k) not in a.nodes]
+    if a.elect_only:    # the election again, into the rows already recorded
+        rows = list(json.loads(out.read_text())["figures"].values())
+        for n in a.nodes:
+            row = simulate(n, procs=a.procs, ticks=0, history_allocs=0, skip_liveness="elect only")
+            old = next(r for r in rows if r["nodes"] == n)
+            old["notes"].pop("elect_s", None)
+            for k in ("elect_s", "elect_fs_ops_per_node", "elect_agree", "elect_members"):
+                old[k] = row.get(k)
+            old["elect_load"] = row["load_before"]
+            if "elect_s" in row["notes"]:
+                old["notes"]["elect_s"] = row["notes"]["elect_s"]
+        out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
+        return 0
     for n in a.nodes:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
         row = simulate(n, procs=a.procs, window_s=a.window, join_timeout_s=a.join_timeout,

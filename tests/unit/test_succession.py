@@ -94,3 +94,37 @@ def test_only_a_refused_requeue_continues_as_a_new_job() -> None:
     assert requeue_refused("scontrol: error: Requested operation is presently disabled for job 12")
     assert not requeue_refused("scontrol: error: Job is pending execution")
     assert not requeue_refused("scontrol: error: Unable to contact slurm controller (connect failure)")
+
+
+def test_a_decision_is_never_visible_half_written(tmp_path: Path) -> None:
+    """Found at 1,024 simulated nodes (benchmarks/scale): survivors that read ``decision.json``
+    between another's O_EXCL create and its write saw no decision and went on with their own
+    election: two member lists for one epoch. Readers racing the writer must see no file or
+    the whole decision."""
+    import sys
+
+    board = Board(tmp_path, allocation=0)
+    torn, stop = [], threading.Event()
+    rounds = 300
+
+    def reader() -> None:
+        while not stop.is_set():
+            for index in range(1, rounds + 1):
+                path = board.paths.rdzv_decision(0, index)
+                if path.exists() and board.decision(index) is None and path.exists():
+                    torn.append(index)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        for index in range(1, rounds + 1):
+            prev = Epoch(index - 1, "node1", tuple(ORDER))
+            board.announce(index, "node2")
+            board.decide(index, elect(prev, ["node2", "node3"], order=ORDER, min_nodes=2))
+    finally:
+        stop.set()
+        t.join(5)
+        sys.setswitchinterval(old)
+    assert torn == []
