@@ -21,7 +21,8 @@ the long ``busy_s`` budget (``--busy-timeout``) and is reported as running long,
 When every local rank waits inside a collective, that collective is stalled (a peer elsewhere
 froze or is gone) once it exceeded the short deadline, counted from when a rank was last seen
 busy (it may just have joined) and, when other nodes watch too, after a short margin that
-lets a node whose rank is busy say so first (:data:`PEER_REPORT_S`).
+lets a node whose rank is busy say so first (:data:`PEER_REPORT_S`), unless another node's
+watch already acted on a stall (its workers are being killed: no margin, the same moment).
 
 The suspect is, in order: a stopped process; one whose alive beat fell silent; a rank whose
 stack shows it outside any collective (it never reached the one its peers wait in: a rank
@@ -177,7 +178,8 @@ def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = Non
 
 
 def weigh(verdict: Verdict, stacks: Mapping[int, str], policy: StallPolicy, *,
-          busy_seen_at: float | None = None, now: float, peers_watch: bool = False) -> Verdict:
+          busy_seen_at: float | None = None, now: float, peers_watch: bool = False,
+          peer_stall: str = "") -> Verdict:
     """A candidate of :func:`judge` weighed with the ranks' stacks (``rank -> text``).
 
     Args:
@@ -188,6 +190,9 @@ def weigh(verdict: Verdict, stacks: Mapping[int, str], policy: StallPolicy, *,
             progress since (None: never): a collective they all wait in now started after it.
         now: The clock of the heartbeats.
         peers_watch: Other nodes' stall watches publish (they may report a busy rank).
+        peer_stall: A stall another node's watch acted on since these ranks last progressed
+            (its summary), or "": the ranks here that wait in a collective wait for workers
+            that are being killed.
 
     Returns:
         Not stalled (busy ranks within their budget, or a collective still within its
@@ -214,6 +219,9 @@ def weigh(verdict: Verdict, stacks: Mapping[int, str], policy: StallPolicy, *,
                        "--busy-timeout)", busy=ids)
     waiting = bool(ranks) and all(main_thread_in_collective(stacks.get(r.beat.rank, "")) for r in ranks)
     bound = min(r.deadline_s for r in ranks) if ranks else 0.0
+    if waiting and peer_stall:
+        return Verdict(True, ranks, None, f"every rank on this node waits in a collective and another "
+                       f"node's watch acted: {peer_stall}", kind=COLLECTIVE)
     if busy_seen_at is not None and now - busy_seen_at <= bound:
         return Verdict(False, ranks, reason=f"no rank is busy any more (last seen {now - busy_seen_at:.0f}s "
                                             f"ago); its collective gets {bound:.0f}s from then")

@@ -315,7 +315,8 @@ class Watchdog:
                         peer_busy=self._peer_busy(peers))
         dumps = None
         if verdict.stalled and not verdict.hard:
-            verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=bool(peers))
+            verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=bool(peers),
+                                         peer_stall=self._peer_stall(verdict))
         else:
             self._new_episode(())
         self._note_busy(verdict, dumps or {}, now)
@@ -332,20 +333,20 @@ class Watchdog:
             self._episode, self._next_look, self._busy_seen_at, self._weighed = key, 0.0, None, None
 
     def _weigh(self, verdict: Verdict, pids: list[int], now: float, *,
-               peers_watch: bool) -> tuple[Verdict, dict[int, str] | None]:
+               peers_watch: bool, peer_stall: str = "") -> tuple[Verdict, dict[int, str] | None]:
         """A candidate stall weighed with fresh stacks (every :data:`LOOK_EVERY_S`); between
         looks the last weighing stands, its busy ranks held to their budget."""
         assert self.policy is not None
         self._new_episode(tuple(sorted((r.beat.pid, r.beat.time) for r in verdict.ranks)))
         last = self._weighed
-        if last is not None and time.monotonic() < self._next_look:
+        if last is not None and time.monotonic() < self._next_look and not peer_stall:
             past = [r for r in verdict.ranks if r.beat.rank in last.busy
                     and r.age_s > max(self.policy.busy_s, r.deadline_s)]
             if not past:
                 return dataclasses.replace(last, ranks=verdict.ranks), None
         dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
         weighed = weigh(verdict, dumps, self.policy, busy_seen_at=self._busy_seen_at, now=now,
-                        peers_watch=peers_watch)
+                        peers_watch=peers_watch, peer_stall=peer_stall)
         if weighed.busy:
             self._busy_seen_at = now
         self._weighed, self._next_look = weighed, time.monotonic() + LOOK_EVERY_S
@@ -479,6 +480,14 @@ class Watchdog:
                 continue
             latest = progress if latest is None else max(latest, progress)
         return None if latest is None else max(0.0, now - latest)
+
+    def _peer_stall(self, verdict: Verdict) -> str:
+        """A stall another node's watch acted on since the local ranks last progressed (its
+        summary), or "" (``hangs.jsonl``, read only for a candidate stall)."""
+        since = max((r.beat.time for r in verdict.ranks), default=0.0)
+        theirs = [h for h in events.read(self.job_dir, self.allocation)
+                  if h.node_rank != self.node_rank and h.time >= since]
+        return theirs[-1].summary() if theirs else ""
 
     @staticmethod
     def _peer_busy(records: list[dict]) -> str:

@@ -440,6 +440,9 @@ def test_ranks_waiting_in_a_collective_give_other_nodes_time_to_report_a_busy_ra
     both_wait = {0: WAITING, 1: WAITING}
     assert not weigh(judge(ranks), both_wait, POLICY, now=25.0, peers_watch=True).stalled
     assert weigh(judge(ranks), both_wait, POLICY, now=25.0).stalled, "one node: no one to hear from"
+    acted = "stall on node2 at step 11, suspect rank 2: rank 2 is stopped (SIGSTOP or a tracer)"
+    w = weigh(judge(ranks), both_wait, POLICY, now=25.0, peers_watch=True, peer_stall=acted)
+    assert w.stalled and w.kind == COLLECTIVE and acted in w.reason, "its workers are being killed"
     later = assess([alive_beat(0, 0.0, 31.5), alive_beat(1, 0.1, 31.8)], {}, 32.0, POLICY)
     assert weigh(judge(later), both_wait, POLICY, now=32.0, peers_watch=True).stalled
     busy_elsewhere = "rank 2 on node2 (step 30, working outside any collective for 40s)"
