@@ -63,6 +63,14 @@ def wait(pred, timeout: float, what: str) -> float:
     raise SystemExit(f"recovery bench: timed out waiting for {what}")
 
 
+def resumed(job: Path) -> bool:
+    """Rank 0 trains again after a restart of the workers, from a checkpoint (the job started
+    at step 0). Not its restart count: a node whose own workers did not fail restarts them for
+    the membership change, which torch does not count (rank 0's count stays 0)."""
+    p = progress(job)
+    return p.get("start_step", 0) > 0 and p["step"] > p["start_step"]
+
+
 def outcomes(job: Path) -> list[dict]:
     p = job / "outcomes.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
@@ -136,7 +144,7 @@ def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     before = progress(job)["step"]
     t = time.time()
     os.kill(worker_pids("hpc-node2")[0], signal.SIGSTOP)
-    wait(lambda: progress(job).get("restart", 0) >= 1 and progress(job)["step"] > progress(job)["start_step"],
+    wait(lambda: resumed(job),
          180, "training after the frozen worker's restart")
     res["worker_freeze_to_resume_s"] = time.time() - t
     res["worker_freeze_steps_lost"] = before - progress(job)["start_step"]
@@ -198,7 +206,7 @@ def main() -> None:
         before = progress(job)["step"]
         t = time.time()
         os.kill(worker_pids("hpc-node2")[0], signal.SIGKILL)
-        wait(lambda: progress(job).get("restart", 0) >= 1 and progress(job)["step"] > progress(job)["start_step"],
+        wait(lambda: resumed(job),
              180, "training after the worker restart")
         res["worker_crash_to_resume_s"] = time.time() - t
         res["worker_crash_steps_lost"] = before - (progress(job)["start_step"])
