@@ -12,8 +12,10 @@ evidence kept:
 - :mod:`.deadline`: the pure stall deadline ``max(floor, k x recent p99 step time)``, with
   phases known to be long (start-up, restore, the first steps, a save, evaluation) given
   their own budgets; ``--stall-timeout auto|off|SECONDS``.
-- :mod:`.verdict`: pure: from the records, the processes' states and the clock, is this node
-  stalled, and which rank is the suspect.
+- :mod:`.verdict`: pure: from the records, the processes' states, the alive beats, the clock
+  and the stacks, is this node stalled or a rank just running long, and who is the suspect.
+- :mod:`.nodes`: each watchdog's record for the other nodes (latest progress, busy ranks):
+  a rank elsewhere may be waiting for them.
 - :mod:`.peers`: each launcher keeps a counter going in the rendezvous store and watches
   the others'; a node whose counter stops while we still reach the store is cut off.
 - :mod:`.stacks`: the worker side registers ``faulthandler`` on :data:`.stacks.DUMP_SIGNAL`;

@@ -12,6 +12,9 @@ take faulthandler's crash path, and glibc reserves the first real-time signals f
 threads (Python's ``SIGRTMIN`` already starts after them). A real-time signal nobody else
 sends is also queued, not merged, and cannot be mistaken for a user's Ctrl-\\.
 
+:func:`report` writes a stall's stack file (the verdict, a table of the ranks, each rank's
+stacks); :func:`head` is the main thread's top for a log line about a rank running long.
+
 The launcher sends the signal only to workers whose dump file exists (they registered);
 a process stopped with SIGSTOP gets the signal and then SIGCONT, so it dumps where it froze.
 """
@@ -24,12 +27,16 @@ import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from runtime.liveness import proc
 from runtime.liveness.heartbeat import stacks_path
 
+if TYPE_CHECKING:
+    from runtime.liveness.verdict import Verdict
+
 DUMP_SIGNAL = signal.SIGRTMIN + 6
+HEAD_LINES = 12   # lines of a busy rank's stack in the launcher log
 _registered: list[IO[str]] = []   # the open dump file must outlive the registration
 
 
@@ -100,3 +107,26 @@ def collect(directory: Path, pids: Mapping[int, int], *, timeout_s: float = 3.0)
         except OSError:
             continue
     return out
+
+
+def head(dump: str, lines: int = HEAD_LINES) -> str:
+    """The first block of a dump (the main thread, see :func:`main_thread_first`), indented."""
+    block = dump.strip().split("\n\n", 1)[0].splitlines()[:lines]
+    return "\n".join("  " + line for line in block)
+
+
+def report(verdict: Verdict, dumps: dict[int, str], *, host: str, node_rank: int) -> str:
+    """The stack file: the verdict, a table of the node's ranks, then each rank's stacks."""
+    suspect = (f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None
+               else f"node {verdict.lost_node}" if verdict.lost_node else "a peer on another node")
+    lines = [f"hpc-elastic stall report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+             f"node {host} (node rank {node_rank})", f"suspect: {suspect}", f"why: {verdict.reason}",
+             "", "ranks on this node:"]
+    lines += [f"  {r.describe()}" for r in verdict.ranks]
+    for r in verdict.ranks:
+        mark = "   <== SUSPECT" if r.beat.rank == verdict.suspect_rank else ""
+        lines += ["", f"=== rank {r.beat.rank} (pid {r.beat.pid}){mark} ==="]
+        text = dumps.get(r.beat.rank, "").rstrip()
+        lines.append(text or "(no stack: the process did not answer the dump signal in time; "
+                             "it may sit in uninterruptible sleep, e.g. a driver call)")
+    return "\n".join(lines) + "\n"

@@ -42,7 +42,6 @@ The launcher touches it through four calls: :meth:`Watchdog.start` before the ag
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -55,25 +54,22 @@ import time
 from pathlib import Path
 
 from hpc.contract import environment as job_env
-from hpc.contract import jobdir
 from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
-from runtime.liveness import events, nccl, proc, stacks
+from runtime.liveness import events, nccl, nodes, proc, stacks
 from hpc.contract.stall import BUSY_TIMEOUT_S
 from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_from_spec
 from runtime.liveness.heartbeat import Heartbeat, read_all
+from runtime.liveness.nodes import NodeBoard
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
-from runtime.liveness.verdict import (HARDWARE_KINDS, RankState, Verdict, assess, blame, judge,
+from runtime.liveness.verdict import (HARDWARE_KINDS, Verdict, assess, blame, judge,
                                       weigh)
 
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
-PUBLISH_EVERY_S = 2.0
-PEER_RECORD_FRESH_S = 15.0   # a node record older than this says nothing about now
 NCCL_DUMP_WAIT_S = 2.0       # torch writes the flight recorder from its own thread
 LOOK_EVERY_S = 5.0           # stacks of ranks past their deadline without a hard fault, this often
 BUSY_LOG_EVERY_S = 300.0     # a rank still running long is logged again this often
-STACK_LINES = 12             # lines of a busy rank's stack in the log
 
 
 def heartbeat_root() -> Path:
@@ -190,7 +186,6 @@ class Watchdog:
         self.hangs: list[events.HangEvent] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._published = 0.0
         self._acted_on: set[int] = set()
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self.beacon = beacon
@@ -202,7 +197,7 @@ class Watchdog:
         self._weighed: Verdict | None = None
         self._busy_logged: dict[int, float] = {}   # rank -> when it was last logged as busy
         self.busy: tuple[str, ...] = ()           # this node's busy ranks, as published
-        self._published_busy = False
+        self.board = NodeBoard(self.job_dir, allocation=allocation, node_rank=node_rank, host=self.host)
 
     @classmethod
     def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int,
@@ -215,11 +210,7 @@ class Watchdog:
         return cls(job_dir, allocation=allocation, node_rank=node_rank, policy=policy, beacon=beacon,
                    exclude_nodes=not local)
 
-    @property
-    def node_dir(self) -> Path:
-        return JobPaths(self.job_dir).liveness(self.allocation)
-
-    # --- the launcher's three calls ---------------------------------------------------
+    # --- the launcher's calls ---------------------------------------------------
     def start(self) -> None:
         """Creates the heartbeat directory, names it to the workers, starts the thread."""
         clean_stale_heartbeat_dirs(self.directory.parent)
@@ -309,10 +300,10 @@ class Watchdog:
         ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy)
         tracker = self.beacon.tracker if self.beacon is not None else None
         lost = tracker.lost(time.monotonic()) if tracker is not None else {}
-        peers = self._peer_records(now)
-        verdict = judge(ranks, peer_progress_age_s=self._peer_progress_age(peers, now),
+        peers = self.board.peers(now)
+        verdict = judge(ranks, peer_progress_age_s=nodes.progress_age(peers, now),
                         lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None,
-                        peer_busy=self._peer_busy(peers))
+                        peer_busy=nodes.busy_rank(peers))
         dumps = None
         if verdict.stalled and not verdict.hard:
             verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=bool(peers),
@@ -320,7 +311,7 @@ class Watchdog:
         else:
             self._new_episode(())
         self._note_busy(verdict, dumps or {}, now)
-        self._publish(ranks, now)
+        self.board.publish(ranks, self.busy, now)
         if verdict.stalled:
             verdict = self._act(verdict, sorted(pids), dumps)
             if tracker is not None:
@@ -354,7 +345,7 @@ class Watchdog:
 
     def _note_busy(self, verdict: Verdict, dumps: dict[int, str], now: float) -> None:
         """Logs ranks running long (with their stack the first time) and keeps them for
-        :meth:`_publish`."""
+        :mod:`.nodes`."""
         busy = [r for r in verdict.ranks if r.beat.rank in verdict.busy] if not verdict.stalled else []
         self.busy = tuple(f"rank {r.beat.rank} on {self.host} (step {r.beat.step}, working outside "
                           f"any collective for {r.age_s:.0f}s)" for r in busy)
@@ -368,7 +359,7 @@ class Watchdog:
                 log.warning("stall watch: %s; not a stall: its process is alive and works outside "
                             "any collective (its peers wait for it). Mark long work with "
                             "session.phase(...) to say so; its stack:\n%s", verdict.reason,
-                            _stack_head(stack) or "  (no stack)")
+                            stacks.head(stack) or "  (no stack)")
             else:
                 log.warning("stall watch: %s", verdict.reason)
 
@@ -388,7 +379,7 @@ class Watchdog:
         while paths.hang_stacks(self.allocation, self.host, n).exists():   # an earlier watchdog's (epoch)
             n += 1
         path = paths.hang_stacks(self.allocation, self.host, n)
-        path.write_text(stack_report(verdict, dumps, host=self.host, node_rank=self.node_rank))
+        path.write_text(stacks.report(verdict, dumps, host=self.host, node_rank=self.node_rank))
         event = events.HangEvent(
             allocation=self.allocation, node=self.host, node_rank=self.node_rank,
             reason=verdict.reason, suspect_rank=verdict.suspect_rank,
@@ -432,55 +423,6 @@ class Watchdog:
                 p.unlink(missing_ok=True)
 
     # --- across nodes -----------------------------------------------------------------------
-    def _publish(self, ranks: tuple[RankState, ...], now: float) -> None:
-        busy_news = bool(self.busy) != self._published_busy
-        if now - self._published < PUBLISH_EVERY_S and not busy_news:
-            return
-        self._published_busy = bool(self.busy)
-        self._published = now
-        record = {"node": self.host, "node_rank": self.node_rank, "time": now,
-                  "progress": max(r.beat.time for r in ranks),
-                  "ranks": [r.describe() for r in ranks], "busy": list(self.busy),
-                  "pace": [{"rank": r.beat.rank, "compute_s": r.beat.compute_s} for r in ranks
-                           if r.beat.compute_s is not None and r.beat.phase == "step"]}
-        try:
-            self.node_dir.mkdir(parents=True, exist_ok=True)
-            jobdir.write_atomic(JobPaths(self.job_dir).liveness_node(self.allocation, self.node_rank),
-                                json.dumps(record), durable=False)
-        except OSError as e:
-            log.warning("cannot publish this node's liveness: %s", e)
-
-    def _peer_records(self, now: float) -> list[dict]:
-        """The other nodes' fresh records (see :meth:`_publish`).
-
-        A node that cannot write any more (crashed, or its link to the shared filesystem is
-        cut) stops counting after :data:`PEER_RECORD_FRESH_S`.
-        """
-        out = []
-        mine = JobPaths(self.job_dir).liveness_node(self.allocation, self.node_rank)
-        for path in JobPaths(self.job_dir).liveness_nodes(self.allocation):
-            if path == mine:
-                continue
-            record = jobdir.read_json(path)
-            try:
-                if isinstance(record, dict) and now - float(record["time"]) < PEER_RECORD_FRESH_S:
-                    out.append(record)
-            except (KeyError, TypeError, ValueError):
-                continue
-        return out
-
-    @staticmethod
-    def _peer_progress_age(records: list[dict], now: float) -> float | None:
-        """Seconds since the latest progress another node published (fresh records only)."""
-        latest = None
-        for record in records:
-            try:
-                progress = float(record["progress"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            latest = progress if latest is None else max(latest, progress)
-        return None if latest is None else max(0.0, now - latest)
-
     def _peer_stall(self, verdict: Verdict) -> str:
         """A stall another node's watch acted on since the local ranks last progressed (its
         summary), or "" (``hangs.jsonl``, read only for a candidate stall)."""
@@ -488,35 +430,3 @@ class Watchdog:
         theirs = [h for h in events.read(self.job_dir, self.allocation)
                   if h.node_rank != self.node_rank and h.time >= since]
         return theirs[-1].summary() if theirs else ""
-
-    @staticmethod
-    def _peer_busy(records: list[dict]) -> str:
-        """A busy rank another node published (its description), or ""."""
-        for record in records:
-            busy = record.get("busy")
-            if isinstance(busy, list) and busy and isinstance(busy[0], str):
-                return busy[0]
-        return ""
-
-
-def _stack_head(dump: str, lines: int = STACK_LINES) -> str:
-    """The first block (the main thread, see :func:`.stacks.main_thread_first`) of a dump."""
-    block = dump.strip().split("\n\n", 1)[0].splitlines()[:lines]
-    return "\n".join("  " + line for line in block)
-
-
-def stack_report(verdict: Verdict, dumps: dict[int, str], *, host: str, node_rank: int) -> str:
-    """The stack file: the verdict, a table of the node's ranks, then each rank's stacks."""
-    suspect = (f"rank {verdict.suspect_rank}" if verdict.suspect_rank is not None
-               else f"node {verdict.lost_node}" if verdict.lost_node else "a peer on another node")
-    lines = [f"hpc-elastic stall report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-             f"node {host} (node rank {node_rank})", f"suspect: {suspect}", f"why: {verdict.reason}",
-             "", "ranks on this node:"]
-    lines += [f"  {r.describe()}" for r in verdict.ranks]
-    for r in verdict.ranks:
-        mark = "   <== SUSPECT" if r.beat.rank == verdict.suspect_rank else ""
-        lines += ["", f"=== rank {r.beat.rank} (pid {r.beat.pid}){mark} ==="]
-        text = dumps.get(r.beat.rank, "").rstrip()
-        lines.append(text or "(no stack: the process did not answer the dump signal in time; "
-                             "it may sit in uninterruptible sleep, e.g. a driver call)")
-    return "\n".join(lines) + "\n"
