@@ -256,11 +256,14 @@ def test_output_beats_of_a_real_process_follow_its_output(tmp_path: Path):
     (a loaded machine may keep a worker importing torch longer than a short deadline)."""
     log = tmp_path / "rank-3.log"
     with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); print('x', flush=True); time.sleep(30)"],
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); print('x', flush=True); time.sleep(30)"],
                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RANK": "3", "LOCAL_RANK": "1"})
     try:
+        deadline = time.time() + 20
+        while not output_beats({child.pid}) and time.time() < deadline:   # until it runs as itself
+            time.sleep(0.02)
         [quiet] = output_beats({child.pid})
-        assert quiet.phase == "startup", "nothing written yet"
+        assert quiet.phase == "startup" and log.stat().st_size == 0, "nothing written yet"
         deadline = time.time() + 20
         while log.stat().st_size == 0 and time.time() < deadline:
             time.sleep(0.05)
