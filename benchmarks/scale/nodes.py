@@ -7,9 +7,9 @@ Each agent is one node's control plane, with the project's real code:
   its keep-alive thread then runs as in a real agent;
 * **keepalive**: a real :class:`~runtime.liveness.peers.PeerBeacon` thread (its store client
   wrapped to count requests);
-* **node records**: the stall watch's cross-node part (:meth:`Watchdog._publish` and
-  :meth:`Watchdog._peer_records`, what :meth:`Watchdog.check` does on the job directory
-  every poll) over the heartbeats of 8 fake workers (records as real workers publish them;
+* **node records**: the stall watch's cross-node part (:class:`runtime.liveness.nodes.NodeBoard`:
+  ``peers`` and ``publish``, what :meth:`Watchdog.check` does on the job directory every
+  poll) over the heartbeats of 8 fake workers (records as real workers publish them;
   their own heartbeat files are node-local, ``/dev/shm``, and do not grow with N);
 * **election**: :func:`runtime.succession.run_election` on the job directory after node 0
   (the rendezvous host) is declared lost.
@@ -36,7 +36,8 @@ from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
 from runtime.liveness.peers import BEAT_S, PeerBeacon
 from runtime.liveness.verdict import assess
-from runtime.liveness.watchdog import POLL_S, Watchdog
+from runtime.liveness import nodes
+from runtime.liveness.nodes import NodeBoard
 from runtime import succession
 
 RANKS_PER_NODE = 8
@@ -195,10 +196,8 @@ class Host:
     # --- the stall watch's node records -------------------------------------------------------
     def records(self, go: dict) -> dict:
         policy = StallPolicy()
-        dogs = {r: Watchdog(self.job_dir, allocation=0, node_rank=r, policy=policy,
-                            exclude_nodes=False) for r in self.ranks}
-        for r, d in dogs.items():
-            d.host = host_name(r)
+        boards = {r: NodeBoard(self.job_dir, allocation=0, node_rank=r, host=host_name(r))
+                  for r in self.ranks}
         ticks = go["ticks"]
         if not ticks:
             return {}
@@ -206,11 +205,12 @@ class Host:
         started = time.time()
         for _ in range(ticks):
             now = time.time()
-            for r, d in dogs.items():
+            for r, board in boards.items():    # what Watchdog.check does on the job directory
                 self.fs.local.owner = r
-                d._published = 0.0      # publish each tick: one record per PUBLISH_EVERY_S
-                d._peer_records(now)
-                d._publish(assess(fake_beats(r, now), {}, now, policy), now)
+                peers = board.peers(now)
+                nodes.progress_age(peers, now)
+                nodes.busy_rank(peers)
+                board.publish(assess(fake_beats(r, now), {}, now, policy), (), now)
             self.fs.local.owner = None
         took = time.time() - started
         reads = {r: self.fs.counts.get(r, 0) - before.get(r, 0) for r in self.ranks}
