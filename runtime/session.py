@@ -466,7 +466,9 @@ class Session:
                 self._checkpointer.wait()
         saved = self._checkpointer.latest_step() if self._checkpointer else None
         self._write_progress(force=True)
-        reason = f"{request.signal_name} ({request.kind}); {decision.reason} ({note}); saved step {saved}"
+        # Without Slurm (hpc run) a warning is a stop someone asked for, not a preemption.
+        what = request.kind if self.env.slurm.active else "a stop was asked for"
+        reason = f"{request.signal_name} ({what}); {decision.reason} ({note}); saved step {saved}"
         self._rec.emit("stop_end", kind=request.kind, saved_step=saved, save=decision.save)
         self.event(request.kind, step=self.step, signal=request.signal_name, saved_step=saved)
         if self.is_rank0:

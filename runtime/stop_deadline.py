@@ -180,7 +180,7 @@ def plan(kind: str, deadline: float, notice: StopNotice | None, *,
     elif notice.query == ASKING:
         note = "assumed deadline (Slurm did not answer in time)"
     else:
-        note = "assumed deadline (no Slurm here)"
+        note = "assumed deadline (nobody to ask)"
     return kind, deadline, note
 
 

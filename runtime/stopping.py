@@ -84,6 +84,20 @@ def notice_for(signal_name: str, received_at: float, *, allocation: int,
                       received_at=round(received_at, 3), deadline=round(deadline, 3))
 
 
+def enforcement_line(notice: StopNotice, delay: float, *, under_slurm: bool) -> str:
+    """What the launcher says when it arms its own SIGTERM for a stop (pure).
+
+    Under Slurm the SIGTERM comes ahead of Slurm's own; without Slurm (``hpc run``) a warning
+    is a stop someone asked for, and there is no Slurm deadline to name.
+    """
+    at = time.strftime("%H:%M:%S", time.localtime(notice.received_at + delay))
+    if not under_slurm:
+        return (f"{notice.signal}: a stop was asked for: workers still running "
+                f"at {at} ({delay:.0f} s from now) get SIGTERM")
+    return (f"{notice.signal} ({notice.kind}): workers still running in {delay:.1f} s get SIGTERM, "
+            f"ahead of Slurm's at {time.strftime('%H:%M:%S', time.localtime(notice.deadline))}")
+
+
 class StopTracker:
     """The launcher's record of a stop in progress (fed by its signal handler).
 
@@ -156,9 +170,7 @@ class StopTracker:
         self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
         self.timer.daemon = True
         self.timer.start()
-        log.warning("%s (%s): workers still running in %.1f s get SIGTERM, ahead of "
-                    "Slurm's at %.0f", self.notice.signal, self.notice.kind, delay,
-                    self.notice.deadline)
+        log.warning("%s", enforcement_line(self.notice, delay, under_slurm=self.under_slurm))
 
     def _refine(self) -> None:
         """Asks Slurm (or waits for the asking node's notice) and plans for the earlier

@@ -60,6 +60,24 @@ def record_early_warning() -> None:
     signal.signal(getattr(signal, name), record)
 
 
+def ignore_late_warning() -> None:
+    """Once the script is over, a warning signal is ignored: the work is done, nothing to save.
+
+    At interpreter shutdown CPython resets every signal with a Python handler to SIG_DFL
+    (``_PySignal_Fini``), and torch's libraries take a while to unload after that: a warning
+    arriving then killed a worker that had finished (exit status -12 for SIGUSR2), and the
+    launcher took the finished allocation for a stopped one and requeued it. SIG_IGN is left
+    in place by the shutdown, so a late warning is harmless in every phase after this call.
+    """
+    name = JobEnvironment.from_env(os.environ).warning_signal
+    if name in ("", "SIGTERM", "SIGINT") or not hasattr(signal, name):
+        return
+    try:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    except (ValueError, OSError):   # not the main thread, or an interpreter already going
+        pass
+
+
 def script_contract(job: JobEnvironment, env: Mapping[str, str]) -> dict[str, str]:
     """The per-process part of the contract for users' scripts (docs/own-script.md).
 
@@ -79,6 +97,14 @@ def main(argv: list[str]) -> None:
     job = JobEnvironment.from_env(os.environ)
     bind_to_parent(job.agent_pid)
     record_early_warning()
+    try:
+        _run(job, argv)
+    finally:
+        ignore_late_warning()   # before the interpreter's shutdown resets the handler
+
+
+def _run(job: JobEnvironment, argv: list[str]) -> None:
+    """Everything after the warning is recorded: the per-process contract, then the script."""
     if job.heartbeat_dir:   # the launcher's stall watchdog can ask for this process's stacks
         stacks.install(job.heartbeat_dir)
     if job.merge_stderr:

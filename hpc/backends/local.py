@@ -216,6 +216,7 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
     me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
     procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]
+    warned: list[str] = []   # a warning signal sent to hpc run itself (kill -USR2): a user's stop
     warning = signal.Signals[f"SIG{spec.signal}"]
 
     def forward(signum: int, _frame: object) -> None:
@@ -228,6 +229,9 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         elif signum in (signal.SIGHUP, signal.SIGTERM):
             _say(f"hpc run: {signal.Signals(signum).name}: asking the workers to save and stop")
             signum = signal.SIGTERM
+        elif not warned:
+            warned.append(signal.Signals(signum).name)
+            _say(f"hpc run: {warned[0]}: sent the warning to the workers: they save and stop")
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -253,6 +257,12 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         _say(_interrupted(job_dir, spec, interrupts[0], last, code, time.monotonic() - started))
         _say(f"hpc run: resume with: {resume}")
         return code
+    if warned and last is not None and last.kind in ("preempted", "time_limit"):
+        # No Slurm here: the warning was a stop someone asked for, not a time limit's.
+        _say(_interrupted(job_dir, spec, 1, last, code, time.monotonic() - started,
+                          how=f"stopped by {warned[0]} (sent to hpc run)"))
+        _say(f"hpc run: {resume_hint(last, job_dir)}")
+        return code
     what = f"{last.kind}" + (f" ({last.reason})" if last and last.reason else "") if last else "no outcome recorded"
     _say(f"hpc run: {what} in {time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
     if last and last.kind in ("preempted", "time_limit"):
@@ -264,12 +274,12 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
 
 
 def _interrupted(job_dir: Path, spec: JobSpec, presses: int, last: jobdir.Outcome | None,
-                 code: int, took_s: float) -> str:
-    """The summary of a run stopped by Ctrl-C: where it stopped and what was saved."""
+                 code: int, took_s: float, how: str = "") -> str:
+    """The summary of a run stopped by Ctrl-C (or ``how``): where it stopped and what was saved."""
     saved = jobdir.latest_checkpoint_step(Path(spec.resolved_checkpoint_dir))
     step = last.last_step if last is not None else None   # None: a script without the Session
     at = f" at step {step}" if step is not None else ""
-    how = "stopped by Ctrl-C" if presses == 1 else "stopped at once by a second Ctrl-C"
+    how = how or ("stopped by Ctrl-C" if presses == 1 else "stopped at once by a second Ctrl-C")
     kept = f" (checkpoint step {saved} saved)" if saved is not None else \
         " (no checkpoint saved)" if step is not None else ""   # a plain script's saves are its own
     return f"hpc run: {how}{at}{kept} in {took_s:.1f}s, exit {code}; job dir {job_dir}"

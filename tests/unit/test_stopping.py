@@ -147,3 +147,13 @@ def test_launcher_sigterm_comes_ahead_of_slurms() -> None:
     assert stopping.enforce_in(pre, 1.0) == 27.0                 # 3 s before Slurm's SIGTERM
     assert stopping.enforce_in(stopping.StopNotice(0, "preempted", "SIGUSR2", 1.0, 11.0), 1.0) == 7.5
     assert stopping.enforce_in(stopping.StopNotice(0, "time_limit", "SIGTERM", 1.0, 1.0), 1.0) is None
+
+
+def test_enforcement_line_without_slurm_names_no_slurm_and_no_epoch() -> None:
+    notice = stopping.notice_for("SIGUSR2", 1_795_000_000.0, allocation=0, job_end_time=None,
+                                 lead_s=60, grace_s=30, under_slurm=False)
+    line = stopping.enforcement_line(notice, 22.5, under_slurm=False)
+    assert "slurm" not in line.lower() and "1795" not in line, line
+    assert "a stop was asked for" in line and "get SIGTERM" in line and "(22 s from now)" in line
+    under = stopping.enforcement_line(notice, 22.5, under_slurm=True)
+    assert "ahead of Slurm's at " in under and "1795" not in under, under
