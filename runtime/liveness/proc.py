@@ -41,6 +41,20 @@ def stopped(pid: int) -> bool:
     return state(pid) in ("T", "t")
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time the process used so far, in clock ticks; None if gone."""
+    fields = _stat(pid)
+    try:
+        return int(fields[11]) + int(fields[12]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def running(pid: int) -> bool:
+    """On a CPU, runnable, or in uninterruptible I/O: the kernel is working for it now."""
+    return state(pid) in ("R", "D")
+
+
 def workers(ppid: int, marker: bytes = b"runtime.worker") -> list[int]:
     """The agent's worker processes: its children started as ``python -m runtime.worker``.
 

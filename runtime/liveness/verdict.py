@@ -118,8 +118,13 @@ class Verdict:
 
 
 def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
-           policy: StallPolicy) -> tuple[RankState, ...]:
+           policy: StallPolicy, ran: Mapping[int, float] | None = None) -> tuple[RankState, ...]:
     """Each live worker's age and deadline (``stopped`` maps pid -> stopped).
+
+    ``ran`` maps pid -> the last time the kernel saw the process work (its CPU time grew, or
+    it was running or in I/O): the same evidence as a fresh alive beat, from outside the
+    interpreter. A call that holds the interpreter's lock for a long time (a C extension, a
+    ``json.dumps`` of a huge object) silences the alive beat thread, not the CPU.
 
     A stopped process makes no progress in any phase, however long its steps were: it gets
     the floor (or the fixed deadline). One whose alive beat is silent gets an ordinary step's
@@ -128,6 +133,8 @@ def assess(beats: Sequence[Heartbeat], stopped: Mapping[int, bool], now: float,
     out = []
     for b in sorted(beats, key=lambda b: b.rank):
         alive_age = b.alive_age_s(now)
+        if alive_age is not None and ran is not None and b.pid in ran:
+            alive_age = min(alive_age, max(0.0, now - ran[b.pid]))
         halted = bool(stopped.get(b.pid))
         cold = halted or (alive_age is not None and alive_age > policy.alive_s)
         limit = deadline_s(policy, phase=STEP if cold else b.phase,

@@ -188,6 +188,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._acted_on: set[int] = set()
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
+        self._cpu: dict[int, tuple[int, float]] = {}   # pid -> (CPU ticks, last time it worked)
         self.beacon = beacon
         self.exclude_nodes = exclude_nodes
         # The current episode: the ranks' progress, unchanged since the ranks went overdue.
@@ -297,7 +298,8 @@ class Watchdog:
         if not beats:
             return None
         now = time.time() if now is None else now
-        ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy)
+        ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy,
+                       ran=self._worked(pids, now))
         tracker = self.beacon.tracker if self.beacon is not None else None
         lost = tracker.lost(time.monotonic()) if tracker is not None else {}
         peers = self.board.peers(now)
@@ -411,9 +413,26 @@ class Watchdog:
                   verdict.reason, path, pids)
         return verdict
 
+    def _worked(self, pids: set[int], now: float) -> dict[int, float]:
+        """pid -> the last time the kernel saw it work: its CPU time grew since the last
+        look, or it is running or in I/O now. Evidence of life that a call holding the
+        interpreter's lock (which silences the alive beat thread) cannot hide."""
+        out = {}
+        for pid in pids:
+            ticks = proc.cpu_ticks(pid)
+            if ticks is None:
+                continue
+            before = self._cpu.get(pid)
+            if before is None or ticks > before[0] or proc.running(pid):
+                self._cpu[pid] = (ticks, now)
+            out[pid] = self._cpu[pid][1]
+        return out
+
     def _forget_dead(self, live: set[int]) -> None:
         self._acted_on &= live
         self._beating &= live
+        for pid in set(self._cpu) - live:
+            del self._cpu[pid]
         for p in self.directory.glob("*-*.*"):
             try:
                 pid = int(p.stem.split("-", 1)[1])

@@ -177,6 +177,22 @@ def test_an_unmarked_45s_pause_is_left_alone_and_changes_nothing(tmp_path: Path)
     assert a["weights"] == b["weights"], "the pause changed the training"
 
 
+def test_a_long_call_holding_the_interpreter_lock_is_not_a_frozen_process(tmp_path: Path) -> None:
+    """Rank 0 spends ~35 s in one C call that holds the interpreter's lock (its alive beat
+    thread cannot run): the kernel sees it use CPU, so it is alive and running long, not
+    frozen. Before the CPU evidence it was killed as frozen once the beat was 10 s silent."""
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "20", "--step-s", "0.05", "--pause-at", "12", "--pause-s", "35",
+                "--pause-holds-gil", stall="auto")
+    out = finish(p, timeout=300)
+    assert float((job / "pause_s").read_text()) > 25, "the lock was not held long enough to matter"
+    assert hangs(job) == [], hangs(job)
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 0, outcome
+    assert json.loads((job / "result.json").read_text())["final_step"] == 20
+    assert "rank 0 is running long" in out, out[-4000:]
+
+
 def test_the_same_stall_twice_ends_the_job_with_advice(tmp_path: Path) -> None:
     """A 60-s unmarked pause at step 13 in every run, --busy-timeout 6: restarted once (from
     step 10), then the job ends as hang with what to do, with restarts left unused."""

@@ -409,6 +409,21 @@ def test_without_an_alive_beat_a_rank_outside_any_collective_is_a_stall_at_the_s
     assert w.stalled and w.suspect_rank == 0 and w.kind == USER and not w.busy
 
 
+def test_a_silent_alive_beat_with_the_cpu_still_working_is_a_long_call_not_a_frozen_process():
+    # Rank 0's alive beat is 15 s silent (one C call holds the interpreter's lock), but the
+    # kernel saw it work 0.5 s ago: alive, running long outside any collective.
+    beats = [alive_beat(0, 0.0, 10.0), alive_beat(1, 0.1, 24.9)]
+    ranks = assess(beats, {}, 25.0, POLICY, ran={100: 24.5, 101: 24.9})
+    assert not ranks[0].silent and ranks[0].alive
+    v = judge(ranks)
+    assert not v.hard
+    w = weigh(v, {0: IN_EVAL, 1: WAITING}, POLICY, now=25.0)
+    assert not w.stalled and w.busy == (0,)
+    # No CPU since the beat fell silent (a wedged process): frozen, as before.
+    wedged = assess(beats, {}, 25.0, POLICY, ran={100: 10.0, 101: 24.9})
+    assert judge(wedged).hard and judge(wedged).kind == FROZEN
+
+
 def test_a_frozen_process_gets_the_short_deadline_whatever_its_stack():
     stopped = assess([alive_beat(0, 0.0, 0.0), alive_beat(1, 0.1, 24.9)], {100: True}, 25.0, POLICY)
     v = judge(stopped)

@@ -10,7 +10,9 @@ happen only in the first run (restart 0) so that the restarted workers can finis
   every N steps while the others wait for it in the next all-reduce;
 - ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter);
 - ``--pause-at STEP --pause-s S``: rank 0 works S seconds in its own code at STEP, unmarked
-  (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run.
+  (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run;
+  with ``--pause-holds-gil`` that work is one C call that never lets go of the interpreter's
+  lock (as a ``json.dumps`` of a huge object does), which silences the Session's alive beat.
 
 ``result.json`` also holds the final weights, to compare runs with and without a pause.
 """
@@ -38,6 +40,7 @@ p.add_argument("--eval-s", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
 p.add_argument("--pause-at", type=int, default=None)
 p.add_argument("--pause-s", type=float, default=0.0)
+p.add_argument("--pause-holds-gil", action="store_true")
 args = p.parse_args()
 out = Path(args.out)
 
@@ -62,6 +65,12 @@ def load_batch(step: int, rank: int, first_run: bool) -> torch.Tensor:
 
 def unmarked_evaluation(seconds: float) -> None:
     """Long work in the user's own code, alive and outside any collective."""
+    if args.pause_holds_gil:
+        t = time.perf_counter()
+        sum(range(10**7))
+        per_item = max(1e-10, (time.perf_counter() - t) / 10**7)
+        sum(range(min(int(seconds / per_item), 4 * 10**9)))   # one C call: the lock is held
+        return
     end = time.time() + seconds
     while time.time() < end:
         time.sleep(0.2)
@@ -86,7 +95,9 @@ with Session(seed=0, log_every=5) as s:
         counter.worlds.append(s.world_size)
         time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
         if step == args.pause_at and s.rank == 0:
+            t0 = time.time()
             unmarked_evaluation(args.pause_s)
+            (out / "pause_s").write_text(f"{time.time() - t0:.1f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and s.rank == 0:
             with s.phase("eval"):
                 time.sleep(args.eval_s)
