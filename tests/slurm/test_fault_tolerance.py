@@ -11,6 +11,7 @@ says what happened.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc.contract.slurm_parse import expand_hostlist
 from tests.conftest import squeue_state, wait_until
 from tests.wandb_offline import read_run
 
@@ -271,7 +273,14 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     assert later and all("node3" in " ".join(o["excluded"]) for o in later), outcomes(job)
     assert not list(job.glob("logs/alloc-[1-9]*/node-node3.log")), "node3 ran in a later allocation"
     slurm_out = "".join(p.read_text() for p in job.glob("logs/slurm-*.out"))
-    assert "gave back excluded node(s) node3" in slurm_out, slurm_out[-3000:]
+    # Slurm may grant the requeued 2:3 job node3 (then the batch script must give it back)
+    # or only node1-2 on its own (seen when it dropped node3 from the job after the cut).
+    granted = re.search(r"hpc: job \d+ allocation 1 on (\S+)", slurm_out)
+    assert granted, slurm_out[-3000:]
+    if "node3" in expand_hostlist(granted.group(1)):
+        assert "gave back excluded node(s) node3" in slurm_out, slurm_out[-3000:]
+    else:
+        print(f"allocation 1: Slurm granted {granted.group(1)} itself; nothing to give back")
     status = hpc(env, "status", "--json", str(job))
     assert "excluded next time: node3" in status.stdout, status.stdout + status.stderr
     for h in hangs(job):
