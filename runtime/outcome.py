@@ -232,6 +232,9 @@ def node0_outcome(job_dir: Path, allocation: int, timeout_s: float) -> jobdir.Ou
         time.sleep(0.5)
 
 
+OTHERS_FRESH_S = 8.0   # progress.json newer than this: the allocation trains on without us
+
+
 def left_behind(job_id: str, host: str, client: "SlurmClient | None" = None) -> str | None:
     """Why this node, not node 0, is the one lost (None when it is still part of the job).
 
@@ -248,6 +251,26 @@ def left_behind(job_id: str, host: str, client: "SlurmClient | None" = None) -> 
     if info.state == JobState.RUNNING and info.nodes and host not in info.nodes:
         return f"Slurm no longer counts {host} in running job {job_id} (nodes {', '.join(info.nodes)})"
     return None
+
+
+def others_went_on(progress: Mapping[str, Any] | None, allocation: int, now: float,
+                   fresh_s: float = OTHERS_FRESH_S) -> str | None:
+    """Why the rest of the allocation is still training without this node (None: no sign).
+
+    Rank 0 rewrites ``progress.json`` at least every few seconds while it trains. When this
+    node lost the rendezvous store and still sees fresh progress of its own allocation, the
+    store's host is not lost: the others re-formed without this node (its link was cut and
+    has come back before Slurm dropped it from the job, so Slurm still counts it). When the
+    host really is lost, nobody has trained since the store went away (>= the store timeout
+    plus the election), so the progress is stale.
+    """
+    if not progress or progress.get("allocation") != allocation:
+        return None
+    when = progress.get("time")
+    if not isinstance(when, (int, float)) or now - when > fresh_s:
+        return None
+    return (f"the others are still training without this node (rank 0 at step {progress.get('step')}, "
+            f"world {progress.get('world_size')}, {max(0.0, now - when):.1f}s ago)")
 
 
 def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
@@ -308,7 +331,9 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code
         me = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        if slurm.active and not spec.container_image and (why := left_behind(slurm.job_id, me)):
+        progress = jobdir.read_json(jobdir.JobPaths(plan.job_dir).progress)
+        if ((why := others_went_on(progress, plan.allocation, time.time()))
+                or (slurm.active and not spec.container_image and (why := left_behind(slurm.job_id, me)))):
             # The failed node is this one (a cut link): the others went on and record it.
             log.warning("%s: the nodes that went on record this allocation; this node records nothing",
                         why)

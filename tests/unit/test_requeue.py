@@ -55,3 +55,14 @@ def test_root_failure_is_the_cause_not_a_peers_broken_connection():
     assert root_failure(only_collateral)[0] == 1                          # then the earliest
     killed = {0: F(timestamp=2.0, message=gloo), 1: F(timestamp=3.0, message="Signal 9 (SIGKILL)")}
     assert root_failure(killed)[0] == 1
+
+
+def test_a_node_that_sees_its_allocation_still_training_is_the_one_left_behind():
+    from runtime.outcome import others_went_on
+    fresh = {"allocation": 0, "step": 30, "world_size": 4, "time": 1000.0}
+    assert "still training without this node" in others_went_on(fresh, 0, now=1003.0)
+    # The host really lost: nobody trained since the store went away (timeout + election).
+    assert others_went_on(fresh, 0, now=1020.0) is None
+    assert others_went_on(fresh, 1, now=1003.0) is None          # another allocation's progress
+    assert others_went_on(None, 0, now=1003.0) is None
+    assert others_went_on({"allocation": 0, "time": "x"}, 0, now=1003.0) is None
