@@ -131,18 +131,6 @@ def test_checkpoints_being_a_file_ends_the_allocation_at_the_first_failure(tmp_p
     assert p.returncode == 0 and last["kind"] == "finished", p.stdout[-3000:]
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    mnt = tmp_path / "small disk"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.fail(f"cannot mount a 4 MiB tmpfs for the full-disk test (needs root): {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_save_larger_than_the_room_left_ends_the_allocation_at_once(small_disk: Path) -> None:

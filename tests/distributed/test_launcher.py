@@ -390,18 +390,6 @@ def test_second_run_on_a_job_dir_in_use_is_refused(tmp_path: Path):
 # --------------------------------------------------------------------------- a full disk
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path):
-    mnt = tmp_path / "small disk"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.fail(f"cannot mount a 4 MiB tmpfs for the full-disk test (needs root): {mounted.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_filling_up_ends_with_an_outcome_that_names_the_disk(small_disk: Path, tmp_path: Path):
