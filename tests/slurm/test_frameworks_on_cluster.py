@@ -120,3 +120,46 @@ def test_accelerate_script_on_two_nodes_ends_as_hpc_run_does(env, slurm_cluster,
     submitted = json.loads((job / "result.json").read_text())
     assert submitted["steps"] == expected["steps"] == STEPS
     assert submitted["weights"] == expected["weights"], (submitted["loss"], expected["loss"])
+
+
+HF_TRAINER = REPO / "examples" / "hf_trainer_resume.py"
+
+
+def test_preempted_hf_trainer_job_resumes_at_its_saved_step_in_one_wandb_run(env, slurm_cluster,
+                                                                            tmp_path):
+    """The Trainer with HPCCallback, preempted by a real higher-priority job (issue 30)."""
+    job = tmp_path / "hf trainer"
+    job_id = submit(env, HF_TRAINER, job, "--steps", str(STEPS), "--save-steps", "4",
+                    "--step-sleep", "0.3", "--wandb")
+    reference = local_run(HF_TRAINER, tmp_path / "reference", "--steps", str(STEPS), "--save-steps", "4")
+    wait_until(lambda: (job / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists(), 240,
+               "the Trainer's checkpoint-4")
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
+                           "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
+                          capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+    wait_until(lambda: outcomes(job), 90, "allocation 0's outcome")
+    wait_done(env, job_id, job)
+
+    assert [(o["allocation"], o["kind"]) for o in outcomes(job)] == [(0, "preempted"), (1, "finished")], \
+        outcomes(job)
+    why = outcomes(job)[0]["reason"]
+    assert "the script stopped for it (exit 75)" in why, why    # it saved and exited for the warning
+    assert restarts(env, job_id) in (1, -1), "requeued more than once"
+    first, second = rank0_log(job, 0), rank0_log(job, 1)
+    [line] = [x for x in first.splitlines() if "[hpc] SIGUSR2 (preempted) at step" in x]
+    stopped = int(line.split("at step ")[1].split(":")[0])
+    assert 4 <= stopped < STEPS, line
+    assert f"resuming from {job / 'checkpoints' / f'checkpoint-{stopped}'}" in second, second[-3000:]
+    print(f"allocation 0 saved at step {stopped} on the warning; allocation 1 resumed there")
+
+    run_id = (job / "wandb_run_id").read_text().strip()
+    run = read_run(job / "wandb", run_id)
+    assert run.run_ids == {run_id} and len(run.files) == 2, (run.run_ids, run.files)
+    logged = {int(r["train/global_step"]) for r in run.history if "train/loss" in r}
+    assert logged == set(range(1, STEPS + 1)), sorted(logged)
+
+    submitted = json.loads((job / "result.json").read_text())
+    expected = result_of(reference, tmp_path / "reference")
+    assert submitted["steps"] == expected["steps"] == STEPS
+    assert submitted["weights"] == expected["weights"]
