@@ -11,7 +11,7 @@ fi
 stamp=.venv/.hpc-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,frameworks]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e ".[dev,frameworks]" 2>&1 | grep -v "^WARNING: Location" || true
   .venv/bin/python -c "import torch, hpc, runtime; assert torch.__version__.startswith('2.13'), torch.__version__"
   touch "$stamp"
 fi
