@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING
 from hpc import sweeps
 from hpc.contract import jobdir, records, resubmissions, values
 from hpc.contract.errors import UsageError
+from hpc.contract.events import read_events
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
 from hpc.index import JobRecord, current_cluster, read_index, resolve
 from hpc.local_clock import LocalClock, read_local_clock
+from hpc.report import spares
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
@@ -73,6 +75,7 @@ class JobView:
     allocations: tuple[Allocation, ...] = field(default_factory=tuple)
     cluster: str = ""
     chain: str = ""   # "continues job N" / "continued as job M" (Slurm refused a requeue)
+    spares: str = ""  # "hot spares: 1; node3 joined 41s in" (--spare-nodes, hpc.report.spares)
 
     @property
     def terminal(self) -> bool:
@@ -195,7 +198,7 @@ def format_table(views: Sequence[JobView], width: int = 140) -> str:
     for col in ("JOB", "NAME", "STATE", "NODES", "ELAPSED", "REQUEUES", "ALLOCATIONS (Slurm end, our outcome)"):
         table.add_column(col, overflow="fold")
     for v in views:
-        history = "\n".join([*([v.chain] if v.chain else []),
+        history = "\n".join([*([v.chain] if v.chain else []), *([v.spares] if v.spares else []),
                              *(a.describe() for a in v.allocations)]) or "-"
         table.add_row(v.label, v.name, v.state, v.nodes, values.format_time(v.elapsed_s),
                       str(v.requeues), history)
@@ -287,8 +290,20 @@ def collect(client: SlurmClient, jobs: Sequence[JobRecord], cluster: str | None 
     clocks = {j.key: read_local_clock(Path(j.job_dir)) for j in jobs if not j.job_id and j.job_dir}
     views = [_with_chain(v) for v in build_views(jobs, queue, accounting, read_outcomes(jobs), cluster,
                                                  clocks)]
-    return [with_running_notes(v, running_notes(Path(v.job_dir)) if v.job_dir and v.state == "RUNNING" else "")
+    return [with_running_notes(replace(v, spares=spares_note(Path(v.job_dir)) if v.job_dir else ""),
+                               running_notes(Path(v.job_dir)) if v.job_dir and v.state == "RUNNING" else "")
             for v in views]
+
+
+def spares_note(job_dir: Path) -> str:
+    """The job's hot spares (``--spare-nodes``) and what became of them; "" without any."""
+    try:
+        spare_nodes = int(json.loads(JobPaths(job_dir).jobspec.read_text()).get("spare_nodes") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ""
+    if spare_nodes <= 0:
+        return ""
+    return spares.describe(read_events(job_dir), spare_nodes)
 
 
 class Poller:

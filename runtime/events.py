@@ -371,6 +371,11 @@ class LauncherRecorder:
         self.events.emit("alloc_start", t=process_start_time(), slurm_job_id=slurm_job_id)
         AgentEvents(self.events).install()
 
+    def ready(self, spare_nodes: int) -> None:
+        """The node passed its health check and joins the rendezvous (as a hot spare, when the
+        job has them and the group is full: :mod:`hpc.report.spares` reads it so)."""
+        self.events.emit("node_ready", spare_nodes=spare_nodes)
+
     def end(self, code: int, signals: list[tuple[float, str]]) -> None:
         """After the agent: the signals it forwarded, then ``alloc_end`` with the recorded kind."""
         for t, name in signals:

@@ -45,7 +45,7 @@ from runtime.liveness.watchdog import Watchdog
 from runtime.lifeline import watch_parent
 from runtime.network import NetworkError, detect
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
-from runtime import exclusions, health, outcome, stop_deadline, stopping, succession
+from runtime import exclusions, health, outcome, spares, stop_deadline, stopping, succession
 from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
 from runtime.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -117,7 +117,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
     epoch = board.current() if slurm.active else None
     if epoch is None or me not in order:
         epoch = succession.epoch_zero(plan.rdzv_endpoint.rsplit(":", 1)[0], order)
-        if slurm.active and plan.is_rdzv_host and plan.nnodes[1] > 1:
+        if slurm.active and plan.is_rdzv_host and plan.launchers > 1:
             board.publish(epoch)
     elif epoch.index > 0 and me in epoch.members:
         plan = _plan_for_epoch(plan, epoch, me)   # restarted, or joining later: the current host
@@ -196,16 +196,17 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
     watchdog = Watchdog.for_job(plan.job_dir, spec.stall_timeout, allocation=plan.allocation,
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
-                                run_id=plan.run_id, max_nodes=plan.nnodes[1],
+                                run_id=plan.run_id, max_nodes=plan.launchers,
                                 busy_timeout_s=spec.busy_timeout_s, local=plan.local)
     watchdog.start()
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \
-        if board is not None and plan.nnodes[1] > 1 else None
+        if board is not None and plan.launchers > 1 else None
     if fence is not None:
         fence.relaunch = lambda: not forwarder.received
         fence.start()
     started = time.time()
+    release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
@@ -213,7 +214,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
                 futile=lambda result: _futile(plan, result) or watchdog.repeated(),
-                on_restart=on_restart):
+                on_restart=on_restart), release:
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
@@ -230,8 +231,11 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             reason = (f"the rendezvous on this node ({plan.rdzv_endpoint}) failed: {e}. Is the "
                       "port in use by another job? Set --rdzv-port")
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
-        log.exception("the elastic agent failed")
-        result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
+        if spares.was_released(release, e):   # a hot spare the job did not need (runtime/spares.py)
+            log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)
+        else:
+            log.exception("the elastic agent failed")
+            result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
     ended = time.time()
     tee.drain()    # rank 0's last lines (its traceback) before this launcher's verdict
     watchdog.stop()
@@ -250,7 +254,7 @@ def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.Agent
                 epoch: succession.Epoch, board: succession.Board, order: list[str],
                 me: str) -> succession.Epoch | None:
     """After the agent lost its rendezvous host: the epoch this node goes on in, or None."""
-    if end.result != "rendezvous" or plan.is_rdzv_host or forwarder.received or plan.nnodes[1] < 2:
+    if end.result != "rendezvous" or plan.is_rdzv_host or forwarder.received or plan.launchers < 2:
         return None
     # The host may simply have ended the allocation (a stop, an error): then follow its record.
     if outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=2.0) is not None:
@@ -427,7 +431,7 @@ def _setup_logging(plan: LaunchPlan, verbose: bool) -> None:
     to_file.setFormatter(fmt)
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(console_level(verbose))
-    multi = plan.nnodes[1] > 1
+    multi = plan.launchers > 1
     console.setFormatter(fmt if verbose else ConsoleFormatter(f"hpc node {plan.node_rank}" if multi else "hpc"))
     root = logging.getLogger()
     root.addHandler(to_file)
@@ -450,6 +454,8 @@ def started_line(plan: LaunchPlan, env: Mapping[str, str]) -> str:
     world = str(hi * spec.nproc_per_node) if lo == hi else \
         f"{lo * spec.nproc_per_node}-{hi * spec.nproc_per_node}"
     procs = f"{spec.nproc_per_node} process{'es' if spec.nproc_per_node > 1 else ''}"
+    if spec.spare_nodes:
+        procs += f", + {spec.spare_nodes} hot spare node{'s' if spec.spare_nodes > 1 else ''}"
     mode = env.get("WANDB_MODE", spec.wandb_mode)
     wandb = "W&B off" if mode == "disabled" else \
         f"W&B run {env.get('WANDB_RUN_ID', '?')} ({mode}, in {env.get('WANDB_DIR', plan.job_dir)}/wandb)"
@@ -471,7 +477,7 @@ def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None
     why = "; ".join(f"{f.check}: {f.detail}" for f in failed)
     if not plan.local:   # hpc run: one machine, nothing to exclude
         exclusions.add(plan.job_dir, host, "health", why, plan.allocation)
-    nodes = slurm.nnodes if slurm.active else plan.nnodes[1]
+    nodes = slurm.nnodes if slurm.active else plan.launchers
     if not plan.is_rdzv_host and health.claim_leave(plan.job_dir, plan.allocation, nodes=nodes,
                                                     min_nodes=plan.nnodes[0], host=host):
         log.error("health check failed (%s): this node leaves the job; the other nodes go on "
@@ -514,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or (f"{slurm.job_id}-{slurm.restart_count}" if slurm.active else uuid.uuid4().hex[:12])
     network_problem = None
     try:
-        _, changes = detect(args.rdzv_host, multi_node=spec.max_nodes > 1 and not args.local,
+        _, changes = detect(args.rdzv_host, multi_node=spec.max_nodes + spec.spare_nodes > 1 and not args.local,
                             env=os.environ)
     except NetworkError as e:
         print(f"hpc launch: no usable network interface on {socket.gethostname()}: {e}", file=sys.stderr)
@@ -559,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
     events = LauncherRecorder(job_dir, allocation=plan.allocation, node_rank=node_rank,
                               slurm_job_id=slurm.job_id)   # events.jsonl: the allocation's frame
+    events.ready(spec.spare_nodes)
     tee = RankTee(sys.stdout, verbose=verbose)
     code = run(plan, forwarder, lost_epoch=args.lost_host, tee=tee)
     tee.close()

@@ -64,6 +64,11 @@ class LaunchPlan:
     local: bool = False             # hpc run: one machine, no node is ever excluded
 
     @property
+    def launchers(self) -> int:
+        """The most launchers (nodes) of the allocation: MAX nodes and the hot spares."""
+        return self.nnodes[1] + self.spec.spare_nodes
+
+    @property
     def log_dir(self) -> Path:
         return jobdir.alloc_log_dir(self.job_dir, self.allocation)
 

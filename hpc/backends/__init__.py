@@ -67,9 +67,11 @@ BATCH_STEPS: tuple[BatchStep, ...] = (
     BatchStep("exclusions", "give the nodes the job found bad (exclusions.jsonl: a stall, a crash, "
               "a failed health check) back to Slurm before the launchers start "
               "(python -m runtime.exclusions in the batch shell)",
-              lambda spec: f"--nodes {spec.nodes_text}",
-              # Only an allocation above MIN can shrink (runtime.exclusions.plan_release).
-              lambda spec: spec.min_nodes < spec.max_nodes),
+              lambda spec: f"--nodes {spec.nodes_text}" + (
+                  f" --spare-nodes {spec.spare_nodes}" if spec.spare_nodes else ""),
+              # Only an allocation above MIN can shrink (runtime.exclusions.plan_release);
+              # spares make one (MIN to MAX + spares: slurm_options.nodes_range).
+              lambda spec: spec.min_nodes < spec.max_nodes + spec.spare_nodes),
     BatchStep("container", "ask Slurm for the job's end time and GraceTime and requeue the job "
               "from the batch shell, outside the container, where Slurm's commands are",
               lambda spec: f"--container-image {spec.container_image}",

@@ -198,7 +198,7 @@ def already_finished(spec: JobSpec) -> jobdir.Outcome | None:
 
 def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False,
          resume: str = "") -> int:
-    nodes = spec.max_nodes
+    nodes = spec.max_nodes + spec.spare_nodes   # the hot spares' launchers too
     port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
     if (warning := checkpoint_warning(spec)) is not None:

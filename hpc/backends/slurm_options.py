@@ -41,8 +41,11 @@ def warning_signal(spec: JobSpec) -> str | None:
 
 
 def nodes_range(spec: JobSpec) -> str:
-    """sbatch's ``--nodes``: ``N``, or ``MIN-MAX`` for an elastic job."""
+    """sbatch's ``--nodes``: ``N``, or ``MIN-MAX`` for an elastic job; with ``--spare-nodes K``,
+    ``MIN-(MAX+K)``: the spares come on top of MAX when Slurm has them, and the job never waits
+    for a spare (without one, a lost node shrinks an elastic job as before)."""
     lo, hi = spec.nodes
+    hi += spec.spare_nodes
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
@@ -94,7 +97,7 @@ def exclusion_lines(spec: JobSpec) -> list[str]:
     Slurm and point ``srun`` at the kept ones (``python -m runtime.exclusions``, whose output
     is evaluated; it never fails the job). ``[]`` for a one-node job, which has none to give
     back, and in a container, whose Python the batch shell does not have."""
-    if spec.max_nodes <= 1 or spec.container_image:
+    if spec.max_nodes + spec.spare_nodes <= 1 or spec.container_image:
         return []
     command = shlex.join([spec.python, "-m", EXCLUSIONS_MODULE, "--job-dir", spec.job_dir])
     return [f'eval "$({command} || true)"']

@@ -71,7 +71,7 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
                       *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else [])],
         "time": math.ceil(spec.time_limit_s / 60) if spec.time_limit_s else None,
     }
-    if spec.min_nodes == spec.max_nodes:
+    if spec.min_nodes == spec.max_nodes and not spec.spare_nodes:
         params["nodes"] = spec.min_nodes
     else:
         extra["nodes"] = slurm_options.nodes_range(spec)

@@ -60,6 +60,7 @@ def check_carried(spec: JobSpec) -> None:
         ("--exclude", bool(spec.exclude)), ("--mem", bool(spec.mem)),
         ("--requeue never", spec.requeue == "never"),
         ("--nodes MIN:MAX", spec.min_nodes != spec.max_nodes),
+        ("--spare-nodes", bool(spec.spare_nodes)),
         ("--gpu-type", bool(spec.gpu_type)), ("--exclusive", spec.exclusive),
         ("--reservation", bool(spec.reservation)), ("--nodelist", bool(spec.nodelist)),
         *((f"--sbatch {k}", True) for k, _ in spec.sbatch),
@@ -70,7 +71,7 @@ def check_carried(spec: JobSpec) -> None:
                         "exclude, memory, typed-GPU, exclusive, reservation, nodelist or "
                         "dependency option "
                         "and no way to pass other sbatch options, always requeues, runs "
-                        "fixed-size heterogeneous jobs and runs no containers)",
+                        "fixed-size heterogeneous jobs, so no hot spares, and runs no containers)",
                         "hpc submit --backend sbatch ...",
                         "Use --backend sbatch, which carries every option (submitit carries all "
                         "but containers)")

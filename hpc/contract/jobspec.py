@@ -226,6 +226,7 @@ MAX_GPUS_PER_NODE = 64
 MAX_CPUS_PER_TASK = 4096
 MAX_SIGNAL_LEAD_S = 65535   # Slurm's --signal takes at most 0xffff seconds
 MAX_RESTARTS = 1000
+MAX_SPARE_NODES = 1024
 MAX_REQUEUES = 10_000
 MAX_PORT = 65535
 MAX_STEPS = 10**12
@@ -280,6 +281,11 @@ class JobSpec:
                                   f"{values.MAX_NODES}).", values.parse_nodes,
                                   check=values.check_nodes, example="--nodes 2:4",
                                   metavar="N|MIN:MAX", short="-N")
+    spare_nodes: int = _int_opt(0, "Hot spare nodes allocated beyond --nodes (0 to "
+                                f"{MAX_SPARE_NODES}): they start, pass the health check and wait "
+                                "without a rank; a lost node's place goes to a spare, so the world "
+                                "size stays that of --nodes (with none left, an elastic job shrinks).",
+                                0, MAX_SPARE_NODES, "--spare-nodes 1", metavar="K")
     nproc_per_node: int = _int_opt(0, "Worker processes per node (default: GPUs per node, else 1; "
                                    f"at most {MAX_NPROC_PER_NODE}).", 1, MAX_NPROC_PER_NODE,
                                    "--nproc-per-node 8", unset=0)
@@ -468,6 +474,11 @@ class JobSpec:
                             "GPUs are gres=gpu:TYPE:N)",
                             pick(f"--gpus-per-node 8 --gpu-type {self.gpu_type}",
                                  f"gpus_per_node=8, gpu_type={self.gpu_type!r}"))
+        if self.spare_nodes and self.max_nodes + self.spare_nodes > values.MAX_NODES:
+            raise SpecError(name("spare_nodes"), self.spare_nodes,
+                            f"at most {values.MAX_NODES - self.max_nodes} with "
+                            f"{name('nodes')} {self.nodes_text} (nodes and spares together at "
+                            f"most {values.MAX_NODES})", pick("--spare-nodes 1", "spare_nodes=1"))
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
             raise SpecError(name("signal_lead_s"), self.signal_lead_s,
                             f"shorter than the time limit ({name('time_limit_s')}: "

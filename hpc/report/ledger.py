@@ -15,6 +15,8 @@ where two claims overlap the more specific wins, in the order of :data:`PAINT_OR
 - ``hang``: a stall the watchdog acted on, from the last progress to its action;
 - ``checkpoint``: the time saves blocked training; ``preemption``: from the agreed stop to the
   end of its save;
+- ``spare``: a hot spare's node-time while it waited, holding no rank (``--spare-nodes``,
+  :mod:`hpc.report.spares`), until it joined in a lost node's place or the allocation ended;
 - ``unaccounted``: whatever no event explains; it is shown, never spread over the others.
 
 A script without the Session records no events of its own: its allocation has only the
@@ -38,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpc.report import young_daly
+from hpc.report.spares import in_wait, spare_waits
 
 CATEGORIES = ("productive", "startup", "rendezvous", "restore", "checkpoint", "lost",
-              "preemption", "hang", "teardown", "unaccounted")
+              "preemption", "hang", "teardown", "spare", "unaccounted")
 PAINT_ORDER = ("startup", "teardown", "rendezvous", "restore", "productive", "lost", "hang",
                "checkpoint", "preemption")
 
@@ -81,6 +84,7 @@ class AllocationLedger:
     markers: list[Marker] = field(default_factory=list)
     steps: list[tuple[float, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)     # what the ledger cannot see here
+    spares: dict[str, list[Any]] = field(default_factory=dict)   # node -> [wait from, until, joined]
 
     @property
     def wall_s(self) -> float:
@@ -330,6 +334,20 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
     markers: list[Marker] = []
     curve: list[tuple[float, int]] = []
 
+    node_names = tuple(dict.fromkeys(str(e.get("node", "")) for e in starts)) or \
+        tuple(dict.fromkeys(str(e.get("node", "")) for e in aevs[:1]))
+    node_ends = {n: max((float(e["t"]) for e in ends if e.get("node") == n), default=t_end)
+                 for n in node_names}
+    if slurm and slurm.get("end") is not None and ends:
+        node_ends = {n: max(v, float(slurm["end"])) for n, v in node_ends.items()}
+    left = (slurm or {}).get("node_ends") or {}
+    for n in node_ends:   # a node that died without a word: allocated until Slurm dropped it
+        if left.get(n) is not None and not any(e.get("node") == n for e in ends):
+            node_ends[n] = min(t_end, max(t_start, float(left[n])))
+    waits = spare_waits(aevs, node_ends)   # hot spares: their wait is theirs, not the job's
+    for w in waits.values():
+        if w.joined:
+            markers.append(Marker(w.t1, "spare", f"spare {w.node} joins"))
     groups = _plain_groups(aevs, t_end) if not incs else []
     first_start = min([i.start for i in incs] + [g[0] for g in groups], default=t_end)
     layers["startup"].append((t_start, first_start))
@@ -346,7 +364,7 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
                      "restores, failures and lost work are not seen)")
     for e in aevs:
         if e["ev"] == "agent_rendezvous":
-            layers["rendezvous"].append((e.get("t0"), e["t"]))
+            layers["rendezvous"].append(in_wait(waits, aevs, e))
         elif e["ev"] == "signal":
             markers.append(Marker(float(e["t"]), "signal", f"{e.get('signal', '')} on {e.get('node', '')}"))
         elif e["ev"] == "hang":
@@ -404,16 +422,6 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         for a, b in layers[cat]:
             tl.paint(a, b, cat)
 
-    node_names = tuple(dict.fromkeys(str(e.get("node", "")) for e in starts)) or \
-        tuple(dict.fromkeys(str(e.get("node", "")) for e in aevs[:1]))
-    node_ends = {n: max((float(e["t"]) for e in ends if e.get("node") == n), default=t_end)
-                 for n in node_names}
-    if slurm and slurm.get("end") is not None and ends:
-        node_ends = {n: max(v, float(slurm["end"])) for n, v in node_ends.items()}
-    left = (slurm or {}).get("node_ends") or {}
-    for n in node_ends:   # a node that died without a word: allocated until Slurm dropped it
-        if left.get(n) is not None and not any(e.get("node") == n for e in ends):
-            node_ends[n] = min(t_end, max(t_start, float(left[n])))
     # A node that ended without its launcher's record died: from the first failure after its
     # last own record until Slurm dropped it, its time is lost whatever the others did.
     dead: dict[str, float] = {}
@@ -425,9 +433,15 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
                 dead[n] = min(fails)
     cats = dict.fromkeys(CATEGORIES, 0.0)
     for n, n_end in node_ends.items():
-        for c, v in tl.seconds(t_start, dead.get(n, n_end)).items():
-            cats[c] += v
-        cats["lost"] += n_end - dead.get(n, n_end)
+        until = dead.get(n, n_end)
+        w = waits.get(n)
+        pieces = [(t_start, until)] if w is None else [(t_start, min(w.t0, until)), (w.t1, until)]
+        for lo, hi in pieces:
+            for c, v in tl.seconds(lo, hi).items():
+                cats[c] += v
+        if w is not None:
+            cats["spare"] += max(0.0, min(w.t1, until) - w.t0)
+        cats["lost"] += n_end - until
     kind = str(outcome["kind"]) if outcome else next((str(e.get("kind")) for e in reversed(ends)), "")
     if outcome and outcome.get("kind") not in (None, "finished"):
         planned = outcome["kind"] in ("preempted", "time_limit", "cancelled")
@@ -445,7 +459,8 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         last_step=max(lasts) if lasts else None,
         lost_steps=sum(lost_by_inc.get(id(i), 0) for i in incs),
         restarts=max(0, len(incs) - 1, len(groups) - 1), spans=tl.spans(),
-        node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve), notes=notes)
+        node_ends=node_ends, node_dead=dead, markers=markers, steps=sorted(curve), notes=notes,
+        spares={n: [w.t0, w.t1, w.joined] for n, w in waits.items()})
 
 
 def _plain_groups(aevs: list[Mapping[str, Any]], t_end: float) -> list[tuple[float, float]]:

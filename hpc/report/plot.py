@@ -19,10 +19,11 @@ from hpc.report.table import LABELS, to_json
 COLORS = {
     "productive": "#2e8b57", "startup": "#6fa8dc", "rendezvous": "#8e7cc3", "restore": "#f6b26b",
     "checkpoint": "#ffd966", "lost": "#cc0000", "preemption": "#e69138", "hang": "#741b47",
-    "teardown": "#999999", "unaccounted": "#eeeeee",
+    "teardown": "#999999", "spare": "#b7d7e8", "unaccounted": "#eeeeee",
 }
 MARKERS = {"checkpoint": ("|", "#7f6000"), "signal": ("v", "#e69138"), "stop": ("v", "#b45f06"),
-           "failure": ("x", "#cc0000"), "hang": ("X", "#741b47"), "restart": ("o", "#351c75")}
+           "failure": ("x", "#cc0000"), "hang": ("X", "#741b47"), "restart": ("o", "#351c75"),
+           "spare": ("^", "#0b5394")}
 
 
 def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) -> Path:
@@ -44,8 +45,10 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
     for a in allocs:
         lanes.append((f"alloc {a.allocation}: {len(a.nodes)} node{'s' if len(a.nodes) != 1 else ''}", a, None))
         for node, end in a.node_ends.items():
-            if len(a.nodes) > 1 and end < a.end - 1.0:
+            if len(a.nodes) > 1 and end < a.end - 1.0 and node not in a.spares:
                 lanes.append((f"{node} (left)", a, end))
+        for node in a.spares:   # a hot spare: its wait, then the job's spans once it joined
+            lanes.append((f"{node} (spare)", a, a.node_ends.get(node, a.end)))
     fig, (ax_s, ax_t) = plt.subplots(2, 1, figsize=(10, 3.2 + 0.6 * len(lanes)), sharex=True,
                                      gridspec_kw={"height_ratios": [2, max(1.2, 0.55 * len(lanes))]})
     for a, off in zip(allocs, offsets):
@@ -62,12 +65,20 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
         h = 0.8 if node_end is None else 0.35
         node = label.split(" ")[0] if node_end is not None else None
         cut = node_end if node is None else min(node_end, a.node_dead.get(node, node_end))
+        wait = a.spares.get(node) if node is not None else None
+        if wait is not None:
+            ax_t.broken_barh([(wait[0] + off, wait[1] - wait[0])], (y - h / 2, h),
+                             color=COLORS["spare"], linewidth=0)
+            used.add("spare")
+        own = [(a.start, cut if node_end is not None else a.end)] if wait is None else \
+            [(a.start, wait[0]), (wait[1], cut)]   # a spare: before and after its wait
         for s in a.spans:
-            t1 = s.t1 if node_end is None else min(s.t1, cut)
-            if t1 > s.t0:
-                ax_t.broken_barh([(s.t0 + off, t1 - s.t0)], (y - h / 2, h), color=COLORS[s.category],
-                                 linewidth=0)
-                used.add(s.category)
+            for lo, hi in own:
+                t0, t1 = max(s.t0, lo), min(s.t1, hi)
+                if t1 > t0:
+                    ax_t.broken_barh([(t0 + off, t1 - t0)], (y - h / 2, h),
+                                     color=COLORS[s.category], linewidth=0)
+                    used.add(s.category)
         if node_end is not None and cut < node_end:   # dead, still allocated
             ax_t.broken_barh([(cut + off, node_end - cut)], (y - h / 2, h), color=COLORS["lost"],
                              linewidth=0)
@@ -89,7 +100,8 @@ def render_png(ledger: Ledger, path: Path, *, title: str = "", dpi: int = 80) ->
     handles = [Patch(color=COLORS[c], label=f"{LABELS[c]} {ledger.categories[c] / max(ledger.allocated_node_s, 1e-9) * 100:.1f}%")
                for c in CATEGORIES if c in used]
     handles += [Line2D([], [], marker=MARKERS[k][0], color=MARKERS[k][1], ls="none", label=k)
-                for k in ("checkpoint", "signal", "failure", "restart")]
+                for k in ("checkpoint", "signal", "failure", "restart", "spare")
+                if k != "spare" or any(x.spares for x in allocs)]
     rows = (len(handles) + 4) // 5
     height = fig.get_figheight()
     fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=7, frameon=False)

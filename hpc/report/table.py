@@ -9,7 +9,7 @@ from hpc.report.ledger import CATEGORIES, Ledger
 LABELS = {
     "productive": "productive steps", "startup": "start-up", "rendezvous": "rendezvous / re-form",
     "restore": "restore", "checkpoint": "checkpoint stall", "lost": "lost work (recomputed)",
-    "preemption": "preemption handling", "hang": "hang / idle", "teardown": "teardown",
+    "preemption": "preemption handling", "hang": "hang / idle", "teardown": "teardown", "spare": "idle hot spares",
     "unaccounted": "unaccounted",
 }
 

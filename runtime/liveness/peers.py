@@ -35,13 +35,29 @@ class PeerTracker:
     hosts: dict[int, str] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     store_ok_at: float | None = None
+    # rank -> its count when this node's current worker group formed; such a peer is watched
+    # again only once its counter moves past it (a node lost before the group formed is none
+    # of the group's: the rendezvous round that formed it went on without it).
+    frozen: dict[int, int] = field(default_factory=dict)
 
     def observe(self, rank: int, count: int, now: float) -> None:
         if rank == self.node_rank or count <= 0:
             return
+        if rank in self.frozen:
+            if count == self.frozen[rank]:
+                return
+            del self.frozen[rank]
+            self.seen.pop(rank, None)
         old = self.seen.get(rank)
         if old is None or count != old[0]:
             self.seen[rank] = (count, now)
+
+    def new_group(self) -> None:
+        """This node's workers started again (a new rendezvous round, maybe with a hot spare in
+        a lost node's place): a peer counts again only once its counter advances, so a node that
+        went silent before the round (a crash, seconds ago) is not taken for the new group's."""
+        self.frozen = {rank: count for rank, (count, _) in self.seen.items()}
+        self.seen = {}
 
     def lost(self, now: float, after_s: float = LOST_AFTER_S) -> dict[int, float]:
         """Peers (node rank -> seconds silent) silent for ``after_s`` while the store answers us.

@@ -187,6 +187,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._acted_on: set[int] = set()
+        self._group: set[int] = set()      # the current worker group's pids
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self._cpu: dict[int, tuple[int, float]] = {}   # pid -> (CPU ticks, last time it worked)
         self.beacon = beacon
@@ -295,6 +296,9 @@ class Watchdog:
         # record is gone once it closes (exiting, it must not be judged by its output).
         beats += output_beats(pids - self._beating - self._acted_on)
         self._forget_dead(pids)
+        if pids and not pids & self._group and self.beacon is not None:
+            self.beacon.tracker.new_group()   # a new worker group: judge peers from its start
+        self._group = pids or self._group
         if not beats:
             return None
         now = time.time() if now is None else now

@@ -332,6 +332,31 @@ def test_peer_tracker_names_a_silent_peer_only_while_the_store_answers_us():
     assert 0 not in t.seen, "our own counter is not a peer's"
 
 
+def test_a_peer_lost_before_the_group_formed_again_is_not_the_new_groups():
+    """A member crashes, the group re-forms (a hot spare in its place, or fewer nodes) and the
+    new workers start up quietly for seconds: the crashed node's silence is no stall of the
+    new group. A peer that goes on beating is watched again, and its later silence counts."""
+    from runtime.liveness.peers import PeerTracker
+
+    t = PeerTracker(node_rank=0)
+    for now in range(0, 5):                  # both peers beat; node rank 2 crashes at 5
+        t.observe(1, now + 1, float(now))
+        t.observe(2, now + 1, float(now))
+        t.store_ok_at = float(now)
+    for now in range(5, 7):
+        t.observe(1, now + 1, float(now))
+        t.observe(2, 5, float(now))
+        t.store_ok_at = float(now)
+    t.new_group()                            # at 7 this node's workers start again
+    for now in range(7, 30):
+        t.observe(1, now + 1 if now < 12 else 12, float(now))   # node rank 1 is cut at 12
+        t.observe(2, 5, float(now))
+        t.store_ok_at = float(now)
+        if now < 22:
+            assert 2 not in t.lost(float(now), after_s=10), now
+    assert t.lost(29.0, after_s=10) == {1: 18.0}, "silent since 11, after the group formed"
+
+
 def test_a_lost_peer_with_a_quiet_node_is_a_stall_in_any_phase():
     ranks = assess([beat(0, 0.0, phase="save"), beat(1, 0.0, phase="save")], {}, 6.0, POLICY)
     assert not judge(ranks).stalled, "within the save's budget"
