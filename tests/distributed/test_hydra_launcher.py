@@ -1,0 +1,82 @@
+"""The Hydra launcher plugin (``hydra/launcher=hpc``), with Hydra's own launcher test helpers.
+
+Each Hydra job runs as an hpc job for real: ``hydra/launcher=hpc_local`` runs the tasks the
+Slurm array would run (``_task.py`` under the per-node launcher and torchrun, the pickled task
+function, rank 0's ``JobReturn``) with ``hpc run``, so Hydra's checks of what comes back (config,
+overrides, job name/id/num, the output directories) apply to the same code path as on the
+cluster (tests/slurm/test_hydra_on_cluster.py submits the array). Only a few of Hydra's
+``LauncherTestSuite`` cases run (each task is a real launcher and torchrun start, ~5 s):
+one job, two jobs, a failing job, and Hydra's own refusal to sweep its config.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+from hydra.test_utils.launcher_common_tests import sweep_1_job, sweep_2_jobs
+
+from tests.wandb_offline import offline_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("hydra_restore_singletons")]
+
+
+@pytest.fixture(autouse=True)
+def quiet_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in offline_env(tmp_path / "wandb-env").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HPC_HOME", str(tmp_path / "hpc-home"))
+
+
+def returns_100(_: object) -> int:
+    return 100
+
+
+LAUNCHER = ["hydra/launcher=hpc_local"]
+
+
+@pytest.mark.timeout(180)
+def test_one_job_returns_its_value_and_hydras_job_fields(hydra_sweep_runner, tmpdir) -> None:
+    sweep_1_job(hydra_sweep_runner, overrides=list(LAUNCHER), task_function=returns_100,
+                temp_dir=tmpdir)
+
+
+@pytest.mark.timeout(240)
+def test_two_jobs_each_with_its_overrides_and_its_own_hpc_job(hydra_sweep_runner, tmpdir) -> None:
+    # Hydra's helper checks each JobReturn (overrides +a=0 / +a=1, the config, job name, id and
+    # number, the output directories); the sweep directory is gone when it returns.
+    sweep_2_jobs(hydra_sweep_runner, overrides=list(LAUNCHER), task_function=returns_100,
+                 temp_dir=tmpdir)
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_job_is_raised_by_hydra_with_its_error(hydra_sweep_runner, tmpdir) -> None:
+    # A key the config does not have fails in the task (Hydra's strict config), inside the job.
+    with pytest.raises(Exception, match=r"Key 'boo' is not in struct|Could not override 'boo'"):
+        sweep_1_job(hydra_sweep_runner, overrides=[*LAUNCHER, "boo=bar"], task_function=returns_100,
+                    temp_dir=tmpdir)
+
+
+def test_sweeping_hydras_own_config_is_refused_before_anything_runs(hydra_sweep_runner, tmpdir) -> None:
+    with pytest.raises(HydraException, match=re.escape("Sweeping over Hydra's configuration is not "
+                                                       "supported : 'hydra.verbose=true,false'")):
+        with hydra_sweep_runner(calling_file=None, calling_module="hydra.test_utils.a_module",
+                                task_function=None, config_path="configs", config_name="compose.yaml",
+                                overrides=[*LAUNCHER, "+a=0,1", "hydra.verbose=true,false"],
+                                temp_dir=tmpdir):
+            pass
+    assert not (Path(tmpdir) / ".hpc").exists()
+
+
+def test_a_bad_launcher_option_names_the_key_and_what_it_takes(hydra_sweep_runner, tmpdir) -> None:
+    with pytest.raises(Exception, match=r"hydra\.launcher\] nproc_per_node = .*is invalid"):
+        sweep_1_job(hydra_sweep_runner, overrides=[*LAUNCHER, "hydra.launcher.nproc_per_node=many"],
+                    task_function=returns_100, temp_dir=tmpdir)
+    with pytest.raises(Exception, match=r"Could not override 'hydra.launcher.nprocs'"):  # Hydra's check
+        sweep_1_job(hydra_sweep_runner, overrides=[*LAUNCHER, "hydra.launcher.nprocs=2"],
+                    task_function=returns_100, temp_dir=tmpdir)
+    with pytest.raises(Exception, match=r"hydra\.launcher\.nproc_per_nod .*did you mean nproc_per_node"):
+        sweep_1_job(hydra_sweep_runner, overrides=[*LAUNCHER, "+hydra.launcher.nproc_per_nod=2"],
+                    task_function=returns_100, temp_dir=tmpdir)
