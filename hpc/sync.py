@@ -88,6 +88,13 @@ def read_synced(job_dir: Path, run_id: str) -> set[str]:
     return set(data.get("folders", [])) if data.get("run_id") == run_id else set()
 
 
+def story_folders(job_dir: Path, run_id: str) -> set[str]:
+    """Offline folders holding the job's story (:mod:`hpc.report.wandb_story`): its writer
+    finished them, so they are never left to settle."""
+    state = jobdir.read_json(JobPaths(job_dir).wandb_story) or {}
+    return set(state.get("folders", [])) if state.get("run_id") == run_id else set()
+
+
 def mark_synced(job_dir: Path, run_id: str, folder: str) -> None:
     """Adds ``folder`` to the marker (atomic: a crash leaves the old or the new list)."""
     done = read_synced(job_dir, run_id) | {folder}
@@ -115,8 +122,9 @@ def plan(job_dir: Path, *, now: float | None = None, settle_s: float = 30.0) -> 
     done = read_synced(job_dir, run_id) | {
         f.name for f in folders if (f / f"run-{run_id}.wandb.synced").exists()}
     now = time.time() if now is None else now
-    unsettled = {f.name for f in folders
-                 if now - (f / f"run-{run_id}.wandb").stat().st_mtime < settle_s}
+    stories = story_folders(job_dir, run_id)   # finished by their writer
+    unsettled = {f.name for f in folders if f.name not in stories
+                 and now - (f / f"run-{run_id}.wandb").stat().st_mtime < settle_s}
     return SyncPlan(job_dir, run_id, tuple(folders), frozenset(done), frozenset(unsettled))
 
 
@@ -191,8 +199,13 @@ def run_wandb(cmd: list[str], timeout_s: float) -> None:
 
 def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 3,
          timeout_s: float = 600.0, settle_s: float = 30.0, runner: Runner = run_wandb,
-         env: Mapping[str, str] | None = None, out: Callable[[str], None] = print) -> int:
+         env: Mapping[str, str] | None = None, out: Callable[[str], None] = print,
+         story: bool = True) -> int:
     """Uploads the job's pending offline folders, oldest first; returns how many.
+
+    First, once per ended allocation, the job's story (goodput table, timeline picture, faults
+    and recoveries: :mod:`hpc.report.wandb_story`) is written into the run as one more offline
+    folder, uploaded last with the others.
 
     Args:
         job_dir: The job directory.
@@ -203,6 +216,7 @@ def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 
         runner: Runs one command (tests pass a fake; the default runs wandb for real).
         env: Environment for the credential and network checks (default ``os.environ``).
         out: Where progress lines go.
+        story: Write the job's story into the run first (``--no-story``: do not).
 
     Raises:
         HpcError: no key, no network, or a folder that would not upload (the folders before it
@@ -211,6 +225,14 @@ def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 
     import tenacity
 
     env = os.environ if env is None else env
+    if story:
+        from hpc.report import wandb_story   # the ledger and its loader (Slurm client, tenacity)
+
+        p = plan(job_dir, settle_s=settle_s)
+        try:
+            wandb_story.write(p.job_dir, p.run_id, p.folders, project=project, entity=entity, out=out)
+        except HpcError as e:   # the uploads matter more: they go on, the next sync tries again
+            out(f"hpc sync: warning: {e}")
     p = plan(job_dir, settle_s=settle_s)
     for name in sorted(p.unsettled):
         out(f"hpc sync: {name} was written in the last {settle_s:.0f} s (running?): left for later")
@@ -273,6 +295,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="keep syncing every --every seconds until the job has ended")
     sp.add_argument("--every", type=float, default=60.0, metavar="S",
                     help="with --follow: seconds between syncs [default: 60]")
+    sp.add_argument("--no-story", action="store_true",
+                    help="do not write the job's story (goodput table, timeline picture, faults) "
+                         "into its run before uploading")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -288,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
                             "hpc sync jobs/train_gpt-...")
         job_dir = Path(record.job_dir)
     options = dict(project=args.project, entity=args.entity, attempts=max(1, args.attempts),
-                   timeout_s=args.timeout)
+                   timeout_s=args.timeout, story=not args.no_story)
     if args.follow:
         follow(job_dir, every_s=args.every, **options)
     else:

@@ -7,7 +7,7 @@ lines to `/files/<entity>/<project>/<run>/file_stream` as `{"files": {name: {"of
 "content": [json lines]}}}`. This server answers those (others get `{"data": {}}`) and keeps
 what it received per run, so a test can check what reached "the server" through wandb's real
 code path. A resumed run is told its history line count and tail, as the real server does, so
-later uploads continue it. It is not W&B's server: it keeps every history line it is sent.
+later uploads continue it. Uploaded files (media: tables, images) and the latest summary are kept. It is not W&B's server: it keeps every history line it is sent.
 """
 
 from __future__ import annotations
@@ -28,11 +28,17 @@ class FakeRun:
     history: list[dict[str, Any]] = field(default_factory=list)
     upserts: int = 0
     uploads: list[str] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)      # uploaded file name -> content
+    summary: dict[str, Any] = field(default_factory=dict)      # the latest wandb-summary.json
     complete: bool = False
 
     @property
     def steps(self) -> list[int]:
         return [int(row["_step"]) for row in self.history if "_step" in row]
+
+
+ARTIFACT_OPS = ("CreateArtifact", "CreateArtifactFiles", "CreateArtifactManifest",
+                "UpdateArtifactManifest", "CommitArtifact", "UseArtifact")
 
 
 class FakeWandbServer:
@@ -43,6 +49,7 @@ class FakeWandbServer:
     def __init__(self) -> None:
         self.runs: dict[str, FakeRun] = {}
         self.requests: list[str] = []
+        self.artifacts: dict[str, dict[str, Any]] = {}      # id -> name, type, state, files
         self.lock = threading.Lock()
         server = self
 
@@ -75,12 +82,17 @@ class FakeWandbServer:
                         self._json({})
 
             def do_PUT(self) -> None:  # noqa: N802
-                self._body()
+                body = self._body()
                 with server.lock:
                     server.requests.append(f"PUT {self.path}")
                     _, run, name = (self.path.strip("/").split("/", 2) + ["", ""])[:3]
-                    if run in server.runs:
+                    if run == "_artifacts":      # /upload/_artifacts/<artifact id>/<file name>
+                        art, _, file = name.partition("/")
+                        if art in server.artifacts:
+                            server.artifacts[art]["files"][file] = body
+                    elif run in server.runs:
                         server.runs[run].uploads.append(name)
+                        server.runs[run].files[name] = body
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -134,12 +146,48 @@ class FakeWandbServer:
                      for f in v.get("files", [])]
             return {"data": {"createRunFiles": {"runID": f"bucket-{v.get('run')}",
                                                 "uploadHeaders": [], "files": files}}}
+        if op in ARTIFACT_OPS:
+            return {"data": self.artifact_op(op, v)}
         return {"data": {}}
+
+    def artifact_op(self, op: str, v: dict[str, Any]) -> dict[str, Any]:
+        """Enough of the artifact protocol for wandb-core to log a run's tables (``run_table``
+        artifacts): create, file and manifest upload URLs, commit. Each artifact keeps its files."""
+        if op == "CreateArtifact":
+            art_id = f"artifact-{len(self.artifacts)}"
+            given = v.get("input") or {}
+            self.artifacts[art_id] = {"name": given.get("artifactCollectionName", ""),
+                                      "type": given.get("artifactTypeName", ""), "state": "PENDING",
+                                      "files": {}}
+            return {"createArtifact": {"artifact": {"id": art_id, "state": "PENDING",
+                                                    "artifactSequence": {"latestArtifact": None}}}}
+        if op == "CreateArtifactFiles":
+            nodes = [{"node": {"storagePath": f"{f['artifactID']}/{f['name']}",
+                               "uploadUrl": f"{self.url}/upload/_artifacts/{f['artifactID']}/{f['name']}",
+                               "uploadHeaders": [], "uploadMultipartUrls": None,
+                               "artifact": {"id": f["artifactID"]}}}
+                     for f in (v.get("input") or {}).get("artifactFiles", [])]
+            return {"createArtifactFiles": {"files": {"edges": nodes}}}
+        if op in ("CreateArtifactManifest", "UpdateArtifactManifest"):
+            art_id = v.get("artifactID") or ""
+            key = "createArtifactManifest" if op == "CreateArtifactManifest" else "updateArtifactManifest"
+            return {key: {"artifactManifest": {"id": f"manifest-{art_id}", "file": {
+                "id": f"manifest-file-{art_id}",
+                "uploadUrl": f"{self.url}/upload/_artifacts/{art_id}/wandb_manifest.json",
+                "uploadHeaders": []}}}}
+        if op == "CommitArtifact":
+            art = self.artifacts.get(v.get("artifactID") or "")
+            if art is not None:
+                art["state"] = "COMMITTED"
+            return {"commitArtifact": {"artifact": {"id": v.get("artifactID"), "digest": "fake"}}}
+        return {"useArtifact": {"artifact": {"id": (v.get("input") or {}).get("artifactID")}}}
 
     def file_stream(self, project: str, run_name: str, body: dict[str, Any]) -> None:
         run = self.runs.setdefault(run_name, FakeRun(run_name, project))
         for name, chunk in (body.get("files") or {}).items():
             if name == "wandb-history.jsonl":
                 run.history.extend(json.loads(line) for line in chunk.get("content", []))
+            elif name == "wandb-summary.json" and chunk.get("content"):
+                run.summary = json.loads(chunk["content"][-1])
         if body.get("complete"):
             run.complete = True

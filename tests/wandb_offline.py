@@ -1,10 +1,7 @@
 """Read W&B offline run files back, for tests.
 
-wandb has no public reader for its offline `.wandb` files (wandb 0.31 no longer ships
-`wandb.sdk.internal.datastore`). The format is small: a 7-byte file header (`:W&B`, magic
-0xBEE1 little-endian, version 0) followed by a LevelDB-log framed stream (32 KiB blocks; each chunk is
-a 4-byte CRC, a 2-byte little-endian length and a 1-byte type FULL/FIRST/MIDDLE/LAST) whose payloads
-are serialized `wandb.proto.wandb_internal_pb2.Record` messages.
+wandb has no public reader for its offline `.wandb` files; `hpc.wandb_records.iter_records` is
+ours (the format is described there), shared with `hpc sync`'s story of the job.
 
 Each restart of a run with the same id makes a new `offline-run-*` folder, so `read_run` gathers all
 folders of one run id in start order and concatenates them: that is the history `wandb sync` would
@@ -16,14 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
-_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
-_BLOCK = 32768
-_CHUNK_HEADER = 7
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+from hpc.wandb_records import iter_records
 
 
 @dataclasses.dataclass
@@ -60,40 +53,6 @@ class OfflineRun:
                     fields = {k[len(prefix):]: v for k, v in row.items() if k.startswith(prefix)}
                     out.append((int(row["_step"]), parts[1], fields))
         return out
-
-
-def iter_records(path: Path) -> Any:
-    """Yield every `Record` in one `.wandb` file.
-
-    Args:
-        path: the `run-<id>.wandb` file.
-
-    Yields:
-        `wandb_internal_pb2.Record` messages in write order. A torn last chunk (crash mid-write) ends
-        the stream quietly.
-    """
-    from wandb.proto import wandb_internal_pb2
-
-    data = Path(path).read_bytes()
-    if not data.startswith(_HEADER):
-        raise ValueError(f"{path} is not a W&B offline file (header {data[:7]!r})")
-    pos, pending = len(_HEADER), b""
-    while pos + _CHUNK_HEADER <= len(data):
-        left_in_block = _BLOCK - pos % _BLOCK
-        if left_in_block < _CHUNK_HEADER:
-            pos += left_in_block
-            continue
-        length, kind = struct.unpack_from("<HB", data, pos + 4)
-        payload = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
-        if len(payload) < length or kind not in (_FULL, _FIRST, _MIDDLE, _LAST):
-            return
-        pos += _CHUNK_HEADER + length
-        pending = payload if kind in (_FULL, _FIRST) else pending + payload
-        if kind in (_FULL, _LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
 
 
 def run_files(wandb_dir: Path, run_id: str) -> list[Path]:

@@ -42,6 +42,8 @@ WANDB_RUN_ID = "wandb_run_id"          # one W&B run for the job's whole life
 WANDB_STATE = "wandb_state.json"       # the last step logged to W&B (exactly-once history)
 WANDB_DIR = "wandb"                    # W&B's own files (offline runs)
 WANDB_SYNCED = "wandb_synced.json"     # what hpc sync uploaded already
+WANDB_STORY = "wandb_story.json"       # the story hpc sync last wrote into the run (and its folders)
+WANDB_STORY_DIR = "wandb_story"        # its timeline picture and the payload its writer read
 METRICS_JSONL = "metrics.jsonl"        # rank 0's metrics when W&B is disabled or failing
 # --- claims and requests between launchers and the batch shell -----------------------------
 CLAIM = "{duty}-claim-alloc-{allocation}"          # who did a duty (requeue, record) once
@@ -178,6 +180,14 @@ class JobPaths:
     @property
     def wandb_synced(self) -> Path:
         return self.root / WANDB_SYNCED
+
+    @property
+    def wandb_story(self) -> Path:
+        return self.root / WANDB_STORY
+
+    @property
+    def wandb_story_dir(self) -> Path:
+        return self.root / WANDB_STORY_DIR
 
     @property
     def metrics(self) -> Path:

@@ -35,6 +35,9 @@ ALLOWED: dict[str, str] = {
                           "(ledger, loader, job index with the Slurm client: tenacity)",
     "hpc.sync -> hpc.index": "`hpc --help` imports hpc.sync for its add_parser; the job index "
                              "loads the Slurm client (tenacity)",
+    "hpc.sync -> hpc.report.wandb_story": "`hpc --help` imports hpc.sync for its add_parser; the "
+                                          "story loads the ledger and its loader (Slurm client, "
+                                          "tenacity)",
     "hpc.api -> hpc.status": _COMMANDS,
     "hpc.api -> hpc.logs": _COMMANDS,
     "hpc.api -> hpc.sweeps": _COMMANDS,

@@ -1,0 +1,61 @@
+"""Reads W&B's offline ``.wandb`` files: the one reader (``hpc sync``'s story and the tests).
+
+wandb has no public reader for them (0.31 no longer ships ``wandb.sdk.internal.datastore``).
+The format is small: a 7-byte header (``:W&B``, magic 0xBEE1 little-endian, version 0), then a
+LevelDB-log framed stream (32 KiB blocks; each chunk a 4-byte CRC, a 2-byte little-endian length
+and a 1-byte type FULL/FIRST/MIDDLE/LAST) of serialized
+``wandb.proto.wandb_internal_pb2.Record`` messages. wandb's protobuf module is imported inside
+:func:`iter_records`, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+BLOCK = 32768
+CHUNK_HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def iter_records(path: Path) -> Iterator[Any]:
+    """Every ``Record`` in one ``.wandb`` file, in write order.
+
+    A torn last chunk (a crash mid-write) ends the stream quietly.
+
+    Raises:
+        ValueError: the file is not a W&B offline file.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if not data.startswith(HEADER):
+        raise ValueError(f"{path} is not a W&B offline file (header {data[:7]!r})")
+    pos, pending = len(HEADER), b""
+    while pos + CHUNK_HEADER <= len(data):
+        left_in_block = BLOCK - pos % BLOCK
+        if left_in_block < CHUNK_HEADER:
+            pos += left_in_block
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        payload = data[pos + CHUNK_HEADER: pos + CHUNK_HEADER + length]
+        if len(payload) < length or kind not in (FULL, FIRST, MIDDLE, LAST):
+            return
+        pos += CHUNK_HEADER + length
+        pending = payload if kind in (FULL, FIRST) else pending + payload
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def run_project(path: Path) -> tuple[str, str]:
+    """``(project, entity)`` of the first run record in a ``.wandb`` file (empty if none)."""
+    for record in iter_records(path):
+        if record.WhichOneof("record_type") == "run":
+            return record.run.project, record.run.entity
+    return "", ""
