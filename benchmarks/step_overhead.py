@@ -199,7 +199,7 @@ class Loops:
         return "log+agree" if log and poll else "log" if log else "agree" if poll else "plain"
 
     def _part(self, part: str, steps: int) -> float:
-        from runtime.metrics import reduce_metrics
+        from runtime.worker.metrics import reduce_metrics
 
         s, work, sampler, rank_slice = self.s, self.work, self.sampler, self.rank_slice
         t0 = time.perf_counter()

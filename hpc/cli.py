@@ -243,11 +243,11 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """``hpc doctor``: runs ``python -m runtime.doctor`` here, or on every node of an
+    """``hpc doctor``: runs ``python -m runtime.launch.doctor`` here, or on every node of an
     allocation through srun (the checks need torch, which the login-node CLI never imports)."""
     import subprocess
 
-    argv = [sys.executable, "-m", "runtime.doctor"] + (["--json"] if args.json else []) \
+    argv = [sys.executable, "-m", "runtime.launch.doctor"] + (["--json"] if args.json else []) \
         + (["--rdzv-host", args.rdzv_host] if args.rdzv_host else [])
     if args.nodes:
         from hpc.contract.slurm import SlurmClient

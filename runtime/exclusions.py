@@ -1,7 +1,7 @@
 """Bad nodes stay out: the job's excluded nodes, and leaving them out of its next allocation.
 
 A node that stalled (the suspect of a hang), that Slurm dropped from the job (a crash, a cut
-link), or that failed its pre-join health check (:mod:`runtime.health`) is written to
+link), or that failed its pre-join health check (:mod:`runtime.launch.health`) is written to
 ``exclusions.jsonl`` in the job directory (one line per event, ``O_APPEND``: any node may add).
 
 Why not Slurm's ``ExcNodeList``: Slurm 22.05 refuses to change it on a running job ("Job is no

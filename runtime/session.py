@@ -45,12 +45,12 @@ from runtime.liveness import events, stragglers
 from runtime.liveness.deadline import collective_timeout_s, policy_from_spec
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
-from runtime.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
+from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
-from runtime.progress import ProgressMeter
+from runtime.worker.progress import ProgressMeter
 from runtime.stopping import STOP_KINDS
-from runtime.wandb_sink import make_sink, run_metadata
+from runtime.worker.wandb_sink import make_sink, run_metadata
 
 log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
@@ -106,7 +106,7 @@ class Session:
         self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
         self._beat: Any = NullHeartbeat()
         self._timeout_note = ""
-        self._pace: Any = None               # runtime.ddp.PaceProbe of the wrapped DDP model
+        self._pace: Any = None               # runtime.worker.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
 
@@ -289,7 +289,7 @@ class Session:
             mixed_precision: bf16 compute with fp32 reductions under FSDP2 (default: on CUDA).
             reproducible_resume: DDP only: keep one gradient-bucket layout for the whole run,
                 so a resumed run is bit-identical to an uninterrupted one at any world size
-                (the buckets then follow the parameters' order; see ``runtime.ddp``).
+                (the buckets then follow the parameters' order; see ``runtime.worker.ddp``).
             find_unused_parameters: DDP only: for a model that leaves some parameters out of
                 the loss (DDP's option of that name; it costs a graph walk and an all-reduce
                 per step). Without it such a model stops at its second step with torch's
@@ -299,7 +299,7 @@ class Session:
                 hook stays free for yours). False: straggler reports time the whole step
                 body, where DDP hides a slow rank.
         """
-        from runtime import ddp as ddp_build
+        from runtime.worker import ddp as ddp_build
 
         model = model.to(self.device)
         self._pace = None

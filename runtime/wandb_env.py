@@ -6,7 +6,7 @@ run id, resume mode, directory and mode from its own environment variables when 
 not given them, so the launcher hands every worker:
 
 * ``WANDB_RUN_ID``: the job's run id, the one in ``JOB_DIR/wandb_run_id`` that our Session's
-  sink uses too (:func:`runtime.wandb_sink.load_or_create_run_id`; created once, atomically);
+  sink uses too (:func:`runtime.worker.wandb_sink.load_or_create_run_id`; created once, atomically);
 * ``WANDB_RESUME=allow``: continue that run if it exists, create it if not (``must`` fails on
   the first start and offline);
 * ``WANDB_DIR=JOB_DIR``: the offline runs land in ``JOB_DIR/wandb/offline-run-*`` where
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.wandb_sink import load_or_create_run_id
+from runtime.worker.wandb_sink import load_or_create_run_id
 
 
 def defaults(job_dir: Path, mode: str) -> dict[str, tuple[str, str]]:

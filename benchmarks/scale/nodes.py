@@ -3,7 +3,7 @@
 Each agent is one node's control plane, with the project's real code:
 
 * **join**: torch's c10d rendezvous handler with the launcher's settings
-  (:data:`runtime.launch.RDZV_CONF`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
+  (:data:`runtime.launch.main.RDZV_CONF`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
   its keep-alive thread then runs as in a real agent;
 * **keepalive**: a real :class:`~runtime.liveness.peers.PeerBeacon` thread (its store client
   wrapped to count requests);
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale.meter import CountingStore, FsCounter
-from runtime.launch import RDZV_CONF
+from runtime.launch.main import RDZV_CONF
 from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
 from runtime.liveness.peers import BEAT_S, PeerBeacon

@@ -93,7 +93,7 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 2,
     victim = n - 1
     per = max(1, -(-(n - 1) // procs))
     spans = [(f, min(per, n - 1 - f)) for f in range(0, n - 1, per)] + [(victim, 1)]
-    # As the launcher sets it (runtime.plan): torch 2.13's elastic restarts need it.
+    # As the launcher sets it (runtime.launch.plan): torch 2.13's elastic restarts need it.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "TORCH_CPP_LOG_LEVEL": "ERROR"}
     hosts = [subprocess.Popen([sys.executable, "-m", "benchmarks.scale.nodes", "--first", str(f),

@@ -21,7 +21,7 @@ directory.
 - The launchers run in their own session (a terminal's signals reach only ``hpc run``, which
   decides), and the kernel sends them SIGTERM when ``hpc run`` dies, even by SIGKILL
   (``PR_SET_PDEATHSIG``): the workers save and stop, and a launcher whose ``hpc run`` is gone
-  stops them for good after a grace period (:mod:`runtime.lifeline`). The workers are bound
+  stops them for good after a grace period (:mod:`runtime.launch.lifeline`). The workers are bound
   to their launcher in turn (:mod:`runtime.worker`).
 """
 

@@ -2,7 +2,7 @@
 
 submitit pickles a callable and runs it in every Slurm task. We ask for one task per node and
 our callable, :func:`run_node`, does what the sbatch template's body does: it takes the first
-node of the allocation as the rendezvous host and runs ``runtime.launch.main`` (the torch
+node of the allocation as the rendezvous host and runs ``runtime.launch.main.main`` (the torch
 elastic agent and our signal handling) on that node.
 
 How submitit's own preemption handling is reconciled with ours (docs/backends.md has more):
@@ -15,7 +15,7 @@ How submitit's own preemption handling is reconciled with ours (docs/backends.md
 * ``--signal`` is ours (``spec.signal@spec.signal_lead_s``), set through
   ``additional_parameters`` because submitit would otherwise write ``USR2@90``.
 * ``--requeue``/``--no-requeue`` follow ``spec.requeue``; near the time limit node 0's
-  launcher asks Slurm for the requeue itself (``runtime.requeue``), as under the template.
+  launcher asks Slurm for the requeue itself (``runtime.ending.requeue``), as under the template.
 * The nodes the job found bad before (``exclusions.jsonl``) go back to Slurm in the batch
   shell before ``srun``, as under the template (:func:`slurm_options.exclusion_lines` in
   submitit's ``setup``); ``srun`` then runs on the kept nodes. There is no

@@ -20,7 +20,7 @@ exclusions.jsonl      Exclusion         watchdog (stall), outcome       the batc
 stragglers.jsonl      Straggler         rank 0                          the outcome; hpc status
                                         (runtime.liveness.stragglers)
 resubmissions.jsonl   Link              the launcher that resubmits     the launchers (allocation base);
-                                        (runtime.resubmit)              hpc status
+                                        (runtime.ending.resubmit)              hpc status
 events.jsonl          event() (a dict)  the launchers and rank 0        hpc report; --checkpoint-
                                         (runtime.events)                interval auto
 $HPC_HOME/jobs.jsonl  JobRecord         hpc submit/sweep/run; a         hpc status/logs/cancel

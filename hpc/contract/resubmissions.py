@@ -4,7 +4,7 @@ Some clusters cannot requeue (``PreemptMode=CANCEL``, ``JobRequeue=0``, a submit
 forces ``--no-requeue``): ``scontrol requeue`` fails there. The job then continues as a fresh
 submission of the same ``JOB_DIR/job.sbatch`` into the same job directory (same checkpoints, same
 W&B run), a new Slurm job id chained with ``--dependency=afterany:OLD`` (see
-``runtime/resubmit.py``). ``JOB_DIR/resubmissions.jsonl`` records each link: the new job id,
+``runtime/ending/resubmit.py``). ``JOB_DIR/resubmissions.jsonl`` records each link: the new job id,
 the job it continues, and the first allocation index of the new job, because allocation numbers
 (outcomes, claims, logs) go on across the chain while Slurm's restart count starts again at 0.
 

@@ -3,7 +3,7 @@
 A job with ``--spare-nodes K`` runs one launcher on each of ``MAX + K`` nodes. torch's c10d
 rendezvous takes the first ``MAX`` into the group; the others wait on its redundancy list,
 holding no rank, until a member is lost, and then one of them is taken into the next round
-(:mod:`runtime.spares`). Which node is the spare is torch's choice, so it is read back from
+(:mod:`runtime.launch.spares`). Which node is the spare is torch's choice, so it is read back from
 what the launchers recorded (:mod:`hpc.contract.events`):
 
 - ``node_ready`` (with ``spare_nodes`` > 0): the node passed its health check and joins;

@@ -60,7 +60,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from hpc.contract.components import CHECKPOINT, CheckpointConfig
-from runtime import rng, succession
+from runtime import succession
+from runtime.worker import rng
 from runtime.console import NOTE
 from runtime.checkpoint.manifest import (
     LATEST_NAME, MANIFEST_NAME, Manifest, SaveSchedule, fsync_dir, is_tmp_dir, parse_step,
@@ -199,7 +200,7 @@ class Checkpointer:
         every_min: :meth:`should_save` every M minutes (rank 0's clock decides for everyone).
         async_save: ``save(blocking=False)`` writes in the background (else always blocking).
         verify_checksums: Recompute CRC-32s on resume (sizes are always checked).
-        save_rng: Save and restore each rank's RNG states (see ``runtime.rng``).
+        save_rng: Save and restore each rank's RNG states (see ``runtime.worker.rng``).
         seed: Base seed for re-seeding ranks that have no saved RNG state.
         thread_count: DCP writer threads per rank.
         reuse_staging: Keep the async staging buffers between saves and make them ahead of the

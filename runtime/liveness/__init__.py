@@ -31,7 +31,7 @@ evidence kept:
   stall deadline.
 
 Bad nodes (stalled, lost, failing their pre-join health check) are kept out of the next
-allocations by :mod:`runtime.exclusions`; the check itself is :mod:`runtime.health`.
+allocations by :mod:`runtime.exclusions`; the check itself is :mod:`runtime.launch.health`.
 
 Nothing here imports torch: the launcher's thread and ``hpc status`` use it too.
 """

@@ -54,7 +54,7 @@ def install(directory: str) -> Path | None:
     return path
 
 
-def main_thread_first(dump: str, marker: str = "runtime/worker.py") -> str:
+def main_thread_first(dump: str, marker: str = "runtime/worker/start.py") -> str:
     """A faulthandler dump with the main thread's block (the one started in ``marker``) first (pure)."""
     blocks: list[list[str]] = []
     for line in dump.splitlines():

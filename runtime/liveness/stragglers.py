@@ -4,7 +4,7 @@ At the loop boundary every rank's step time is the same: a synchronous job waits
 slowest rank in each collective. What differs is how long a rank works *before* DDP's
 reduction makes it wait for the others. The Session measures it (``compute`` time: from the
 start of the step to the end of its backward pass, on about one step each 0.1 s, by
-``runtime.ddp.PaceProbe``; to the end of the step's body without DDP) and the heartbeat
+``runtime.worker.ddp.PaceProbe``; to the end of the step's body without DDP) and the heartbeat
 carries its median over the last :data:`WINDOW` samples; each node's watchdog publishes its ranks' medians in the job directory
 (``liveness/alloc-A/node-N.json``); rank 0 reads them every :data:`CHECK_EVERY_S` and calls
 :func:`find`. A rank whose median is above ``RATIO x`` the median of the other ranks' (and

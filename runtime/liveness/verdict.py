@@ -48,8 +48,8 @@ COLLECTIVE_FRAMES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/paral
                      "/torch/_tensor.py")
 # Our own waits on a posted collective (the step boundary's stop agreement, the metrics'
 # reduction): the top frame is ours, the wait itself is C code below it.
-OWN_COLLECTIVE_FRAMES = ("runtime/preemption.py", "runtime/metrics.py")
-WORKER_FRAME = "runtime/worker.py"   # the bottom of every worker's main thread
+OWN_COLLECTIVE_FRAMES = ("runtime/preemption.py", "runtime/worker/metrics.py")
+WORKER_FRAME = "runtime/worker/start.py"   # the bottom of every worker's main thread
 TOP_FRAMES = 4
 QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
 PEER_REPORT_S = 10.0   # extra wait before blaming another node, while other nodes watch too

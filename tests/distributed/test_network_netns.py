@@ -1,4 +1,4 @@
-"""runtime.network against real kernel interfaces in throwaway network namespaces.
+"""runtime.launch.network against real kernel interfaces in throwaway network namespaces.
 
 Why: the unit tests prove the chooser on facts we wrote; this proves the reader sees what the kernel
 really reports (`ip -j`, sysfs under `ip netns exec`, a `local` route on the rendezvous host itself)
@@ -30,7 +30,7 @@ RENDEZVOUS = "10.213.50.1"  # on eth0's subnet; nothing needs to answer there
 PROBE = """
 import json, sys
 from dataclasses import asdict
-from runtime.network import NetworkError, detect, read_interfaces
+from runtime.launch.network import NetworkError, detect, read_interfaces
 host, multi = sys.argv[1], sys.argv[2] == "multi"
 out = {"facts": [asdict(f) for f in read_interfaces(host)]}
 try:

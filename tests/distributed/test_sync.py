@@ -212,7 +212,7 @@ def test_cli_names_the_job_and_the_error(job: Path, tmp_path: Path) -> None:
 
 SESSION_SEGMENTS = """
 import sys
-from runtime.wandb_sink import WandbSink
+from runtime.worker.wandb_sink import WandbSink
 job, first, last, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 sink = WandbSink(job, resume_step=int(resume) if resume else None)
 for step in range(first, last + 1):

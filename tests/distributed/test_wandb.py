@@ -41,8 +41,8 @@ def _job(rank: int, port: int, job_dir: str, attempt: int, first: int, last: int
     import torch
     import torch.distributed as dist
 
-    from runtime.metrics import reduce_metrics
-    from runtime.wandb_sink import make_sink
+    from runtime.worker.metrics import reduce_metrics
+    from runtime.worker.wandb_sink import make_sink
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
@@ -116,7 +116,7 @@ def test_one_run_each_step_once_across_two_requeues(hostile_dir: Path) -> None:
 @pytest.mark.usefixtures("wandb_offline", "clean_env")
 def test_log_failure_mid_run_falls_back_without_losing_or_repeating_steps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.wandb_sink import WandbSink
+    from runtime.worker.wandb_sink import WandbSink
 
     sink = WandbSink(tmp_path)
     sink.log({"loss": 1.0}, 1)

@@ -47,7 +47,7 @@ STATUS=$?
 echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
 
 # Exit 75: the workers saved and stopped (time limit near, or preemption). The requeue is
-# decided and done by node 0's launcher (runtime.requeue: exactly once per allocation; Slurm
+# decided and done by node 0's launcher (runtime.ending.requeue: exactly once per allocation; Slurm
 # does not requeue a job that exits within its grace time). The batch script only reports
 # srun's status.
 exit "$STATUS"

@@ -77,7 +77,7 @@ STATUS=$?
 echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
 
 # Exit 75: the workers saved and stopped (time limit near, or preemption). The requeue is
-# decided by node 0's launcher (runtime.requeue: exactly once per allocation); in the container
+# decided by node 0's launcher (runtime.ending.requeue: exactly once per allocation); in the container
 # it cannot run scontrol, so it leaves a request file and the batch shell requeues here.
 REQUEUE_REQUEST="$JOB_DIR/requeue-request-alloc-${ALLOCATION}"
 if [ -e "$REQUEUE_REQUEST" ]; then

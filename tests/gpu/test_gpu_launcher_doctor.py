@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import network
+from runtime.launch import network
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.gpu

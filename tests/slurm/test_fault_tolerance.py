@@ -258,7 +258,7 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     # is preempted and requeued, and its next allocation gives node3 back before srun.
     # The link stays down until Slurm has dropped node3 from the running job (~30 s): a node
     # healed before that finds itself still counted and records a node failure (see issue 25's
-    # note: runtime.outcome.left_behind decides on Slurm's view alone).
+    # note: runtime.ending.outcome.left_behind decides on Slurm's view alone).
     def slurm_dropped_node3() -> bool:
         q = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%N"], env=env,
                            capture_output=True, text=True)
@@ -301,7 +301,7 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     for log in sorted(job.glob("logs/alloc-0/node-node3.log")):
         print("node3 launcher:", "\n".join(x for x in log.read_text().splitlines() if "[rank" not in x)[-3000:])
     # One record per allocation: node1's (the preemption, with the stalls it acted on). node3,
-    # once its link is back, knows it was the node left behind (runtime.outcome.left_behind).
+    # once its link is back, knows it was the node left behind (runtime.ending.outcome.left_behind).
     assert [o["allocation"] for o in outcomes(job)] == [0, 1], outcomes(job)
     assert outcomes(job)[0]["kind"] == "preempted" and outcomes(job)[0]["hangs"], outcomes(job)
     assert outcomes(job)[-1]["kind"] == "finished"

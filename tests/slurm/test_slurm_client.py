@@ -12,7 +12,7 @@ import pytest
 
 from hpc.contract.slurm import SlurmClient, SlurmError, TransientSlurmError, UnknownJobError
 from hpc.contract.slurm_parse import JobState
-from runtime.outcome import left_behind
+from runtime.ending.outcome import left_behind
 
 pytestmark = pytest.mark.slurm
 

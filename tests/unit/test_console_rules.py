@@ -11,7 +11,7 @@ from types import SimpleNamespace as F
 import pytest
 
 from runtime.console import DDP_UNUSED_EXPECTED, NOTE, ConsoleFormatter, LineFilter, RankTee
-from runtime.outcome import TORCH_NO_ERROR_FILE, failure_reason, last_error_line, root_failure
+from runtime.ending.outcome import TORCH_NO_ERROR_FILE, failure_reason, last_error_line, root_failure
 
 pytestmark = pytest.mark.unit
 
@@ -111,7 +111,7 @@ def test_root_failure_is_not_a_worker_the_agent_stopped() -> None:
 
 def test_started_line_names_world_job_dir_and_wandb_run(tmp_path: Path) -> None:
     from hpc.contract.jobspec import JobSpec
-    from runtime.launch import plan_launch, started_line
+    from runtime.launch.main import plan_launch, started_line
 
     spec = JobSpec(script=str(tmp_path / "train.py"), job_dir=str(tmp_path), nproc_per_node=4,
                    nodes=(2, 3))

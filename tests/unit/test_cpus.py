@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cpus import _cgroup_cpu_max, cpu_allowance, job_cpus, omp_threads
+from runtime.launch.cpus import _cgroup_cpu_max, cpu_allowance, job_cpus, omp_threads
 
 pytestmark = pytest.mark.unit
 

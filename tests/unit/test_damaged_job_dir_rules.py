@@ -108,7 +108,7 @@ def test_a_job_id_in_non_ascii_digits_reaches_no_slurm_command(fake_slurm: Path,
 def test_permanent_failures_are_told_from_ones_a_restart_fixes() -> None:
     from types import SimpleNamespace
 
-    from runtime.outcome import permanent_failure
+    from runtime.ending.outcome import permanent_failure
 
     def f(message: object) -> SimpleNamespace:
         return SimpleNamespace(message=message, timestamp=0.0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import health
+from runtime.launch import health
 
 pytestmark = pytest.mark.unit
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia_smi"

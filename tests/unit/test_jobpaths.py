@@ -28,7 +28,7 @@ OTHER_MEANINGS = {
     ("runtime/session.py", "wandb_run_id"): "a key of the checkpoint's metadata",
     ("runtime/session.py", "slurm_job_id"): "a key of the checkpoint's metadata",
     ("hpc/contract/records.py", "health"): "an exclusion's kind (a failed health check)",
-    ("runtime/launch.py", "health"): "an exclusion's kind (a failed health check)",
+    ("runtime/launch/main.py", "health"): "an exclusion's kind (a failed health check)",
     ("hpc/sync.py", "wandb"): "python -m wandb",
     ("runtime/wandb_env.py", "wandb"): "the wandb module's name",
     ("runtime/checkpoint/storage.py", "rank-"): "a checkpoint shard's name, not a log",

@@ -258,12 +258,12 @@ Current thread 0x00007f4ed7420b80 (most recent call first):
   File "/venv/lib/python3.11/site-packages/torch/autograd/__init__.py", line 395 in backward
   File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 623 in backward
   File "/work/train.py", line 228 in main
-  File "/work/main/runtime/worker.py", line 75 in main
+  File "/work/main/runtime/worker/start.py", line 75 in main
 """
 IN_DATA = """Current thread 0x00007fbf08650b80 (most recent call first):
   File "/work/train.py", line 52 in load_batch
   File "/work/train.py", line 228 in main
-  File "/work/main/runtime/worker.py", line 75 in main
+  File "/work/main/runtime/worker/start.py", line 75 in main
 """
 
 
@@ -402,12 +402,12 @@ WAITING_AT_STEP_BOUNDARY = """Current thread 0x00007fbf08650b80 (most recent cal
   File "/work/main/runtime/preemption.py", line 176 in poll
   File "/work/main/runtime/session.py", line 420 in steps
   File "/work/train.py", line 60 in <module>
-  File "/work/main/runtime/worker.py", line 95 in main
+  File "/work/main/runtime/worker/start.py", line 95 in main
 """
 IN_EVAL = """Current thread 0x00007fbf08650b80 (most recent call first):
   File "/work/train.py", line 67 in evaluate
   File "/work/train.py", line 89 in <module>
-  File "/work/main/runtime/worker.py", line 95 in main
+  File "/work/main/runtime/worker/start.py", line 95 in main
 """
 
 

@@ -44,7 +44,7 @@ def test_no_heavy_module_loaded_by_help():
 
 def test_no_module_of_hpc_imports_runtime() -> None:
     """hpc/ is the login-node side and the job contract; runtime/ depends on it, never the
-    other way (hpc doctor runs ``python -m runtime.doctor`` as a process)."""
+    other way (hpc doctor runs ``python -m runtime.launch.doctor`` as a process)."""
     import ast
     from pathlib import Path
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics
+from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics
 from hpc.contract.components import WandbConfig
-from runtime.wandb_sink import make_sink
-from runtime.wandb_sink import (
+from runtime.worker.wandb_sink import make_sink
+from runtime.worker.wandb_sink import (
     FALLBACK_FILE,
     RUN_ID_FILE,
     STATE_FILE,
@@ -174,7 +174,7 @@ def test_reduce_rejects_bad_input(values: dict, ops: dict, match: str) -> None:
 
 
 def test_importing_the_metrics_modules_imports_neither_wandb_nor_torch() -> None:
-    code = ("import sys, runtime.metrics, runtime.wandb_sink, runtime.progress; "
+    code = ("import sys, runtime.worker.metrics, runtime.worker.wandb_sink, runtime.worker.progress; "
             "print(sorted(m for m in ('wandb', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)
@@ -228,7 +228,7 @@ class _Recording:
 
 
 def test_background_sink_keeps_the_order_and_drains_on_close():
-    from runtime.metrics import BackgroundSink
+    from runtime.worker.metrics import BackgroundSink
 
     inner = _Recording()
     sink = BackgroundSink(inner)
@@ -251,7 +251,7 @@ def test_background_sink_keeps_the_order_and_drains_on_close():
 
 
 def test_background_sink_goes_on_after_a_failing_call_and_flush_waits():
-    from runtime.metrics import BackgroundSink
+    from runtime.worker.metrics import BackgroundSink
 
     inner = _Recording(fail_on="log")
     sink = BackgroundSink(inner)

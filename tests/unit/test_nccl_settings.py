@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpc.contract.jobspec import JobSpec
-from runtime.launch import plan_launch
+from runtime.launch.main import plan_launch
 from runtime.liveness.nccl import request_dumps
 
 pytestmark = pytest.mark.unit

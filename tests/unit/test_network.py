@@ -1,4 +1,4 @@
-"""Unit tests for runtime.network: the pure chooser, the env planner, and the readers on fixture trees."""
+"""Unit tests for runtime.launch.network: the pure chooser, the env planner, and the readers on fixture trees."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from runtime.network import (
+from runtime.launch.network import (
     EnvChange,
     IbPortFacts,
     InterfaceFacts,

@@ -1,4 +1,4 @@
-"""The straggler watch's pace probe (runtime.ddp.PaceProbe) on a real autograd graph.
+"""The straggler watch's pace probe (runtime.worker.ddp.PaceProbe) on a real autograd graph.
 
 It must time a sampled step up to the end of its backward pass (the rank's own work before
 DDP's reduction waits on the others), time nothing on the steps between samples, and leave
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from runtime.ddp import PaceProbe
+from runtime.worker.ddp import PaceProbe
 
 
 def _model() -> torch.nn.Module:

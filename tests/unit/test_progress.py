@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.progress import ProgressMeter, format_duration
+from runtime.worker.progress import ProgressMeter, format_duration
 
 pytestmark = pytest.mark.unit
 

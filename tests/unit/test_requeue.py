@@ -1,6 +1,6 @@
 import pytest
 
-from runtime.requeue import claim, decide_requeue
+from runtime.ending.requeue import claim, decide_requeue
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def test_claim_is_exactly_once(tmp_path):
 def test_rdzv_port_is_per_job_unless_set():
     from hpc.contract.jobspec import JobSpec
     from runtime.env import SlurmEnv
-    from runtime.launch import rdzv_port
+    from runtime.launch.main import rdzv_port
 
     spec = JobSpec(script="s")
     assert rdzv_port(spec, SlurmEnv(job_id="1234")) == 29400 + 234
@@ -43,7 +43,7 @@ def test_rdzv_port_is_per_job_unless_set():
 def test_root_failure_is_the_cause_not_a_peers_broken_connection():
     from types import SimpleNamespace as F
 
-    from runtime.launch import root_failure
+    from runtime.launch.main import root_failure
 
     gloo = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
             "[10.0.0.2]:4242. This is typically caused by a remote worker crashing.")
@@ -58,7 +58,7 @@ def test_root_failure_is_the_cause_not_a_peers_broken_connection():
 
 
 def test_a_node_that_sees_its_allocation_still_training_is_the_one_left_behind():
-    from runtime.outcome import others_went_on
+    from runtime.ending.outcome import others_went_on
     fresh = {"allocation": 0, "step": 30, "world_size": 4, "time": 1000.0}
     assert "still training without this node" in others_went_on(fresh, 0, now=1003.0)
     # The host really lost: nobody trained since the store went away (timeout + election).

@@ -1,5 +1,5 @@
 """Where Slurm refuses a requeue, the job continues as a new submission into the same job
-directory, exactly once per allocation, chained after the old job (runtime/resubmit.py)."""
+directory, exactly once per allocation, chained after the old job (runtime/ending/resubmit.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmError
 from hpc.index import JobRecord, read_index
 from hpc.status import build_views, read_outcomes, _with_chain
-from runtime.resubmit import continue_as_new_job, submission_args, submission_env, tag
+from runtime.ending.resubmit import continue_as_new_job, submission_args, submission_env, tag
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from hpc.contract import jobdir, values
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.render import render_sbatch
-from runtime.requeue import request_batch_requeue
+from runtime.ending.requeue import request_batch_requeue
 from tests.unit.test_render import sbatch_parse_argument
 
 pytestmark = pytest.mark.unit

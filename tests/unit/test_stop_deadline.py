@@ -178,7 +178,7 @@ FORWARD = """
 import functools, json, os, signal, sys, time
 from pathlib import Path
 from runtime import stop_deadline, stopping
-from runtime.forwarding import SignalForwarder
+from runtime.launch.forwarding import SignalForwarder
 
 notice, env = Path(sys.argv[1]), {**os.environ, "PATH": sys.argv[2] + ":" + os.environ["PATH"]}
 f = SignalForwarder((signal.SIGUSR2,))

@@ -12,7 +12,7 @@ import pytest
 
 from hpc.contract.environment import JobEnvironment
 from runtime import stopping
-from runtime.launch import env_defaults
+from runtime.launch.main import env_defaults
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
@@ -89,7 +89,7 @@ def test_contract_variables_round_trip_and_zero_is_written() -> None:
 
 
 def test_worker_contract_marks_a_restart_as_a_resume() -> None:
-    from runtime.worker import script_contract
+    from runtime.worker.start import script_contract
 
     job = JobEnvironment(resumed=False)
     assert script_contract(job, {"TORCHELASTIC_RESTART_COUNT": "2"}) == {
@@ -125,7 +125,7 @@ def test_a_worker_started_in_a_stopping_allocation_exits_at_once_and_says_why(tm
 
 def test_wandb_defaults_name_the_jobs_run_and_keep_the_users_values(tmp_path: Path) -> None:
     from runtime.wandb_env import defaults
-    from runtime.wandb_sink import load_or_create_run_id
+    from runtime.worker.wandb_sink import load_or_create_run_id
 
     wanted = defaults(tmp_path, "offline")
     run_id = load_or_create_run_id(tmp_path)

@@ -89,7 +89,7 @@ def test_checkpoint_commits_are_refused_for_a_fenced_epoch(tmp_path: Path, monke
 
 
 def test_only_a_refused_requeue_continues_as_a_new_job() -> None:
-    from runtime.outcome import requeue_refused
+    from runtime.ending.outcome import requeue_refused
 
     assert requeue_refused("scontrol: error: Requested operation is presently disabled for job 12")
     assert not requeue_refused("scontrol: error: Job is pending execution")

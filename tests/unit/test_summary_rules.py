@@ -9,7 +9,7 @@ import pytest
 
 from hpc.backends.local import resume_hint
 from hpc.contract import jobdir
-from runtime.outcome import signals_note
+from runtime.ending.outcome import signals_note
 
 pytestmark = pytest.mark.unit
 

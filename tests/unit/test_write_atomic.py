@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc.contract import jobdir
-from runtime import metrics
+from runtime.worker import metrics
 from runtime.checkpoint import manifest
 
 pytestmark = pytest.mark.unit

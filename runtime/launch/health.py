@@ -2,7 +2,7 @@
 
 Each launcher runs it before it joins (about a second): the fast checks of ``hpc doctor``.
 
-* **interfaces**: the network interface NCCL/Gloo would use is found (:mod:`runtime.network`);
+* **interfaces**: the network interface NCCL/Gloo would use is found (:mod:`runtime.launch.network`);
 * **job_dir**: the shared job directory takes a write and reads it back (a node whose mount is
   gone or read-only would fail at its first checkpoint, or never write its records);
 * **gpus** (GPU jobs only): ``nvidia-smi`` answers, shows at least ``--gpus-per-node`` GPUs,

@@ -151,9 +151,9 @@ def print_once(e: BaseException) -> None:
 
 
 def _outside_script(tb: object) -> bool:
-    """Whether a traceback entry is this wrapper's or runpy's (skipped in the printout)."""
+    """Whether a traceback entry is this wrapper's (``__main__`` or here) or runpy's (skipped)."""
     name = tb.tb_frame.f_code.co_filename   # type: ignore[attr-defined]
-    return name == __file__ or name.startswith("<frozen runpy>") or name.endswith("runpy.py")
+    return os.path.dirname(name) == os.path.dirname(__file__) or name.startswith("<frozen runpy>") or name.endswith("runpy.py")
 
 
 def record_failure(e: BaseException) -> None:

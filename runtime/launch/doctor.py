@@ -3,7 +3,7 @@
 On one node it reports the network interfaces NCCL/Gloo would use and why, InfiniBand ports,
 GPUs, driver/CUDA/NCCL/torch versions and how the rendezvous host resolves. Across an
 allocation (``hpc doctor --nodes N`` inside ``salloc``/``sbatch``, which runs
-``srun --ntasks-per-node=1 python -m runtime.doctor --multi-node``), the nodes also meet in a
+``srun --ntasks-per-node=1 python -m runtime.launch.doctor --multi-node``), the nodes also meet in a
 gloo process group on the first node, check that a file one node writes to the shared job
 directory is read back by every other node, and time an all-reduce (latency of a small one,
 bandwidth of a large one). A readable report, ``--json`` for machines, and a non-zero exit
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc.contract.slurm_parse import expand_hostlist
-from runtime import health, network
+from runtime.launch import health, network
 
 
 @dataclass
@@ -62,7 +62,7 @@ def node_report(rdzv_host: str, *, multi_node: bool) -> Report:
     rep.checks["infiniband"] = [asdict(p) for p in ports]
     rep.checks["versions"] = versions()
     rep.checks["gpus"] = gpus()
-    if shutil.which("nvidia-smi"):   # the launchers' pre-join GPU check (runtime.health)
+    if shutil.which("nvidia-smi"):   # the launchers' pre-join GPU check (runtime.launch.health)
         finding = health.gpus(0)
         rep.checks["gpu_health"] = finding.detail
         if not finding.ok:
@@ -223,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry for ``python -m runtime.doctor`` (``hpc doctor`` runs it, through srun for
+    """Entry for ``python -m runtime.launch.doctor`` (``hpc doctor`` runs it, through srun for
     ``--nodes``)."""
-    p = argparse.ArgumentParser(prog="python -m runtime.doctor", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m runtime.launch.doctor", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--rdzv-host", default="")

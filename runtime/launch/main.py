@@ -12,7 +12,7 @@ agent stays alive, so the workers can agree, save a checkpoint and exit cleanly 
 agent would otherwise kill them on SIGTERM). When the agent is done, node 0's launcher
 records why the allocation ended in ``outcomes.jsonl``.
 
-Planning (what to set, what to run) is pure (:func:`runtime.plan.plan_launch`); :func:`run` executes.
+Planning (what to set, what to run) is pure (:func:`runtime.launch.plan.plan_launch`); :func:`run` executes.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv
 from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
-from runtime.lifeline import watch_parent
-from runtime.network import NetworkError, detect
+from runtime.launch.lifeline import watch_parent
+from runtime.launch.network import NetworkError, detect
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
-from runtime import exclusions, health, outcome, spares, stop_deadline, stopping, succession
-from runtime.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
-from runtime.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
-from runtime.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
+from runtime import exclusions, stop_deadline, stopping, succession
+from runtime.ending import outcome
+from runtime.launch import health, spares
+from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
+from runtime.launch.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
+from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
 
@@ -231,7 +233,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             reason = (f"the rendezvous on this node ({plan.rdzv_endpoint}) failed: {e}. Is the "
                       "port in use by another job? Set --rdzv-port")
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
-        if spares.was_released(release, e):   # a hot spare the job did not need (runtime/spares.py)
+        if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
             log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)
         else:
             log.exception("the elastic agent failed")
@@ -464,7 +466,7 @@ def started_line(plan: LaunchPlan, env: Mapping[str, str]) -> str:
 
 
 def _health_check(plan: LaunchPlan, slurm: SlurmEnv, network_problem: str | None) -> int | None:
-    """The pre-join health check (:mod:`runtime.health`); an exit status when this node must
+    """The pre-join health check (:mod:`runtime.launch.health`); an exit status when this node must
     not join (it leaves, or cannot run at all), None to go on."""
     host = socket.gethostname()
     findings = health.run_checks(plan.job_dir, host=host, node_rank=plan.node_rank,

@@ -28,7 +28,7 @@ from hpc.contract import jobdir, resubmissions
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.index import JobRecord, current_cluster, record_job
-from runtime.requeue import claim
+from runtime.ending.requeue import claim
 
 log = logging.getLogger("hpc.resubmit")
 

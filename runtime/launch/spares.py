@@ -19,7 +19,7 @@ rendezvous and torch ends the spare's agent with ``RendezvousGracefulExitError``
 (``AttributeError: 'NoneType' object has no attribute 'is_failed'``). :class:`SpareRelease`
 notes torch's log line so that the launcher takes that end for what it is: a spare that was
 not needed. (A spare that finds the store already gone ends with a rendezvous error and
-follows node 0's recorded outcome, as any node does: :func:`runtime.outcome.finish`.)
+follows node 0's recorded outcome, as any node does: :func:`runtime.ending.outcome.finish`.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 endpoint, allocation number) and the workers' environment (our ``HPC_*`` contract, the torch
 2.13 rendezvous fix, NCCL and W&B defaults, the user's ``--env``), never overriding a value the
 user set. The result, a frozen :class:`LaunchPlan`, is handed to :mod:`runtime.launch` (which
-runs it) and :mod:`runtime.outcome` (which records how it ended); it lives apart from both so
+runs it) and :mod:`runtime.ending.outcome` (which records how it ended); it lives apart from both so
 neither imports the other's process code.
 """
 
@@ -19,12 +19,12 @@ from hpc.contract import jobdir, resubmissions
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.jobspec import JobSpec
 from runtime import stopping, wandb_env
-from runtime.cpus import job_cpus, omp_threads
+from runtime.launch.cpus import job_cpus, omp_threads
 from runtime.env import SlurmEnv
 from runtime.liveness.deadline import policy_from_spec
 from runtime.liveness.nccl import nccl_defaults
 from runtime.liveness.watchdog import heartbeat_dir
-from runtime.network import EnvChange
+from runtime.launch.network import EnvChange
 
 # Variables that only make sense in the process that set them, never in a job's workers.
 INHERITED_ONLY = {

@@ -2,7 +2,7 @@
 
 Why this shape: every rank runs the same training loop, but only rank 0 should talk to W&B.
 Scattering `if rank == 0` through user code is how loops end up rank-divergent (and deadlock on
-the next collective), so every rank gets a sink from `runtime.wandb_sink.make_sink`: the W&B sink on rank 0, a
+the next collective), so every rank gets a sink from `runtime.worker.wandb_sink.make_sink`: the W&B sink on rank 0, a
 `NullSink` elsewhere, and the loop calls it unconditionally.
 
 Reduction is collective: `reduce_metrics` must be called by every rank of the group together. It
@@ -15,7 +15,7 @@ four per call, not one per metric), on a CPU/gloo group so logging never touches
 
 `StepFilter` is the exactly-once rule for history shared by the sinks: a step is logged only when
 it is greater than every step already logged for this job, persisted in the job directory so it
-survives requeues (see `runtime.wandb_sink` for why we chose first-write-wins).
+survives requeues (see `runtime.worker.wandb_sink` for why we chose first-write-wins).
 """
 
 from __future__ import annotations

@@ -33,12 +33,12 @@ from runtime import exclusions, stopping
 from runtime.console import NOTE, our_log_line
 from runtime.env import SlurmEnv
 from runtime.liveness.stragglers import read as read_stragglers
-from runtime.requeue import claim, decide_requeue, request_batch_requeue
-from runtime.resubmit import continue_as_new_job
+from runtime.ending.requeue import claim, decide_requeue, request_batch_requeue
+from runtime.ending.resubmit import continue_as_new_job
 
 if TYPE_CHECKING:
-    from runtime.forwarding import SignalForwarder
-    from runtime.plan import LaunchPlan
+    from runtime.launch.forwarding import SignalForwarder
+    from runtime.launch.plan import LaunchPlan
 
 log = logging.getLogger("hpc.launch")
 

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from hpc.contract import components, jobdir
 from hpc.contract.components import WandbConfig
 from hpc.contract.jobspec import WANDB_MODES
-from runtime.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
+from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
 if TYPE_CHECKING:
     from runtime.env import WorkerEnv

@@ -1,0 +1,118 @@
+"""The tree of ``runtime/`` answers "which process runs this file".
+
+Three kinds of process run our code inside a job: the per-node launcher (one per node, with
+torch's elastic agent in it), the training workers the agent starts, and the batch shell. Each
+module of ``runtime/`` lives in a folder named for the process that runs it (:data:`ROOMS`), or
+at the top of ``runtime/`` where it is declared in :data:`TOP`: the modules both sides use, and
+the user's own import paths (``from runtime.session import Session``), which stay where user
+scripts find them.
+
+The rule that keeps the rooms honest: a launcher-side module never imports a worker-side one,
+a worker-side module never a launcher-side one, and a shared module neither (imports under
+``if TYPE_CHECKING:`` aside: they run nowhere). A crossing that must stay is listed in
+:data:`CROSSINGS` with its reason. The graph is read from the source (AST), as
+tests/unit/test_import_graph.py does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_import_graph import Import, imports, modules
+
+pytestmark = pytest.mark.unit
+
+LAUNCHER, WORKER, SHARED = "launcher", "worker", "shared"
+
+ROOMS: dict[str, tuple[str, str]] = {
+    # folder of runtime/: (side, the process that runs it)
+    "launch": (LAUNCHER, "the per-node launcher, one per node (python -m runtime.launch)"),
+    "ending": (LAUNCHER, "node 0's launcher once its agent has returned: the end of an allocation"),
+    "worker": (WORKER, "every training process (python -m runtime.worker SCRIPT)"),
+    "checkpoint": (WORKER, "every training process (the Session's saves and loads)"),
+    "integrations": (WORKER, "every training process: hooks into frameworks' own loops (HF Trainer)"),
+    "liveness": (SHARED, "workers write heartbeats and stacks; the launcher's watchdog reads them"),
+}
+
+TOP: dict[str, tuple[str, str]] = {
+    # module at the top of runtime/: (side, who runs it)
+    "session": (WORKER, "the user's import path: from runtime.session import Session"),
+    "sampler": (WORKER, "the user's import path: from runtime.sampler import ResumableSampler"),
+    "env": (SHARED, "the one reader of torchrun's and Slurm's variables (launcher and workers)"),
+    "console": (SHARED, "the lines both sides print, and how they are recognised"),
+    "events": (SHARED, "events.jsonl: the launcher's allocation frame and the Session's steps"),
+    "preemption": (SHARED, "the warning -> deadline -> save-or-exit rules (launcher and workers)"),
+    "stopping": (SHARED, "the agreed stop notice: the launcher writes it, the workers obey it"),
+    "stop_deadline": (SHARED, "when a stop becomes a kill, read by the launcher and the workers"),
+    "succession": (SHARED, "the rendezvous board: launchers elect, checkpoints are fenced by it"),
+    "exclusions": (SHARED, "bad nodes: the launcher and its watchdog record, the batch shell "
+                           "enforces (python -m runtime.exclusions)"),
+    "wandb_env": (SHARED, "the W&B variables the launcher hands to scripts that call "
+                          "wandb.init() themselves, and the worker's finish on SIGTERM"),
+}
+
+CROSSINGS: dict[str, str] = {
+    # "module -> target": why this import crosses from one side to the other
+    "runtime.wandb_env -> runtime.worker.wandb_sink": "the job's one W&B run id file "
+        "(load_or_create_run_id) is created by the launcher and the Session's sink alike",
+}
+
+
+def side_of(module: str) -> str | None:
+    """The side a ``runtime`` module runs on, from its place in the tree (None: undeclared)."""
+    parts = module.split(".")
+    if parts[0] != "runtime" or len(parts) == 1:
+        return SHARED if parts == ["runtime"] else None
+    if parts[1] in ROOMS:
+        return ROOMS[parts[1]][0]
+    if len(parts) == 2 and parts[1] in TOP:
+        return TOP[parts[1]][0]
+    return None
+
+
+def crossings(edges: list[Import]) -> list[str]:
+    """The imports that cross sides: launcher <-> worker, or shared -> either."""
+    out = []
+    for e in edges:
+        a, b = side_of(e.module), side_of(e.target)
+        if e.typing or a is None or b is None or b == SHARED or a == b:
+            continue
+        if f"{e.module} -> {e.target}" not in CROSSINGS:
+            out.append(f"{e.module}:{e.line} ({a}) imports {e.target} ({b})")
+    return sorted(out)
+
+
+def test_every_runtime_module_has_a_room() -> None:
+    undeclared = sorted(m for m in modules() if m.startswith("runtime") and side_of(m) is None)
+    assert undeclared == [], ("put each in a folder of runtime/ named for the process that runs "
+                              f"it ({sorted(ROOMS)}), or declare it in TOP: {undeclared}")
+
+
+def test_declared_rooms_and_top_modules_exist() -> None:
+    root = Path(__file__).resolve().parents[2] / "runtime"
+    assert sorted(r for r in ROOMS if not (root / r / "__init__.py").is_file()) == []
+    assert sorted(t for t in TOP if not (root / f"{t}.py").is_file()) == []
+
+
+def test_no_import_crosses_from_the_launcher_to_the_workers_or_back() -> None:
+    edges, _ = imports(modules())
+    assert crossings(edges) == []
+    listed = {f"{e.module} -> {e.target}" for e in edges}
+    assert sorted(set(CROSSINGS) - listed) == [], "a listed crossing is gone: drop it from CROSSINGS"
+
+
+def test_the_rule_catches_each_kind_of_crossing() -> None:
+    """The checker itself: each forbidden direction is reported, the allowed ones are not."""
+    edges = [Import("runtime.worker.metrics", "runtime.launch.plan", 1, False, False),
+             Import("runtime.session", "runtime.ending.outcome", 2, True, False),
+             Import("runtime.ending.outcome", "runtime.checkpoint.manifest", 3, False, False),
+             Import("runtime.stopping", "runtime.launch.main", 4, False, False),
+             Import("runtime.launch.main", "runtime.stopping", 5, False, False),
+             Import("runtime.session", "runtime.liveness.heartbeat", 6, False, False),
+             Import("runtime.ending.outcome", "runtime.launch.plan", 7, False, True),
+             Import("runtime.ending.outcome", "runtime.session", 8, False, True)]
+    assert [c.split(":")[0] for c in crossings(edges)] == [
+        "runtime.ending.outcome", "runtime.session", "runtime.stopping", "runtime.worker.metrics"]
+    assert side_of("runtime.newfile") is None and side_of("runtime.launch.newfile") == LAUNCHER
