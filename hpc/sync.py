@@ -203,8 +203,8 @@ def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 
          story: bool = True) -> int:
     """Uploads the job's pending offline folders, oldest first; returns how many.
 
-    First, once per ended allocation, the job's story (goodput table, timeline picture, faults
-    and recoveries: :mod:`hpc.report.wandb_story`) is written into the run as one more offline
+    First, once the job has ended, its story (goodput table, timeline picture, faults and
+    recoveries: :mod:`hpc.report.wandb_story`) is written into the run as one more offline
     folder, uploaded last with the others.
 
     Args:
@@ -229,8 +229,11 @@ def sync(job_dir: Path, *, project: str = "", entity: str = "", attempts: int = 
         from hpc.report import wandb_story   # the ledger and its loader (Slurm client, tenacity)
 
         p = plan(job_dir, settle_s=settle_s)
+        outcomes = jobdir.read_outcomes(p.job_dir)
+        ended = bool(outcomes) and outcomes[-1].kind in FINAL_KINDS and not p.unsettled
         try:
-            wandb_story.write(p.job_dir, p.run_id, p.folders, project=project, entity=entity, out=out)
+            wandb_story.write(p.job_dir, p.run_id, p.folders, ended=ended, project=project,
+                              entity=entity, out=out)
         except HpcError as e:   # the uploads matter more: they go on, the next sync tries again
             out(f"hpc sync: warning: {e}")
     p = plan(job_dir, settle_s=settle_s)

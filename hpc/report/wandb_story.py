@@ -18,8 +18,10 @@ added to the training loop or its step time:
 
 It is written as one more offline segment of the run (``wandb.init(id=RUN, resume="allow")`` in
 its own process: the login side never imports wandb), so ``hpc sync`` uploads it with the
-others, last. A story is written once per recorded outcome (an allocation that ended), so
-``hpc sync -f`` adds one per allocation, and a second ``hpc sync`` none. The project and entity
+others, last. It is written once the job has ended (its last outcome final, no folder still
+being written): its rows come after the run's last step, where no later training row can land
+below them (W&B's server drops a row whose step is lower than the run's). Keyed by the recorded
+outcomes, a second ``hpc sync`` writes none, and an ended job run again gets a new one. The project and entity
 are the run's own (read from its first offline segment), unless ``hpc sync --project`` says.
 """
 
@@ -128,16 +130,19 @@ def run_writer(cmd: list[str], timeout_s: float) -> None:
                        f"{(r.stdout + r.stderr).strip()[-800:]}")
 
 
-def write(job_dir: Path, run_id: str, folders: Sequence[Path], *, project: str = "",
+def write(job_dir: Path, run_id: str, folders: Sequence[Path], *, ended: bool, project: str = "",
           entity: str = "", runner: Runner = run_writer, timeout_s: float = 120.0,
           out: Callable[[str], None] = print) -> str | None:
-    """Writes the job's story as a new offline segment of ``run_id``, once per ended allocation.
+    """Writes the job's story as a new offline segment of ``run_id`` once the job has ended.
 
     Args:
         job_dir: The job directory.
         run_id: The job's W&B run id.
         folders: The run's offline folders so far, oldest first (the project is read from the
             first one).
+        ended: Whether the job has ended (its last outcome is final) and every folder of the run
+            is complete. Only then is the story written: its rows come after the run's last
+            step, and a later allocation's rows, at lower steps, would be dropped by W&B's server.
         project, entity: Override the run's own.
         runner: Runs the writer command (tests may pass their own).
         timeout_s: Bound on the writer.
@@ -151,8 +156,8 @@ def write(job_dir: Path, run_id: str, folders: Sequence[Path], *, project: str =
     """
     paths = JobPaths(job_dir)
     outcomes = jobdir.read_outcomes(job_dir)
-    if not outcomes:
-        return None            # no allocation has ended yet: its story is not told yet
+    if not outcomes or not ended:
+        return None            # told at the end (a rerun of an ended job adds outcomes: a new story)
     key = story_key(outcomes)
     state = jobdir.read_json(paths.wandb_story) or {}
     if state.get("run_id") == run_id and state.get("key") == key:

@@ -64,6 +64,9 @@ def test_a_job_with_a_fault_shows_its_ledger_picture_and_events_after_hpc_sync(
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     ledger = load(job)
+    from hpc.report import wandb_story
+    assert wandb_story.write(job, "storyrun", [], ended=False) is None   # told at the end only
+    assert not (job / "wandb_story.json").exists()
 
     lines: list[str] = []
     with FakeWandbServer() as server:
