@@ -54,9 +54,15 @@ class CountedBeacon(PeerBeacon):
     def __init__(self, *args: Any, counter: list[int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.counter = counter
+        self.connect_errors: list = []
 
     def _connect(self):  # noqa: ANN202
-        return CountingStore(super()._connect(), self.counter)
+        t = time.time()
+        try:
+            return CountingStore(super()._connect(), self.counter)
+        except Exception as e:
+            self.connect_errors.append((round(t, 2), round(time.time() - t, 2), type(e).__name__))
+            raise
 
     def halt(self) -> None:
         """Stops the thread without saying done (a node that goes silent)."""
@@ -145,6 +151,17 @@ class Host:
             self.beacons[r] = b
             b.start()
 
+    def beating(self, timeout_s: float) -> dict:
+        """Waits until every beacon here has beaten and read its peers once (a node that never
+        beat is tracked by nobody: its silence is not a loss, see docs/scale.md)."""
+        end = time.time() + timeout_s
+        waiting = list(self.beacons.values())
+        while waiting and time.time() < end:
+            waiting = [b for b in waiting if b.tracker.store_ok_at is None]
+            time.sleep(0.1)
+        return {"beating": len(self.beacons) - len(waiting), "of": len(self.beacons),
+                "connect_errors": {r: b.connect_errors for r, b in self.beacons.items() if b.connect_errors}}
+
     def window(self, go: dict) -> dict:
         """Counts requests over ``[t0, t1]``; then watches the victim's detection."""
         time.sleep(max(0.0, go["t0"] - time.time()))
@@ -181,8 +198,18 @@ class Host:
                     pass
             time.sleep(0.1)
         out["detected"] = {str(r): t - go["t_stop"] for r, t in seen.items()}
+        mono = time.monotonic()
+        out["missed"] = {str(r): self._view(r, victim, mono) for r in observers if r not in seen}
         out["observers"] = len(observers)
         return out
+
+    def _view(self, r: int, victim: int, mono: float) -> dict:
+        """What observer ``r``'s tracker holds about ``victim`` (why it did not name it)."""
+        t = self.beacons[r].tracker
+        count, since = t.seen.get(victim, (None, None))
+        return {"victim_count": count, "victim_still_s": None if since is None else round(mono - since, 1),
+                "store_ok_s_ago": None if t.store_ok_at is None else round(mono - t.store_ok_at, 1),
+                "victim_done": victim in t.done, "peers_seen": len(t.seen)}
 
     def stop_liveness(self) -> None:
         for b in self.beacons.values():
@@ -271,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         answer(ctl, "load", {})
     else:
         host.start_beacons()
-        answer(ctl, "load", host.window(go))
+        answer(ctl, "beating", host.beating(go["timeout_s"]))
+        answer(ctl, "load", host.window(wait_for(ctl, "window", timeout_s=600)))
         host.stop_liveness()
     answer(ctl, "records", host.records(wait_for(ctl, "records")))
     answer(ctl, "elect", host.elect(wait_for(ctl, "elect")))

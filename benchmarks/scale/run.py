@@ -156,11 +156,19 @@ def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server
                                   f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
     row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
     row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
-    # The load window: beacons warm up for two beats, then count.
-    t0 = time.time() + 4 * BEAT_S + n / 100   # started over a beat, connected, two beats read
+    # The beacons start; the window opens once every one of them (the victim's too) has beaten
+    # and read its peers: a node that never reached the store is tracked by nobody. Its first
+    # connection can take seconds on this loaded machine (seen: 5 s, the victim's only try
+    # before its SIGSTOP, which made 0 of 16 observers name it).
+    beat_timeout = 60.0 + n / 10
+    _go(ctl, "load", t=0, timeout_s=beat_timeout)
+    beating = _collect(ctl, "beating", pids, beat_timeout + 60) or []
+    row["beating"] = f"{sum(b['beating'] for b in beating)} of {n}"
+    row["beacon_connect_errors"] = sum(len(v) for b in beating for v in b["connect_errors"].values())
+    t0 = time.time() + 2 * BEAT_S   # every beacon has a counter; two more beats read it
     t1 = t0 + window_s
     detect_timeout = LOST_AFTER_S + 30.0
-    _go(ctl, "load", t=0, t0=t0, t1=t1, t_stop=t1, victim=victim, detect_timeout_s=detect_timeout)
+    _go(ctl, "window", t=0, t0=t0, t1=t1, t_stop=t1, victim=victim, detect_timeout_s=detect_timeout)
     time.sleep(max(0.0, t0 - time.time()))
     s0 = cpu_s(server.pid)
     time.sleep(max(0.0, t1 - time.time()))
@@ -185,8 +193,9 @@ def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server
     row["detect_max_s"] = round(max(seen), 2) if seen else None
     row["detect_host_s"] = round(host_seen[0], 2) if host_seen else None
     if row["detect_s"] is None:
+        missed = [m for x in loaded[:-1] for m in x.get("missed", {}).values()]
         row["notes"]["detect_s"] = (f"only {len(seen)} of {watched} observers named the silent "
-                                    f"node within {detect_timeout:.0f} s")
+                                    f"node within {detect_timeout:.0f} s; missed: {missed[:3]}")
 
 
 def _records_and_election(row: dict, n: int, ctl: Path, pids: list[int], ticks: int) -> None:

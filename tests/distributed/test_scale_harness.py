@@ -37,16 +37,12 @@ def test_no_healthy_node_is_named_lost_while_all_beat(row: dict) -> None:
     assert row["false_lost"] == [], "healthy nodes were named lost while all beat"
 
 
-# Known defect, not diagnosed this session (issue 29's note): on main at 6ef0f00 the simulated
-# observers named the SIGSTOPped node in 0 of 16 cases within 40 s when run from /work/main and
-# from a fresh clone (CI), and in every case from another worktree of the same commit. The real
-# cluster tests (cut link, frozen worker) prove the keepalive's detection; this one is kept
-# visible as xfail until the harness's difference is found.
-@pytest.mark.xfail(reason="simulated detection fails in some checkouts (undiagnosed; issue 29)",
-                   strict=False)
 def test_a_suspended_node_is_named_lost_by_the_host(row: dict) -> None:
     # Named once its counter stood still LOST_AFTER_S; the host's beacon reads every peer
     # each beat. Generous for a loaded machine, far below the collective timeout (600 s).
+    # The window opens only once every beacon, the victim's too, has beaten: under load its
+    # first store connection can take seconds (a 3-s timeout, retried each beat).
+    assert row["beating"] == f"{N} of {N}", row["notes"]
     assert row["detect_host_s"] is not None, row["notes"]
     assert row["detect_host_s"] <= LOST_AFTER_S + 15.0
 
