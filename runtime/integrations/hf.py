@@ -134,6 +134,8 @@ class HPCCallback(TrainerCallback):
         request = self._watcher.poll()   # overlapped: a warning acts one step later, on every rank
         if request is None or self.stop is not None:
             return
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            return   # this was the last step: the work is done, the script ends as finished
         self.stop = request
         control.should_save = True           # the Trainer saves checkpoint-N right after this
         control.should_training_stop = True

@@ -112,3 +112,28 @@ def test_last_checkpoint_skips_and_sets_aside_a_save_cut_short(tmp_path: Path, m
     assert (aside / "model.safetensors").read_bytes() == b"half"   # kept, not deleted
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-10")
     assert last_checkpoint(tmp_path / "missing") is None and last_checkpoint(None) is None
+
+
+def test_the_callback_stops_for_a_warning_mid_run_but_not_at_the_last_step(monkeypatch):
+    """One process (no group): the decision alone. A warning during the last step is no stop:
+    the work is done and the script must end as finished, not be requeued to train 0 steps."""
+    from transformers import TrainerControl, TrainerState
+
+    from runtime.integrations.hf import STOPPED_EXIT, HPCCallback
+
+    env = {"HPC_WARNING_SIGNAL": "SIGUSR2"}
+    last = HPCCallback(environ=env)
+    os.kill(os.getpid(), signal.SIGUSR2)                 # recorded by its handler, nothing else
+    control = TrainerControl()
+    last.on_step_end(None, TrainerState(global_step=10, max_steps=10), control)
+    assert not last.stopped and not control.should_save
+    last.on_train_end(None, TrainerState(global_step=10, max_steps=10), control)   # no exit
+
+    mid = HPCCallback(environ=env | {"HPC_PENDING_WARNING": "SIGUSR2@1.0"})   # came before it existed
+    control = TrainerControl()
+    mid.on_step_end(None, TrainerState(global_step=4, max_steps=10), control)
+    assert mid.stopped and control.should_save and control.should_training_stop
+    with pytest.raises(SystemExit) as leaving:
+        mid.on_train_end(None, TrainerState(global_step=4, max_steps=10), control)
+    assert leaving.value.code == STOPPED_EXIT
+    assert signal.getsignal(signal.SIGUSR2) is not mid._watcher._record   # handler given back
