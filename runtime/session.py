@@ -36,13 +36,15 @@ import torch
 import torch.distributed as dist
 
 from hpc.contract import components, interval, jobdir
+from hpc.contract import inprocess as proto
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from runtime.console import NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness import events, stragglers
-from runtime.liveness.deadline import collective_timeout_s, policy_from_spec
+from runtime.liveness.deadline import (USER_PHASE_S, StallPolicy, collective_timeout_s, p99,
+                                       policy_from_spec, step_deadline_s)
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
 from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
@@ -109,6 +111,9 @@ class Session:
         self._pace: Any = None               # runtime.worker.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
+        self._inproc: Any = None             # runtime.inprocess.recovery.InProcess (--recovery inprocess)
+        self._recent: list[float] = []       # recent step times: the bound of a training all-reduce
+        self._progress_total = 0
 
     # --- lifecycle -----------------------------------------------------------------------
     @property
@@ -162,8 +167,12 @@ class Session:
             if "MASTER_ADDR" not in os.environ:   # plain `python script.py`: a world of one
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            dist.init_process_group(backend, timeout=self.timeout,
-                                    device_id=self.device if backend == "nccl" else None)
+            self._inproc = self._in_process(backend)
+            if self._inproc is not None:
+                self._inproc.init_group()
+            else:
+                dist.init_process_group(backend, timeout=self.timeout,
+                                        device_id=self.device if backend == "nccl" else None)
             self._owns_group = True
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
             else dist.group.WORLD
@@ -227,10 +236,14 @@ class Session:
             budget_s: Seconds this phase may take on this rank.
         """
         self._beat.enter(name, budget_s)
+        if self._inproc is not None:   # a re-form waits for this rank instead of leaving it out
+            self._inproc.membership.set_busy(time.time() + (budget_s or USER_PHASE_S))
         try:
             yield
         finally:
             self._beat.leave()
+            if self._inproc is not None:
+                self._inproc.membership.set_busy(None)
 
     def _report_stalls(self) -> None:
         """Rank 0 logs the stalls the node watchdogs acted on (``hangs.jsonl``) as run events."""
@@ -276,6 +289,71 @@ class Session:
             return wanted
         return self.timeout
 
+    # --- in-process recovery (--recovery inprocess) ----------------------------------------
+    def _in_process(self, backend: str) -> Any:
+        """The in-process recovery this worker was started for, or None (restart path)."""
+        if os.environ.get(proto.RECOVERY_ENV, proto.RESTART) != proto.INPROCESS:
+            return None
+        if backend != "gloo":
+            log.warning("in-process recovery on %s is not built yet (the NCCL abort, issue 26): "
+                        "this job recovers by restart", backend)
+            return None
+        from runtime.inprocess.recovery import InProcess
+
+        return InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
+                                  timeout=self.timeout, step_bound_s=self._step_bound_s)
+
+    def _step_bound_s(self) -> float:
+        """The bound of one training all-reduce now: the stall watch's deadline of a step."""
+        policy = (policy_from_spec(self.spec.stall_timeout, self.spec.busy_timeout_s)
+                  if self.spec is not None else None) or StallPolicy()
+        if len(self._recent) < policy.first_steps:
+            return policy.first_steps_s
+        return step_deadline_s(policy, p99(self._recent), len(self._recent))
+
+    def _recover(self, held: int, why: str, *, dirty: bool) -> int:
+        """Leaves the failed generation, goes on in a new one; returns the step to go on from."""
+        assert self._inproc is not None
+        if self._pace is not None:
+            self._pace.take()
+        self._beat.enter("recover", 300.0)
+        old_rank, old_world = self.rank, self.world_size
+        extra = [self.cpu_group, getattr(self._watcher, "group", None)]
+        if self._checkpointer is not None:
+            extra += self._checkpointer.release_groups()
+        try:
+            rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None])
+        finally:
+            self._beat.leave()
+        rank, world = rec.rank, rec.members.world_size
+        self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        self.cpu_group = dist.group.WORLD
+        if self._watcher is not None:
+            self._watcher.group = dist.new_group(backend="gloo", timeout=self.timeout) if world > 1 else None
+            self._watcher._pending = None
+        if self._checkpointer is not None:
+            self._checkpointer.rebind()
+            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
+        self._pending_metrics.clear()
+        self._row_in_flight = None
+        self._recent = []
+        self.step = rec.members.step
+        if self.is_rank0 and self._progress is None:
+            self._progress = ProgressMeter(total_steps=self._progress_total, start_step=self.step,
+                                           every_s=LINE_MAX_S)
+        phases = {"detect_t": rec.t_detect, "abort_s": rec.t_abort - rec.t_detect,
+                  "reform_s": rec.t_reform - rec.t_abort, "group_s": rec.t_group - rec.t_reform,
+                  "transfer_s": rec.t_transfer - rec.t_group}
+        self._inproc.record(self.job_dir, self.env.allocation, rec, old_rank=old_rank,
+                            old_world=old_world, held=held, dirty=dirty)
+        log.warning("in-process recovery: generation %d, rank %d -> %d of %d (was %d), going on "
+                    "from step %d (this rank held %d); %s", rec.members.gen, old_rank, rank, world,
+                    old_world, self.step, held, ", ".join(f"{k} {v:.3f}" for k, v in phases.items()
+                                                          if k.endswith("_s")))
+        self._write_progress(force=True)
+        return self.step
+
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
              mixed_precision: bool | None = None, reproducible_resume: bool = True,
@@ -313,9 +391,12 @@ class Session:
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             return model
+        # In-process recovery: no collective in the forward pass (buffers are not broadcast;
+        # a step's only collectives are the guarded gradient all-reduces).
         ddp = ddp_build.SessionDDP(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters)
+            find_unused_parameters=find_unused_parameters,
+            **({"forward_sync_buffers": False} if self._inproc is not None else {}))
         if reproducible_resume and not ddp_build.fix_bucket_layout(ddp) \
                 and not find_unused_parameters and self.is_rank0:
             log.warning("DDP: this torch cannot fix the gradient-bucket layout; a resumed run may "
@@ -339,9 +420,13 @@ class Session:
 
         spec = self.spec
         self._app_state = _app_state(state)
+        if self._inproc is not None:
+            self._inproc.attach(self._app_state)
         self._checkpointer = Checkpointer.from_config(
             spec.checkpoint if spec
             else CheckpointConfig(directory=str(self.job_dir / jobdir.CHECKPOINTS)), seed=self.seed)
+        if self._inproc is not None:   # its step-boundary decision: a wait a lost peer ends
+            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
         self._rec.emit("restore_begin")
         with self.phase("restore"):
             manifest = self._checkpointer.load_latest(self._app_state)
@@ -380,6 +465,7 @@ class Session:
         """
         self._start_step = start
         self._rec.loop_start(start)
+        self._progress_total = stop
         if self.is_rank0:
             self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=LINE_MAX_S)
             self._line_at = time.monotonic()
@@ -388,16 +474,29 @@ class Session:
         if self.is_rank0 and not isinstance(self._beat, NullHeartbeat) and self.world_size > 1:
             self._stragglers = StragglerWatch(self.job_dir, self.env.allocation)
         tick = time.perf_counter()
-        for step in range(start, stop):
+        step = start
+        while step < stop:
             timed = self._pace is not None and self._pace.arm(tick)
             if self._slow_s:
                 time.sleep(self._slow_s)   # HPC_TEST_SLOW_NODE: a slow node, for the tests
+            if self._inproc is not None:
+                self._inproc.guard.begin(step)
             yield step
+            guard = self._inproc.guard if self._inproc is not None else None
+            if guard is not None and guard.failed:
+                # A peer was lost. Before the optimizer step: it did not run, the state is the
+                # step's start (dirty: the small state goes back). After it: the step is whole.
+                step = self._recover(step + 1 if guard.stepped else step, guard.error or "",
+                                     dirty=not guard.stepped)
+                tick = time.perf_counter()
+                continue
             self.step = step + 1
             now = time.perf_counter()
             done = self.step - start
             if done <= CALIBRATE_AFTER_STEPS:    # kept only until the interval is fixed
                 step_times.append(now - tick)
+            if self._inproc is not None:
+                self._recent = (self._recent + [now - tick])[-50:]
             # The first step (compilation, warm-up) is no sample of an ordinary one. Work
             # before DDP's reduction waits on the others (its backward pass, on sampled steps;
             # without DDP the whole body) tells a straggler (runtime.liveness.stragglers).
@@ -409,29 +508,48 @@ class Session:
                 compute = grads_at - tick if grads_at is not None else None
             self._beat.step_done(self.step, now - tick if done > 1 else None, compute)
             tick = now
-            if self._stragglers is not None and self._stragglers.due():
-                self._report_stragglers()
-            self._rec.step_done(self.step)
-            self._end_of_step(last=self.step == stop)
-            if done == CALIBRATE_AFTER_STEPS:
-                self._poll_every = self._agree_poll_interval(step_times)
-            request = None
-            if self._watcher is not None and done % self._poll_every == 0:
-                request = self._watcher.poll()
-            if request is not None and self.step < stop:
-                self._stop(request)
-                return
-            if request is not None and self.is_rank0:   # the work is done: finish, no requeue
-                log.log(NOTE, "%s arrived at the last step: finishing instead of stopping",
-                        request.signal_name)
-            if self._checkpointer is not None and self.step < stop \
-                    and self._checkpointer.should_save(self.step, timed=done % self._poll_every == 0):
-                self.save(blocking=False)
+            try:
+                if self._boundary(start, stop, done, step_times):
+                    return
+            except RuntimeError as e:
+                if self._inproc is None or not _collective_error(e):
+                    raise
+                step = self._recover(self.step, f"at the step boundary: {_first_line(e)}", dirty=False)
+                tick = time.perf_counter()
+                continue
+            step += 1
         self._rec.flush_steps()
         if self._checkpointer is not None:
             self._checkpointer.wait()
             if self._checkpointer.latest_step() != self.step:
                 self.save(blocking=True)
+
+    def _boundary(self, start: int, stop: int, done: int, step_times: list[float]) -> bool:
+        """The step boundary's bookkeeping and agreements after ``self.step`` steps; True:
+        a stop was agreed (the loop ends)."""
+        if self._inproc is not None:   # posted waits this rank can leave when a peer is lost
+            works = list(self._row_in_flight[1].works) if self._row_in_flight else []
+            pending = getattr(self._watcher, "_pending", None)
+            self._inproc.guard.settle(works + ([pending] if pending is not None else []))
+        if self._stragglers is not None and self._stragglers.due():
+            self._report_stragglers()
+        self._rec.step_done(self.step)
+        self._end_of_step(last=self.step == stop)
+        if done == CALIBRATE_AFTER_STEPS:
+            self._poll_every = self._agree_poll_interval(step_times)
+        request = None
+        if self._watcher is not None and done % self._poll_every == 0:
+            request = self._watcher.poll()
+        if request is not None and self.step < stop:
+            self._stop(request)
+            return True
+        if request is not None and self.is_rank0:   # the work is done: finish, no requeue
+            log.log(NOTE, "%s arrived at the last step: finishing instead of stopping",
+                    request.signal_name)
+        if self._checkpointer is not None and self.step < stop \
+                and self._checkpointer.should_save(self.step, timed=done % self._poll_every == 0):
+            self.save(blocking=False)
+        return False
 
     def _agree_poll_interval(self, step_times: list[float]) -> int:
         """How many steps between preemption agreements, the same on every rank.
@@ -446,7 +564,10 @@ class Session:
         every = max(1, min(MAX_POLL_EVERY, int(POLL_TARGET_S / max(median, 1e-6))))
         if self.world_size > 1:
             t = torch.tensor([every], dtype=torch.int64)
-            dist.broadcast(t, src=0, group=self.cpu_group)
+            work = dist.broadcast(t, src=0, group=self.cpu_group, async_op=True)
+            if self._inproc is not None:
+                self._inproc.guard.settle([work])
+            work.wait()
             every = int(t.item())
         if self.is_rank0 and every > 1:
             log.info("steps take ~%.1f ms: preemption agreement every %d steps", median * 1e3, every)
@@ -621,6 +742,19 @@ def _test_slowdown(environ: Mapping[str, str]) -> float:
         return float(seconds) if raw and int(node) == int(environ.get("GROUP_RANK", "-1")) else 0.0
     except ValueError:
         return 0.0
+
+
+def _collective_error(e: BaseException) -> bool:
+    """Whether ``e`` is a failed collective or process group (a peer lost), not a bug."""
+    if isinstance(e, dist.DistError) or type(e).__name__ == "PeerLost":
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "connection", "timed out", "broken pipe", "peer"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _show_hpc_logs(rank0: bool) -> None:

@@ -250,6 +250,28 @@ class Checkpointer:
         if (err := self._broadcast(err)) is not None:
             raise CheckpointError(err)
 
+    wait_work: Any = staticmethod(lambda work: work.wait())
+    """How the step-boundary decision waits for its collective (in-process recovery sets a
+    wait it can leave when a peer is lost)."""
+
+    def release_groups(self) -> list[Any]:
+        """In-process recovery: hands over this checkpointer's groups of the failed generation
+        and forgets a save in flight on them (it cannot commit: its collectives fail)."""
+        groups = [g for g in (self._ctl, self._bg) if g is not None]
+        self._ctl = self._bg = None
+        self._inflight = None
+        return groups
+
+    def rebind(self) -> None:
+        """In-process recovery: the groups of the new generation (the default group is new).
+        Touches no file: the committed steps on disk are unchanged."""
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self._ctl = dist.new_group(backend="gloo") if self.distributed else None
+        self._bg = dist.new_group(backend="gloo") if self.distributed and self.async_save else None
+        self._plan_key = f"{next(_PLAN_KEYS)}-{self.world_size}"
+
     @classmethod
     def from_config(cls, config: CheckpointConfig, **options: Any) -> Checkpointer:
         """The checkpointer for the job's checkpoint settings (``JobSpec.checkpoint``).
@@ -308,7 +330,8 @@ class Checkpointer:
                            last_step=self._last_save_step, last_time=self._last_save_time)
         if timed and self._ctl is not None:
             flag = torch.tensor([int(due)])
-            dist.broadcast(flag, group=self._ctl, group_src=0)  # one clock decides
+            work = dist.broadcast(flag, group=self._ctl, group_src=0, async_op=True)  # one clock decides
+            self.wait_work(work)
             due = bool(flag.item())
         return due
 

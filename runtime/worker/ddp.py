@@ -39,7 +39,22 @@ UNUSED_ADVICE = ("With hpc's Session, wrap the model with "
 
 
 class SessionDDP(DDP):
-    """``DistributedDataParallel`` whose unused-parameter error names the Session's option."""
+    """``DistributedDataParallel`` whose unused-parameter error names the Session's option,
+    and that can be rebuilt in place on a new process group (in-process recovery)."""
+
+    def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self._hpc_kwargs = dict(kwargs)
+
+    def rebuild(self) -> None:
+        """Builds DDP again around the same module on the current default group.
+
+        The parameters stay the same objects, so the user's optimizer and references to
+        this wrapper stay valid; the state was made equal beforehand (no initial broadcast).
+        """
+        kwargs = dict(self._hpc_kwargs, process_group=None, init_sync=False)
+        DDP.__init__(self, self.module, **kwargs)
+        self._hpc_kwargs = {k: v for k, v in kwargs.items() if k not in ("process_group", "init_sync")}
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:

@@ -254,6 +254,11 @@ class PendingReduction:
                  world: int) -> None:
         self._done, self._posted, self._world = done, posted, world
 
+    @property
+    def works(self) -> list[Any]:
+        """The posted collectives (in-process recovery waits for them in a way it can leave)."""
+        return [work for _, _, _, work in self._posted]
+
     def result(self) -> dict[str, float]:
         """The reduced metrics, identical on every rank (waits for the posted collectives)."""
         out = dict(self._done)

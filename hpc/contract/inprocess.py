@@ -1,0 +1,255 @@
+"""In-process recovery: the store-key protocol between workers and launchers (torch-free).
+
+With ``--recovery inprocess`` a worker that loses a peer does not die: the survivors leave the
+failed step, agree in the job's store on a new *generation* (members, ranks, world size, the
+step to go on from and which member holds it), form a new process group under that
+generation's prefix, receive the state from that member by broadcast and go on. Every key of
+that agreement is declared here, once, with its writer and reader, because three kinds of
+process speak it: the workers (``runtime.inprocess``), the per-node launcher (it announces a
+dead child at once) and a joining process (a restarted worker or a hot spare, issue 27).
+
+All keys live under :data:`ROOT` in one store that outlives any worker (the launcher's
+rendezvous store, ``HPC_INPROC_STORE=host:port``). ``G`` is a generation (0 is the group the
+workers started in), ``UID`` a process's identity ``host/pid`` (:func:`uid`).
+
+================================  =========================  ========================================
+key                               writer                     reader
+================================  =========================  ========================================
+``g/G/who/RANK``                  each rank of G, at start   the leader of G+1 (G's members)
+``g/G/arrive``                    ``add``: each arrival      its arrival index; the first one leads
+``g/G/arrival/I``                 arrival I (:class:`Arrival`)  the leader of G
+``g/G/members``                   the leader of G            every arrival (:class:`Members`)
+``g/G/pg/...``                    torch (gloo's rendezvous)  torch: G's process group
+``fault/G``                       anyone that saw G fail     workers at a step boundary, tools
+``dead/UID``                      a launcher, its child died the leader: not waited for
+``busy/UID``                      a rank in a long phase     the leader: waited for until the time
+``join/N``, ``join/count``        a joiner (:class:`Arrival`)  the members of the current generation
+``generation``                    the leader of G (``G``)    joiners, tools: the newest generation
+================================  =========================  ========================================
+
+The leader of ``G`` (its first arrival) closes the membership by the pure rule
+:func:`close_decision`: everyone of ``G-1`` that is not dead and not silent has arrived,
+or the join window ran out (a member that announced a long phase in ``busy/UID`` is waited
+for until its announced time). :func:`plan_members` then orders the arrivals by their old
+rank (so ranks keep their order), picks the newest step any arrival holds and its first
+holder as the source of the state. Every value is JSON (:func:`encode`).
+
+For the ``spares`` engineer (issue 27): a process that wants to join writes its
+:class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from ``add("join/count", 1)``) and
+waits on ``generation``; the members admit joiners at a step boundary by opening the next
+generation, in which the joiner arrives like a survivor (``runtime.inprocess.membership``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from hpc.contract.errors import SpecError
+
+ROOT = "hpc/inproc/"
+STORE_ENV = "HPC_INPROC_STORE"      # host:port of the store that outlives the workers
+RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --recovery)
+TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
+WINDOW_ENV = "HPC_INPROC_WINDOW_S"  # how long a leader waits for silent members of the old group
+FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail" right before optimizer.step
+
+RESTART = "restart"
+INPROCESS = "inprocess"
+RECOVERY_MODES = (RESTART, INPROCESS)
+DEFAULT_WINDOW_S = 3.0
+COMING_S = 60.0   # a member that said it is coming (alive, finishing a wait) is waited for this long
+
+
+def parse_recovery(value: object, flag: str = "--recovery") -> str:
+    """Validates a recovery mode.
+
+    Raises:
+        SpecError: Anything but ``restart`` or ``inprocess``.
+    """
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in RECOVERY_MODES:
+        raise SpecError(flag, value, " or ".join(RECOVERY_MODES), f"{flag} {INPROCESS}",
+                        "inprocess keeps the surviving workers and takes the state from a peer; "
+                        "restart restarts every worker from the last checkpoint")
+    return str(text)
+
+
+def uid(host: str, pid: int) -> str:
+    """A worker's identity in the protocol: stable for its life, never reused in a job."""
+    return f"{host}/{pid}"
+
+
+def who(gen: int, rank: int) -> str:
+    return f"{ROOT}g/{gen}/who/{rank}"
+
+
+def arrive(gen: int) -> str:
+    return f"{ROOT}g/{gen}/arrive"
+
+
+def arrival(gen: int, index: int) -> str:
+    return f"{ROOT}g/{gen}/arrival/{index}"
+
+
+def members(gen: int) -> str:
+    return f"{ROOT}g/{gen}/members"
+
+
+def pg_prefix(gen: int) -> str:
+    return f"{ROOT}g/{gen}/pg/"
+
+
+def coming(gen: int, worker: str) -> str:
+    return f"{ROOT}g/{gen}/coming/{worker}"
+
+
+def fault(gen: int) -> str:
+    return f"{ROOT}fault/{gen}"
+
+
+def dead(worker: str) -> str:
+    return f"{ROOT}dead/{worker}"
+
+
+def busy(worker: str) -> str:
+    return f"{ROOT}busy/{worker}"
+
+
+def join(index: int) -> str:
+    return f"{ROOT}join/{index}"
+
+
+JOIN_COUNT = f"{ROOT}join/count"
+GENERATION = f"{ROOT}generation"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One process arriving at a generation (a survivor, or a joiner with ``step=-1``).
+
+    Args:
+        uid: The process (:func:`uid`).
+        old_rank: Its rank in the previous generation (a joiner: a large number, so it
+            comes after the survivors).
+        step: The newest step whose state it holds whole (``-1``: none, a joiner).
+        host: Its host name (for logs and events).
+    """
+
+    uid: str
+    old_rank: int
+    step: int
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Members:
+    """A closed generation: who is in it, in rank order, and where the state comes from.
+
+    Args:
+        gen: The generation.
+        uids: The members; a member's rank is its index.
+        step: The step every member goes on from (the newest any member holds whole).
+        source: The rank that holds ``step`` and broadcasts the state.
+        reason: Why the generation was opened (a fault, a join).
+        left: Members of the previous generation not in this one.
+    """
+
+    gen: int
+    uids: tuple[str, ...]
+    step: int
+    source: int
+    reason: str = ""
+    left: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.uids)
+
+    def rank_of(self, worker: str) -> int | None:
+        return self.uids.index(worker) if worker in self.uids else None
+
+
+def encode(record: Arrival | Members) -> str:
+    return json.dumps(asdict(record), sort_keys=True)
+
+
+def decode_arrival(raw: bytes | str) -> Arrival:
+    d = json.loads(raw)
+    return Arrival(uid=str(d["uid"]), old_rank=int(d["old_rank"]), step=int(d["step"]),
+                   host=str(d.get("host", "")))
+
+
+def decode_members(raw: bytes | str) -> Members:
+    d = json.loads(raw)
+    return Members(gen=int(d["gen"]), uids=tuple(d["uids"]), step=int(d["step"]),
+                   source=int(d["source"]), reason=str(d.get("reason", "")),
+                   left=tuple(d.get("left", ())))
+
+
+@dataclass(frozen=True)
+class CloseDecision:
+    """Whether the leader closes the membership now, and whom it stops waiting for."""
+
+    close: bool
+    waiting_for: tuple[str, ...]
+
+
+def close_decision(old: Sequence[str], arrived: Sequence[str], *, dead: Sequence[str] = (),
+                   busy_until: Mapping[str, float] | None = None, coming: Sequence[str] = (),
+                   now: float, opened: float, window_s: float,
+                   coming_s: float = COMING_S) -> CloseDecision:
+    """The leader's rule for closing a generation (pure).
+
+    Close when every old member has arrived or is known dead; else when the join window since
+    the generation opened has run out, except for members that announced a long phase (they
+    are waited for until the time they announced) and members that said they are coming
+    (alive, they learnt of the fault while in a wait of their own; waited for ``coming_s``).
+
+    Args:
+        old: The previous generation's members.
+        arrived: The members (and joiners) that arrived so far.
+        dead: Members a launcher announced dead.
+        busy_until: Member -> wall time its announced phase ends.
+        now: The wall time now.
+        opened: When this generation was opened (the leader's arrival).
+        window_s: How long silent members are waited for.
+        coming: Members that said they are coming.
+        coming_s: How long those are waited for.
+    """
+    gone = set(arrived) | set(dead)
+    missing = tuple(u for u in old if u not in gone)
+    if not missing:
+        return CloseDecision(True, ())
+    busy = busy_until or {}
+    late = set(coming)
+    waiting = tuple(u for u in missing if now < opened + window_s or busy.get(u, 0.0) > now
+                    or (u in late and now < opened + coming_s))
+    return CloseDecision(not waiting, waiting)
+
+
+def plan_members(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str],
+                 reason: str) -> Members:
+    """The closed generation for these arrivals (pure).
+
+    Ranks follow the old ranks (joiners last, in their arrival order); the state comes from the
+    lowest-ranked member holding the newest step.
+
+    Raises:
+        ValueError: When nobody arrived, or nobody holds any step (only joiners).
+    """
+    seen: dict[str, Arrival] = {}
+    for a in arrivals:
+        seen.setdefault(a.uid, a)
+    ordered = sorted(seen.values(), key=lambda a: (a.old_rank, list(seen).index(a.uid)))
+    if not ordered:
+        raise ValueError(f"generation {gen}: nobody arrived")
+    step = max(a.step for a in ordered)
+    if step < 0:
+        raise ValueError(f"generation {gen}: only joiners arrived ({len(ordered)}), no member "
+                         "holds the training state")
+    source = next(i for i, a in enumerate(ordered) if a.step == step)
+    uids = tuple(a.uid for a in ordered)
+    return Members(gen=gen, uids=uids, step=step, source=source, reason=reason,
+                   left=tuple(u for u in old if u not in uids))

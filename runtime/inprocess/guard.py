@@ -1,0 +1,268 @@
+"""The failed step leaves no trace: errors of the step's collectives become a flag, not a crash.
+
+An ordinary loop (``for step in s.steps(...)``) cannot be resumed once an exception has left
+it, so in in-process mode no collective inside the step may raise. The step's collectives are
+DDP's gradient all-reduces; :class:`StepGuard` runs them itself (a DDP comm hook):
+
+- each all-reduce is bounded by the current stall deadline (gloo's per-operation timeout;
+  gloo cannot be aborted, pytorch#130345, but a bounded operation ends by itself), and a
+  failure (a peer died: its socket closed; or the bound ran out: a silent peer) marks the step
+  failed and hands DDP the local gradient instead of raising;
+- the optimizer's ``step`` is wrapped: on a failed step it does nothing, so the model and the
+  optimizer stay exactly at the state the step started from;
+- the small registered state (sampler cursor, LR scheduler, counters, RNG) is copied at each
+  step's start and put back after a failed step (:meth:`StepGuard.rollback`).
+
+So after a failed step a rank holds the whole state of the step *before* it, and a rank whose
+step completed holds the state after it; the re-form takes the newest (one step is computed
+twice at most). ``HPC_TEST_INPROC_FAULT=RANK:STEP:kill|fail`` injects a fault right after the
+reduction and before the optimizer step (tests only).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc.contract import inprocess as proto
+from runtime import rng
+
+log = logging.getLogger("hpc.inprocess")
+
+
+class PeerLost(RuntimeError):
+    """The generation failed while this rank waited at a step boundary."""
+
+
+class StepGuard:
+    """Turns a failed step into a flag and keeps the state of the step before it.
+
+    Args:
+        small_state: Registered objects other than modules and optimizers (``state_dict``
+            and ``load_state_dict``): copied at every step's start, restored after a fault.
+        timeout_s: A callable giving the bound of one all-reduce now (the stall deadline).
+        rank: This rank (for the injected test fault).
+    """
+
+    def __init__(self, small_state: Mapping[str, Any], *, timeout_s: Any, rank: int = 0) -> None:
+        self.small_state = dict(small_state)
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.step = 0
+        self.gen = 0
+        self.error: str | None = None
+        self.stepped = False      # the optimizer step of this step ran (its state is the next step's)
+        self.uid = ""             # this process in the protocol (its fault watch says it is coming)
+        self._saved: dict[str, Any] = {}
+        self._saved_rng: Any = None
+        self._fault = _parse_fault(os.environ.get(proto.FAULT_ENV, ""))
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
+
+    # -- the step's start and end ------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """At a step's start: remember the small state (a failed step restores it). A failure
+        of the generation stays marked until the recovery (:meth:`reset`)."""
+        self.step = step
+        self.stepped = False
+        self._saved = {k: copy.deepcopy(v.state_dict()) for k, v in self.small_state.items()}
+        self._saved_rng = rng.capture()
+
+    def reset(self, gen: int) -> None:
+        """The recovery is done: the new generation ``gen`` has not failed."""
+        with self._lock:
+            self.error, self.gen, self._pending = None, gen, {}
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def fail(self, why: str, gen: int | None = None) -> None:
+        """Marks the step failed and releases every all-reduce DDP still waits for (with the
+        local gradient): a peer that left does not answer, and gloo cannot be interrupted."""
+        with self._lock:
+            if gen is not None and gen != self.gen:   # a late word about an older generation
+                return
+            if self.error is None:
+                log.warning("step %d failed on rank %d: %s", self.step, self.rank, why)
+                self.error = why
+            pending, self._pending = self._pending, {}
+        for fut, tensor in pending.values():
+            _complete(fut, tensor)
+
+    def settle(self, works: list[Any], poll_s: float = 0.0005) -> None:
+        """Waits for posted collectives of the step boundary, leaving as soon as the step is
+        marked failed (a blocked ``wait()`` could not be left: gloo cannot be interrupted).
+
+        Raises:
+            PeerLost: The generation failed while waiting.
+        """
+        for work in works:
+            while not work.is_completed():
+                if self.failed:
+                    raise PeerLost(self.error or "peer lost")
+                time.sleep(poll_s)
+        if self.failed:
+            raise PeerLost(self.error or "peer lost")
+
+    def rollback(self) -> None:
+        """Puts the small state back to the failed step's start (model and optimizer never left it)."""
+        for k, v in self.small_state.items():
+            if k in self._saved:
+                v.load_state_dict(self._saved[k])
+        if self._saved_rng is not None:
+            rng.restore(self._saved_rng)
+
+    # -- the hooks -----------------------------------------------------------------------------
+    @property
+    def comm_hook(self) -> Any:
+        """DDP comm hook (``register_comm_hook(None, guard.comm_hook)``): the mean all-reduce,
+        bounded, that never raises. (Unannotated: DDP checks a hook's annotations.)"""
+        def hook(process_group, bucket):  # type: ignore[no-untyped-def]
+            return self._all_reduce(process_group, bucket)
+        return hook
+
+    def _all_reduce(self, process_group: Any, bucket: Any) -> torch.futures.Future:
+        tensor = bucket.buffer()
+        if self.failed:   # the group is broken: do not wait on it again in this step
+            return _done(tensor)
+        group = process_group or dist.group.WORLD
+        tensor.div_(group.size())
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = timedelta(seconds=float(self.timeout_s()))
+        try:
+            work = group.allreduce([tensor], opts).get_future()
+        except Exception as e:   # noqa: BLE001 - any error of the group is a failed step
+            self.fail(f"all-reduce: {e}")
+            return _done(tensor)
+        # DDP waits on this future, which completes when gloo's does, or at once when the
+        # step is marked failed (a peer announced the fault: :class:`FaultWatch`).
+        mine: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self.error is not None:
+                return _done(tensor)
+            self._pending[id(mine)] = (mine, tensor)
+
+        def finished(f: torch.futures.Future) -> None:
+            try:
+                f.value()
+            except Exception as e:   # noqa: BLE001
+                self.fail(f"all-reduce: {_first_line(e)}")
+                return
+            with self._lock:
+                if self._pending.pop(id(mine), None) is None:
+                    return   # released already (the step failed)
+            _complete(mine, tensor)
+
+        work.add_done_callback(finished)
+        return mine
+
+    def guard_optimizer(self, optim: torch.optim.Optimizer) -> None:
+        """Wraps ``optim.step``: it does nothing on a failed step."""
+        if getattr(optim.step, "_hpc_guarded", False):
+            return
+        inner = optim.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._inject()
+            if self.failed:
+                return None
+            out = inner(*args, **kwargs)
+            self.stepped = True
+            return out
+
+        step._hpc_guarded = True   # type: ignore[attr-defined]
+        optim.step = step          # type: ignore[method-assign]
+
+    def _inject(self) -> None:
+        if self._fault is None:
+            return
+        rank, step, kind = self._fault
+        if rank != self.rank or step != self.step:
+            return
+        self._fault = None
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.fail("injected fault between the reduction and the optimizer step")
+
+
+def _parse_fault(raw: str) -> tuple[int, int, str] | None:
+    if not raw:
+        return None
+    rank, step, kind = raw.split(":")
+    if kind not in ("kill", "fail"):
+        raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill or fail")
+    return int(rank), int(step), kind
+
+
+class FaultWatch(threading.Thread):
+    """Waits in the store for the announcement that the current generation failed, and then
+    fails the step at once (pushed detection: a survivor blocked in an all-reduce whose peer
+    left or died is released in milliseconds instead of at the operation's bound).
+
+    It uses its own store connection (a client is not shared between threads) and blocks in
+    the store's ``wait``, so it costs no polling.
+
+    Args:
+        connect: ``() -> store``: a new client of the job's store.
+        gen: The generation watched.
+        guard: The guard to fail.
+    """
+
+    def __init__(self, connect: Any, gen: int, guard: StepGuard) -> None:
+        super().__init__(name="hpc-fault-watch", daemon=True)
+        self.connect, self.gen, self.guard = connect, gen, guard
+        self.key = proto.fault(gen)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        try:
+            store = self.connect()
+        except Exception as e:   # noqa: BLE001 - no store: the operations' bound still holds
+            log.warning("fault watch: cannot reach the store (%s)", e)
+            return
+        while not self.stopped.is_set():
+            try:
+                store.wait([self.key], timedelta(seconds=30))
+            except Exception:   # noqa: BLE001 - its timeout, or the store went away
+                continue
+            if not self.stopped.is_set():
+                why = store.get(self.key).decode(errors="replace")
+                me = getattr(self.guard, "uid", "")
+                if me:   # alive and aware: the next generation's leader waits for this process
+                    store.set(proto.coming(self.gen + 1, me), "1")
+                self.guard.fail(f"fault announced: {why}", gen=self.gen)
+            return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _complete(fut: torch.futures.Future, tensor: torch.Tensor) -> None:
+    if not fut.done():
+        try:
+            fut.set_result(tensor)
+        except RuntimeError:   # completed meanwhile
+            pass
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__

@@ -1,0 +1,149 @@
+"""Agreeing on a new generation in the store: who is in it, in which rank order, from which step.
+
+The keys and the pure rules are :mod:`hpc.contract.inprocess`; this module runs them against a
+real ``torch.distributed.Store`` (the launcher's TCPStore; tests may pass a ``HashStore``).
+A survivor calls :meth:`Membership.reform` after it left a failed step: it arrives at the next
+generation, and either leads it (the first arrival waits for the others by
+:func:`~hpc.contract.inprocess.close_decision` and writes the member list) or waits for the
+leader's list. A leader that dies while closing is replaced by going to the generation after:
+the wait for its list is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from hpc.contract import inprocess as proto
+from hpc.contract.inprocess import Arrival, Members
+
+log = logging.getLogger("hpc.inprocess")
+POLL_S = 0.02
+
+
+class Excluded(RuntimeError):
+    """This process arrived after its generation closed without it (it was too slow)."""
+
+
+class Membership:
+    """This worker's view of the generations (the store protocol, one process's side).
+
+    Args:
+        store: The store that outlives the workers.
+        me: This process's uid (:func:`hpc.contract.inprocess.uid`).
+        host: Its host name.
+        window_s: How long a leader waits for silent members of the old generation.
+    """
+
+    def __init__(self, store: Any, me: str, *, host: str = "",
+                 window_s: float = proto.DEFAULT_WINDOW_S) -> None:
+        self.store, self.me, self.host, self.window_s = store, me, host, window_s
+        self.gen = 0
+        self.uids: tuple[str, ...] = ()
+
+    def start(self, rank: int, world_size: int, *, gen: int = 0) -> None:
+        """Records this rank in the starting generation and learns its members (a barrier
+        in the store: every rank of the starting world writes, then reads all)."""
+        self.gen = gen
+        self.store.set(proto.who(gen, rank), self.me)
+        keys = [proto.who(gen, r) for r in range(world_size)]
+        self.store.wait(keys, timedelta(seconds=600))
+        self.uids = tuple(v.decode() for v in self.store.multi_get(keys))
+
+    def announce_fault(self, why: str) -> None:
+        """Tells every member (and tools) that this generation failed."""
+        try:
+            self.store.set(proto.fault(self.gen), f"{self.me}: {why}")
+        except Exception as e:   # the store host is gone: the re-form will say so
+            log.warning("cannot announce the fault in the store: %s", e)
+
+    def fault_seen(self) -> bool:
+        """Whether someone announced that the current generation failed."""
+        return bool(self.store.check([proto.fault(self.gen)]))
+
+    def set_busy(self, until: float | None) -> None:
+        """Announces (or, with None, withdraws) a long phase lasting until wall time ``until``."""
+        key = proto.busy(self.me)
+        if until is None:
+            self.store.delete_key(key)
+        else:
+            self.store.set(key, f"{until:.3f}")
+
+    def reform(self, step: int, old_rank: int, *, reason: str) -> Members:
+        """Arrives at the next generation and returns it once closed.
+
+        Args:
+            step: The newest step whose state this process holds whole.
+            old_rank: Its rank in the generation that failed.
+            reason: Why (for the leader's record).
+
+        Raises:
+            Excluded: The generation closed without this process.
+        """
+        target = self.gen + 1
+        while True:
+            members = self._arrive(target, Arrival(self.me, old_rank, step, self.host), reason)
+            if members is not None:
+                self.gen, self.uids = members.gen, members.uids
+                return members
+            log.warning("generation %d did not close (its leader is gone?): trying %d",
+                        target, target + 1)
+            target += 1
+
+    def _arrive(self, gen: int, me: Arrival, reason: str) -> Members | None:
+        index = self.store.add(proto.arrive(gen), 1) - 1
+        self.store.set(proto.arrival(gen, index), proto.encode(me))
+        if index == 0:
+            return self._lead(gen, reason)
+        try:
+            self.store.wait([proto.members(gen)], timedelta(seconds=self.window_s * 4 + 30))
+        except Exception:   # the leader died before it closed: the next generation
+            return None
+        members = proto.decode_members(self.store.get(proto.members(gen)))
+        if members.rank_of(self.me) is None:
+            raise Excluded(f"generation {gen} closed without this process ({self.me}): it arrived "
+                           f"late; members {', '.join(members.uids)}")
+        return members
+
+    def _lead(self, gen: int, reason: str) -> Members:
+        opened = time.time()
+        old = self.uids
+        while True:
+            arrivals = self._arrivals(gen)
+            now = time.time()
+            decision = proto.close_decision(old, [a.uid for a in arrivals], dead=self._dead(old),
+                                            busy_until=self._busy(old), coming=self._coming(gen, old),
+                                            now=now, opened=opened, window_s=self.window_s)
+            if decision.close:
+                break
+            time.sleep(POLL_S)
+        members = proto.plan_members(gen, arrivals, old=old, reason=reason)
+        self.store.set(proto.members(gen), proto.encode(members))
+        self.store.set(proto.GENERATION, str(gen))
+        return members
+
+    def _arrivals(self, gen: int) -> list[Arrival]:
+        n = self.store.add(proto.arrive(gen), 0)
+        keys = [proto.arrival(gen, i) for i in range(n)]
+        # An arrival counted but not yet written: read what is there, the rest next poll.
+        present = [k for k in keys if self.store.check([k])]
+        return [proto.decode_arrival(v) for v in self.store.multi_get(present)] if present else []
+
+    def _coming(self, gen: int, old: Sequence[str]) -> list[str]:
+        return [u for u in old if self.store.check([proto.coming(gen, u)])]
+
+    def _dead(self, old: Sequence[str]) -> list[str]:
+        return [u for u in old if self.store.check([proto.dead(u)])]
+
+    def _busy(self, old: Sequence[str]) -> dict[str, float]:
+        out = {}
+        for u in old:
+            if u != self.me and self.store.check([proto.busy(u)]):
+                try:
+                    out[u] = float(self.store.get(proto.busy(u)))
+                except (ValueError, RuntimeError):
+                    pass
+        return out

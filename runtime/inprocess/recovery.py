@@ -1,0 +1,291 @@
+"""The in-process recovery, stage by stage: abort, re-form, new group, state transfer, re-wrap.
+
+A Session in in-process mode (``HPC_RECOVERY=inprocess`` and a store in ``HPC_INPROC_STORE``)
+holds one :class:`InProcess`. Its process group lives under a generation's prefix in the store
+that outlives the workers; after a failed step (:mod:`runtime.inprocess.guard`) or a failed
+collective at a step boundary the Session calls :meth:`InProcess.recover`, which runs:
+
+1. **abort**: announce the fault in the store, unregister every process group of the old
+   generation and drop it on a daemon thread (gloo's destructor waits for its in-flight
+   operations, which end at their bound; it closes the sockets, so peers still waiting on
+   this rank fail at once instead of at their timeout);
+2. **re-form**: arrive at the next generation and learn its members, ranks and the step to go
+   on from (:mod:`runtime.inprocess.membership`);
+3. **group**: a new gloo group of the new world under the generation's prefix;
+4. **transfer**: the member holding that step broadcasts model, optimizers, the registered
+   small state and its RNG (:mod:`runtime.inprocess.transfer`); no file is read;
+5. **re-wrap**: each DDP model is rebuilt around the same module on the new group (same
+   parameters, so the user's optimizer and references stay valid), with the guard's hook.
+
+Each stage's end time is returned for ``events.jsonl`` (:class:`Recovered`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc.contract import inprocess as proto
+from hpc.contract.inprocess import Members
+from runtime import rng
+from runtime.events import EventLog
+from runtime.inprocess import transfer
+from runtime.inprocess.guard import FaultWatch, StepGuard
+from runtime.inprocess.membership import Membership
+
+log = logging.getLogger("hpc.inprocess")
+_OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
+
+
+def connect(address: str, timeout_s: float = 60.0) -> Any:
+    """A client of the store at ``host:port`` (the launcher's, or a test's)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{proto.STORE_ENV}={address!r}: expected host:port, e.g. node1:29400")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+@dataclass
+class Recovered:
+    """One recovery: the new generation and when each stage ended (wall times)."""
+
+    members: Members
+    rank: int
+    reason: str
+    t_detect: float
+    t_abort: float = 0.0
+    t_reform: float = 0.0
+    t_group: float = 0.0
+    t_transfer: float = 0.0
+    bytes_moved: int = 0
+    received: bool = False
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class InProcess:
+    """The in-process recovery of one worker.
+
+    Args:
+        store: The store that outlives the workers.
+        rank: This worker's starting rank.
+        world_size: The starting world size.
+        timeout: The process groups' timeout (a backstop; training all-reduces are bounded
+            by the guard).
+        step_bound_s: ``() -> seconds``: the bound of one training all-reduce now.
+        window_s: How long a re-form waits for silent members.
+    """
+
+    def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
+                 step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
+                 reconnect: Callable[[], Any] | None = None) -> None:
+        self.store = store
+        self.reconnect = reconnect
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timeout
+        self.host = socket.gethostname()
+        self.me = proto.uid(self.host, os.getpid())
+        self.membership = Membership(store, self.me, host=self.host, window_s=window_s)
+        self.guard = StepGuard({}, timeout_s=step_bound_s, rank=rank)
+        self.guard.uid = self.me
+        self.models: list[Any] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.small: dict[str, Any] = {}
+        self._events: Any = None
+        self._watch: FaultWatch | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
+                 timeout: timedelta, step_bound_s: Callable[[], float]) -> InProcess | None:
+        """The recovery this worker was started for, or None (the restart path)."""
+        mode = environ.get(proto.RECOVERY_ENV, proto.RESTART) or proto.RESTART
+        if proto.parse_recovery(mode, proto.RECOVERY_ENV) != proto.INPROCESS:
+            return None
+        address = environ.get(proto.STORE_ENV, "")
+        if not address:
+            raise RuntimeError(f"{proto.RECOVERY_ENV}=inprocess needs {proto.STORE_ENV}=host:port "
+                               "(the launcher sets it); set it or use --recovery restart")
+        window = float(environ.get(proto.WINDOW_ENV, "") or proto.DEFAULT_WINDOW_S)
+        fixed = environ.get(proto.TIMEOUT_ENV, "")
+        bound = (lambda: float(fixed)) if fixed else step_bound_s
+        return cls(connect(address), rank=rank, world_size=world_size, timeout=timeout,
+                   step_bound_s=bound, window_s=window, reconnect=lambda: connect(address))
+
+    @property
+    def gen(self) -> int:
+        return self.membership.gen
+
+    # -- start -----------------------------------------------------------------------------
+    def init_group(self) -> None:
+        """The starting generation's process group, on the store (not on rank 0's own store,
+        which would die with rank 0)."""
+        self._init_pg(0, self.rank, self.world_size)
+        self.membership.start(self.rank, self.world_size)
+        self._watch_faults()
+
+    def _watch_faults(self) -> None:
+        """Starts the fault watch of the current generation (the previous one is stopped)."""
+        if self._watch is not None:
+            self._watch.stop()
+        self.guard.gen = self.gen
+        if self.reconnect is not None:
+            self._watch = FaultWatch(self.reconnect, self.gen, self.guard)
+            self._watch.start()
+
+    def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
+        prefixed = dist.PrefixStore(proto.pg_prefix(gen), self.store)
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
+                                timeout=self.timeout)
+
+    def attach(self, state: Mapping[str, Any]) -> None:
+        """Takes the registered state: DDP models get the guard's hook, optimizers its wrap,
+        the rest is the small state the guard copies at each step."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.models, self.optimizers, self.small = [], [], {}
+        for name, obj in state.items():
+            if isinstance(obj, DDP):
+                self.models.append(obj)
+                obj.register_comm_hook(None, self.guard.comm_hook)
+            elif isinstance(obj, torch.nn.Module):
+                if _sharded(obj):
+                    raise RuntimeError("in-process recovery of FSDP2 models is not built yet "
+                                       "(peer shard copies, issue 26); use --recovery restart")
+                self.models.append(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                self.optimizers.append(obj)
+                self.guard.guard_optimizer(obj)
+            else:
+                self.small[name] = obj
+        self.guard.small_state = dict(self.small)
+
+    # -- recovery --------------------------------------------------------------------------
+    def recover(self, step: int, why: str, *, dirty: bool,
+                groups: list[Any] = ()) -> Recovered:   # type: ignore[assignment]
+        """Leaves the failed generation and goes on in a new one (see the module docstring).
+
+        Args:
+            step: The step this rank holds whole (the failed step's start when ``dirty``).
+            why: What failed.
+            dirty: The step failed part way: put the small state back first.
+            groups: Extra groups of the old generation to drop (the Session's own).
+
+        Returns:
+            The recovery's record; ``self.rank``/``self.world_size`` are the new ones.
+        """
+        rec = Recovered(members=None, rank=-1, reason=why, t_detect=time.time())  # type: ignore[arg-type]
+        if dirty:
+            self.guard.rollback()
+        old_rank = self.rank
+        if self._watch is not None:
+            self._watch.stop()
+        self.guard.gen = -1   # nothing said about the failed generation counts any more
+        self.membership.announce_fault(why)
+        self._abort(list(groups))
+        rec.t_abort = time.time()
+        members = self.membership.reform(step, old_rank, reason=why)
+        rec.t_reform = time.time()
+        rank = members.rank_of(self.me)
+        assert rank is not None
+        self.rank, self.world_size = rank, members.world_size
+        self.guard.rank = rank
+        self._init_pg(members.gen, rank, members.world_size)
+        self.guard.reset(members.gen)
+        self._watch_faults()
+        rec.t_group = time.time()
+        rec.received = rank != members.source
+        rec.bytes_moved = self._transfer(members, held=step)
+        rec.t_transfer = time.time()
+        self._rewrap()
+        rec.members, rec.rank = members, rank
+        return rec
+
+    def _abort(self, extra: list[Any]) -> None:
+        """Unregisters every group of the old generation and keeps it, never destroyed.
+
+        Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without breaking an
+        operation), and destroying a group whose peers closed their sockets can throw from a
+        destructor (``std::terminate``). So the old groups stay referenced here; their
+        operations end at their bound. The cost is a few sockets and threads per recovery.
+        """
+        old: list[Any] = list(extra)
+        for m in self.models:
+            for attr in ("reducer", "logger", "process_group"):
+                if attr in m.__dict__:
+                    old.append(m.__dict__.pop(attr))
+        if dist.is_initialized():
+            old.append(dist.group.WORLD)
+            try:
+                dist.destroy_process_group()
+            except Exception as e:   # noqa: BLE001 - a broken group may fail its own shutdown
+                log.warning("unregistering the old process group: %s", e)
+        _OLD_GROUPS.append(old)
+
+    def _transfer(self, members: Members, *, held: int) -> int:
+        """Every member loads the source's state (the source sends)."""
+        state = None
+        if self.rank == members.source:
+            state = {
+                "models": [_module(m).state_dict() for m in self.models],
+                "optims": [o.state_dict() for o in self.optimizers],
+                "small": {k: v.state_dict() for k, v in self.small.items()},
+                "rng": rng.capture(),
+                "step": members.step,
+            }
+        received, moved = transfer.broadcast_state(state, src=members.source, rank=self.rank)
+        if self.rank != members.source:
+            for m, sd in zip(self.models, received["models"]):
+                _module(m).load_state_dict(sd)
+            for o, sd in zip(self.optimizers, received["optims"]):
+                o.load_state_dict(sd)
+            for k, sd in received["small"].items():
+                if k in self.small:
+                    self.small[k].load_state_dict(sd)
+            if held != members.step:   # behind: the source's random streams go on
+                rng.restore(received["rng"])
+        return moved
+
+    def _rewrap(self) -> None:
+        """Rebuilds each DDP wrapper in place on the new default group, with the guard's hook."""
+        from runtime import ddp as ddp_build
+
+        for m in self.models:
+            rebuild = getattr(m, "rebuild", None)
+            if rebuild is not None:
+                rebuild()
+                m.register_comm_hook(None, self.guard.comm_hook)
+                ddp_build.fix_bucket_layout(m)
+
+
+    def record(self, job_dir: Any, allocation: int, rec: Recovered, *, old_rank: int,
+               old_world: int, held: int, dirty: bool) -> None:
+        """The new rank 0 records the recovery's phases in ``events.jsonl`` (``inproc_recovery``)."""
+        if rec.rank != 0:
+            return
+        if self._events is None:
+            self._events = EventLog(job_dir, allocation=allocation, rank=0, sync_every_s=0)
+        m = rec.members
+        self._events.emit(
+            "inproc_recovery", t=rec.t_transfer, gen=m.gen, reason=rec.reason[:300],
+            world_size=m.world_size, old_world_size=old_world, old_rank=old_rank, step=m.step,
+            held=held, dirty=dirty, source=m.source, left=list(m.left), t_detect=round(rec.t_detect, 4),
+            t_abort=round(rec.t_abort, 4), t_reform=round(rec.t_reform, 4),
+            t_group=round(rec.t_group, 4), t_transfer=round(rec.t_transfer, 4),
+            bytes=rec.bytes_moved)
+
+
+def _module(m: Any) -> torch.nn.Module:
+    return getattr(m, "module", m)
+
+
+def _sharded(m: torch.nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in m.parameters())

@@ -1,0 +1,95 @@
+"""A Session script with DDP (gloo) for the in-process recovery tests.
+
+Each rank appends one JSON line per step body it runs to ``OUT/steps-<pid>.jsonl`` (step, rank,
+world size, the global batch's first index and size) and, at the end, writes
+``OUT/result-<pid>.json``: its pid, final step, a digest of its weights, the sampler state and
+every file it opened under the checkpoint directory while it recovered (a Python audit hook:
+the recovery must read no checkpoint).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.sampler import ResumableSampler, plan_batches, rank_slice
+from runtime.session import Session
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=30)
+p.add_argument("--step-sleep", type=float, default=0.05)
+p.add_argument("--global-batch", type=int, default=12)
+p.add_argument("--micro", type=int, default=2)
+args = p.parse_args()
+out = Path(args.out)
+opened: list[str] = []
+recovering = [False]
+
+
+def audit(event: str, params: tuple) -> None:
+    if event == "open" and recovering[0] and params and isinstance(params[0], (str, bytes, os.PathLike)):
+        opened.append(os.fsdecode(params[0]))
+
+
+sys.addaudithook(audit)
+import faulthandler, signal  # noqa: E401 - tests: kill -USR1 prints every thread's stack
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 32)
+        self.b = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+g = torch.Generator().manual_seed(1)
+X = torch.randn(600, 8, generator=g)
+Y = X.sum(dim=1, keepdim=True).sin()
+log = open(out / f"steps-{os.getpid()}.jsonl", "a", buffering=1)
+
+with Session(seed=0, log_every=5) as s:
+    model = s.wrap(Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = ResumableSampler(len(X), global_batch=args.global_batch, seed=3)
+    start = s.restore(model=model, optim=opt, sampler=sampler)
+    orig = s._recover
+
+    def watched(*a, **k):   # instrumentation: files opened while recovering
+        recovering[0] = True
+        try:
+            return orig(*a, **k)
+        finally:
+            recovering[0] = False
+    s._recover = watched
+    for step in s.steps(start, args.steps):
+        accum = plan_batches(args.global_batch, s.world_size, args.micro)   # per step: the world may change
+        batch = sampler.next_global_batch()
+        mine = rank_slice(batch, s.rank, s.world_size)
+        log.write(json.dumps({"step": step, "rank": s.rank, "world": s.world_size, "first": batch[0],
+                              "n": len(batch), "t": time.time()}) + "\n")
+        opt.zero_grad(set_to_none=True)
+        for i in range(accum):
+            idx = mine[i * args.micro:(i + 1) * args.micro]
+            ctx = model.no_sync() if i < accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = nn.functional.mse_loss(model(X[idx]), Y[idx]) / accum
+                loss.backward()
+        opt.step()
+        s.log(loss=loss.item())
+        time.sleep(args.step_sleep)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    (out / f"result-{os.getpid()}.json").write_text(json.dumps({
+        "pid": os.getpid(), "rank": s.rank, "world": s.world_size, "step": s.step, "weights": digest,
+        "sampler": sampler.state_dict(), "opened_while_recovering": opened}))
+    s.finish()

@@ -1,0 +1,131 @@
+"""In-process recovery with real processes over a real TCPStore (gloo, CPU).
+
+Three Session workers (``scripts/inproc_train.py``, DDP) train with ``HPC_RECOVERY=inprocess``
+on a store this test hosts, as the launcher does. One is SIGKILLed mid-run, or a fault is
+injected on one rank between the gradient all-reduce and the optimizer step. The outcome a
+user cares about: the survivors are the same processes, they read no checkpoint to recover,
+at most one step is computed twice, and every rank ends on the same step with bit-equal weights,
+the sample order exact and the global batch constant.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
+STEPS, GLOBAL_BATCH = 20, 12
+
+
+def run_world(tmp_path: Path, *, kill_rank: int | None = None, kill_at: int = 6,
+              fault: str = "", world: int = 3) -> tuple[list[subprocess.Popen], list[int], Path]:
+    import torch.distributed as dist
+
+    out = tmp_path / "out dir"
+    out.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="1", HPC_RECOVERY="inprocess",
+                   HPC_INPROC_STORE=f"127.0.0.1:{store.port}", HPC_JOB_DIR=str(tmp_path / "job"),
+                   WANDB_MODE="disabled", HPC_INPROC_WINDOW_S="2", PYTHONPATH=str(REPO))
+        env.pop("HPC_TEST_INPROC_FAULT", None)
+        if fault:
+            env["HPC_TEST_INPROC_FAULT"] = fault
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--steps",
+                                       str(STEPS), "--global-batch", str(GLOBAL_BATCH)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    if kill_rank is not None:
+        victim = procs[kill_rank]
+        deadline = time.time() + 240
+        while len(steps_of(out, victim.pid)) < kill_at:
+            assert time.time() < deadline and victim.poll() is None, "the victim never reached its step"
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+    codes = []
+    for p in procs:
+        try:
+            p.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        codes.append(p.returncode)
+    store_keep = store   # noqa: F841 - the store lives until every worker ended
+    return procs, codes, out
+
+
+def steps_of(out: Path, pid: int) -> list[dict]:
+    f = out / f"steps-{pid}.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def result_of(out: Path, pid: int) -> dict:
+    return json.loads((out / f"result-{pid}.json").read_text())
+
+
+def logs(procs: list[subprocess.Popen]) -> str:
+    return "\n".join(f"--- pid {p.pid} ---\n{(p.stdout.read() if p.stdout else '')[-3000:]}" for p in procs)
+
+
+def expected_batches() -> list[int]:
+    from runtime.sampler import ResumableSampler
+    s = ResumableSampler(600, global_batch=GLOBAL_BATCH, seed=3)
+    return [s.next_global_batch()[0] for _ in range(STEPS)]
+
+
+def test_survivors_of_a_sigkill_go_on_in_process_with_equal_weights(tmp_path: Path):
+    procs, codes, out = run_world(tmp_path, kill_rank=2)
+    survivors = procs[:2]
+    assert codes[:2] == [0, 0] and codes[2] == -9, logs(procs)
+    results = [result_of(out, p.pid) for p in survivors]
+    # The same processes finished the run (no restart), at the last step, on a world of 2.
+    assert [r["pid"] for r in results] == [p.pid for p in survivors]
+    assert [r["step"] for r in results] == [STEPS, STEPS] and [r["world"] for r in results] == [2, 2]
+    assert results[0]["weights"] == results[1]["weights"], "replicas differ after the recovery"
+    ckpt = str(tmp_path / "job" / "checkpoints")
+    for r in results:
+        assert not [f for f in r["opened_while_recovering"] if f.startswith(ckpt)], r
+        assert r["sampler"]["cursor"] == STEPS * GLOBAL_BATCH   # the global batch stayed 12
+    for p in survivors:
+        ran = steps_of(out, p.pid)
+        twice = [s for s, n in collections.Counter(x["step"] for x in ran).items() if n > 1]
+        assert len(twice) <= 1, f"steps computed twice: {twice}"
+        assert {x["world"] for x in ran} == {3, 2}
+        assert all(x["n"] == GLOBAL_BATCH for x in ran)
+        # The sample order is exact: step k's global batch is the k-th of an uninterrupted run.
+        last = {x["step"]: x["first"] for x in ran}
+        assert [last[k] for k in range(STEPS)] == expected_batches()
+    events = [json.loads(x) for x in (tmp_path / "job" / "events.jsonl").read_text().splitlines()]
+    rec = [e for e in events if e["ev"] == "inproc_recovery"]
+    assert len(rec) == 1 and rec[0]["world_size"] == 2 and rec[0]["old_world_size"] == 3, rec
+
+
+def test_a_fault_between_reduction_and_optimizer_step_leaves_every_rank_on_one_step(tmp_path: Path):
+    # Rank 1's step 8 fails after its gradients were reduced, before its optimizer step: the
+    # others completed step 8. After the re-form every rank holds step 9's state, bit-equal.
+    procs, codes, out = run_world(tmp_path, fault="1:8:fail")
+    assert codes == [0, 0, 0], logs(procs)
+    results = [result_of(out, p.pid) for p in procs]
+    assert [r["pid"] for r in results] == [p.pid for p in procs]
+    assert {r["step"] for r in results} == {STEPS}
+    assert len({r["weights"] for r in results}) == 1, [r["weights"][:12] for r in results]
+    assert {json.dumps(r["sampler"], sort_keys=True) for r in results}.__len__() == 1
+    for p in procs:
+        ran = collections.Counter(x["step"] for x in steps_of(out, p.pid))
+        assert sum(n - 1 for n in ran.values()) <= 1
+    events = [json.loads(x) for x in (tmp_path / "job" / "events.jsonl").read_text().splitlines()]
+    rec = [e for e in events if e["ev"] == "inproc_recovery"]
+    assert len(rec) == 1 and rec[0]["step"] == 9 and rec[0]["world_size"] == 3, rec

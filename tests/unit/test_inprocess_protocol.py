@@ -1,0 +1,55 @@
+"""The in-process recovery's store protocol: the leader's closing rule and the member plan (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.contract import inprocess as proto
+from hpc.contract.errors import SpecError
+from hpc.contract.inprocess import Arrival, close_decision, plan_members
+
+OLD = ("n1/10", "n1/11", "n2/20")
+
+
+def test_closes_at_once_when_every_member_arrived_or_is_announced_dead():
+    assert close_decision(OLD, OLD, now=0.1, opened=0.0, window_s=3).close
+    d = close_decision(OLD, OLD[:2], dead=[OLD[2]], now=0.1, opened=0.0, window_s=3)
+    assert d.close and d.waiting_for == ()
+
+
+def test_a_silent_member_is_waited_for_the_window_only():
+    d = close_decision(OLD, OLD[:2], now=2.9, opened=0.0, window_s=3)
+    assert not d.close and d.waiting_for == (OLD[2],)
+    assert close_decision(OLD, OLD[:2], now=3.1, opened=0.0, window_s=3).close
+
+
+def test_a_member_in_an_announced_phase_or_on_its_way_is_waited_for_longer():
+    busy = close_decision(OLD, OLD[:2], busy_until={OLD[2]: 50.0}, now=10.0, opened=0.0, window_s=3)
+    assert not busy.close and busy.waiting_for == (OLD[2],)
+    assert close_decision(OLD, OLD[:2], busy_until={OLD[2]: 50.0}, now=51.0, opened=0.0, window_s=3).close
+    coming = close_decision(OLD, OLD[:2], coming=[OLD[2]], now=10.0, opened=0.0, window_s=3, coming_s=60)
+    assert not coming.close
+    assert close_decision(OLD, OLD[:2], coming=[OLD[2]], now=61.0, opened=0.0, window_s=3, coming_s=60).close
+
+
+def test_ranks_keep_their_order_and_the_newest_step_is_the_source():
+    arrivals = [Arrival("n2/20", 2, 9), Arrival("n1/10", 0, 8), Arrival("spare/5", 10**6, -1)]
+    m = plan_members(4, arrivals, old=OLD, reason="peer lost")
+    assert m.uids == ("n1/10", "n2/20", "spare/5")
+    assert m.step == 9 and m.source == 1 and m.world_size == 3
+    assert m.left == ("n1/11",)
+    assert m.rank_of("spare/5") == 2 and m.rank_of("n1/11") is None
+    assert proto.decode_members(proto.encode(m)) == m
+
+
+def test_an_arrival_counted_twice_is_one_member_and_joiners_alone_hold_no_state():
+    m = plan_members(1, [Arrival("a/1", 0, 3), Arrival("a/1", 0, 3)], old=("a/1",), reason="")
+    assert m.uids == ("a/1",)
+    with pytest.raises(ValueError, match="only joiners"):
+        plan_members(1, [Arrival("s/1", 10**6, -1)], old=(), reason="")
+
+
+def test_the_recovery_mode_is_validated_with_the_valid_ones_named():
+    assert proto.parse_recovery(" InProcess ") == "inprocess"
+    with pytest.raises(SpecError, match="restart or inprocess"):
+        proto.parse_recovery("in-process")
