@@ -111,7 +111,7 @@ class Session:
         self._pace: Any = None               # runtime.worker.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
-        self._inproc: Any = None             # runtime.inprocess.recovery.InProcess (--recovery inprocess)
+        self._inproc: Any = None             # runtime.worker.inprocess.recovery.InProcess (--recovery inprocess)
         self._recent: list[float] = []       # recent step times: the bound of a training all-reduce
         self._progress_total = 0
 
@@ -298,7 +298,7 @@ class Session:
             log.warning("in-process recovery on %s is not built yet (the NCCL abort, issue 26): "
                         "this job recovers by restart", backend)
             return None
-        from runtime.inprocess.recovery import InProcess
+        from runtime.worker.inprocess.recovery import InProcess
 
         return InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
                                   timeout=self.timeout, step_bound_s=self._step_bound_s)

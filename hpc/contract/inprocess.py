@@ -5,7 +5,7 @@ failed step, agree in the job's store on a new *generation* (members, ranks, wor
 step to go on from and which member holds it), form a new process group under that
 generation's prefix, receive the state from that member by broadcast and go on. Every key of
 that agreement is declared here, once, with its writer and reader, because three kinds of
-process speak it: the workers (``runtime.inprocess``), the per-node launcher (it announces a
+process speak it: the workers (``runtime.worker.inprocess``), the per-node launcher (it announces a
 dead child at once) and a joining process (a restarted worker or a hot spare, issue 27).
 
 All keys live under :data:`ROOT` in one store that outlives any worker (the launcher's
@@ -37,7 +37,7 @@ holder as the source of the state. Every value is JSON (:func:`encode`).
 For the ``spares`` engineer (issue 27): a process that wants to join writes its
 :class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from ``add("join/count", 1)``) and
 waits on ``generation``; the members admit joiners at a step boundary by opening the next
-generation, in which the joiner arrives like a survivor (``runtime.inprocess.membership``).
+generation, in which the joiner arrives like a survivor (``runtime.worker.inprocess.membership``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 :class:`runtime.session.Session` (the user's import path stays at the top of :mod:`runtime`,
 with :mod:`runtime.sampler`) uses the rest of this folder: the metric sinks (:mod:`.metrics`,
 :mod:`.wandb_sink`), the progress record (:mod:`.progress`), per-rank RNG state (:mod:`.rng`)
-and the DDP wrapper (:mod:`.ddp`). Checkpoints (:mod:`runtime.checkpoint`) run here too.
+the DDP wrapper (:mod:`.ddp`) and the in-process recovery (:mod:`.inprocess`, ``--recovery
+inprocess``). Checkpoints (:mod:`runtime.checkpoint`) run here too.
 
 Nothing here runs in the per-node launcher (:mod:`runtime.launch`); modules both sides use sit
 at the top of :mod:`runtime` (tests/unit/test_rooms.py keeps it so).

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
-from runtime import rng
+from runtime.worker import rng
 
 log = logging.getLogger("hpc.inprocess")
 

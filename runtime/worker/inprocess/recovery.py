@@ -2,7 +2,7 @@
 
 A Session in in-process mode (``HPC_RECOVERY=inprocess`` and a store in ``HPC_INPROC_STORE``)
 holds one :class:`InProcess`. Its process group lives under a generation's prefix in the store
-that outlives the workers; after a failed step (:mod:`runtime.inprocess.guard`) or a failed
+that outlives the workers; after a failed step (:mod:`runtime.worker.inprocess.guard`) or a failed
 collective at a step boundary the Session calls :meth:`InProcess.recover`, which runs:
 
 1. **abort**: announce the fault in the store, unregister every process group of the old
@@ -10,10 +10,10 @@ collective at a step boundary the Session calls :meth:`InProcess.recover`, which
    operations, which end at their bound; it closes the sockets, so peers still waiting on
    this rank fail at once instead of at their timeout);
 2. **re-form**: arrive at the next generation and learn its members, ranks and the step to go
-   on from (:mod:`runtime.inprocess.membership`);
+   on from (:mod:`runtime.worker.inprocess.membership`);
 3. **group**: a new gloo group of the new world under the generation's prefix;
 4. **transfer**: the member holding that step broadcasts model, optimizers, the registered
-   small state and its RNG (:mod:`runtime.inprocess.transfer`); no file is read;
+   small state and its RNG (:mod:`runtime.worker.inprocess.transfer`); no file is read;
 5. **re-wrap**: each DDP model is rebuilt around the same module on the new group (same
    parameters, so the user's optimizer and references stay valid), with the guard's hook.
 
@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
-from runtime import rng
+from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.inprocess import transfer
-from runtime.inprocess.guard import FaultWatch, StepGuard
-from runtime.inprocess.membership import Membership
+from runtime.worker.inprocess import transfer
+from runtime.worker.inprocess.guard import FaultWatch, StepGuard
+from runtime.worker.inprocess.membership import Membership
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
@@ -256,7 +256,7 @@ class InProcess:
 
     def _rewrap(self) -> None:
         """Rebuilds each DDP wrapper in place on the new default group, with the guard's hook."""
-        from runtime import ddp as ddp_build
+        from runtime.worker import ddp as ddp_build
 
         for m in self.models:
             rebuild = getattr(m, "rebuild", None)
