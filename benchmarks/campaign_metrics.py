@@ -1,0 +1,248 @@
+"""The fault campaign's pure half: the schedule, the baseline's ledger, the per-fault cost, the table.
+
+Why pure and apart from ``campaign.py``: the numbers the campaign reports (goodput, node-seconds
+lost per fault, steps computed twice, ratios to the baseline with their spread) must come from
+one definition, the same for every contender, and be unit tested on recorded inputs
+(``tests/unit/test_campaign_metrics.py``); the orchestrator only runs processes and records.
+
+- :func:`schedule`: one seeded list of (step, fault kind), the same for every contender. Faults
+  fire at training steps, not wall times: a contender slower to recover meets the next fault
+  after the same amount of training, so the schedules stay comparable.
+- :func:`plain_events`: the baseline script's own step records (``steps.jsonl``) and Slurm's
+  allocations, written in the event vocabulary of :mod:`hpc.contract.events`, so that
+  :func:`hpc.report.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged.
+- :func:`fault_costs`: the node-seconds a fault cost: every node-second allocated from the fault
+  until the job completes a step beyond the last one it had done (detection, restart, start-up,
+  restore, the lost steps computed again, and one step). Queue waits allocate no node and count
+  nothing.
+- :func:`summarize` / :func:`markdown`: per contender, over seeds, and as ratios to the baseline.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+KINDS = ("preempt", "worker_kill", "node_crash", "link_cut", "freeze", "rdzv_loss")
+LABELS = {"preempt": "preemption (higher-priority job)", "worker_kill": "worker SIGKILL",
+          "node_crash": "node crash", "link_cut": "link cut", "freeze": "worker frozen (SIGSTOP)",
+          "rdzv_loss": "rendezvous host crash"}
+
+
+def schedule(seed: int, steps: int, kinds: Sequence[str] = KINDS, *, min_gap: int = 30,
+             margin: int = 15) -> list[tuple[int, str]]:
+    """Seeded fault steps and kinds: ``len(kinds)`` faults in ``[margin, steps - margin]``, at
+    least ``min_gap`` steps apart, the kinds in a seeded order.
+
+    Raises:
+        ValueError: if the faults cannot fit (name the numbers).
+    """
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {unknown}; valid: {', '.join(KINDS)}")
+    room = steps - 2 * margin - (len(kinds) - 1) * min_gap
+    if room < 0:
+        raise ValueError(f"{len(kinds)} faults {min_gap} steps apart do not fit in {steps} steps "
+                         f"(with {margin} steps at each end); need at least "
+                         f"{2 * margin + (len(kinds) - 1) * min_gap} steps")
+    rng = random.Random(seed)
+    # Spread the slack over the len(kinds)+1 gaps: sorted uniform cut points.
+    cuts = sorted(rng.randint(0, room) for _ in kinds)
+    order = list(kinds)
+    rng.shuffle(order)
+    return [(margin + c + i * min_gap, k) for i, (c, k) in enumerate(zip(cuts, order))]
+
+
+def plain_events(records: Iterable[Mapping[str, Any]], runs: Mapping[int, Mapping[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """The baseline's step records and Slurm's runs as ledger events (pure).
+
+    Args:
+        records: ``steps.jsonl`` of ``benchmarks/baseline/train_plain.py`` (rank 0): ``start``
+            (``t_proc``), ``restored`` (``t0``, ``step``), ``step``, ``save`` (``t0``), ``end``;
+            each with ``alloc`` (Slurm's restart count) and ``restart`` (torchrun's).
+        runs: Slurm's allocations of the job (:func:`hpc.report.load.runs_from_accounting`, with
+            ``nodes``: the allocation's node names), in order; with ``job_id`` and ``restart``
+            (Slurm's restart count) when the job was submitted more than once.
+
+    The frame (each node from Slurm's start to its end) stands in for our launchers' records; a
+    worker group that ends without ``end`` vanished (the ledger paints its tail lost).
+    """
+    out: list[dict[str, Any]] = []
+    # A record's allocation: (Slurm job id, its restart count) -> the run's index; a job that
+    # was submitted again (a person resubmitting a failed job) continues the numbering.
+    index = {(str(run.get("job_id", "")), int(run.get("restart", k))): k for k, run in runs.items()}
+
+    def alloc_of(r: Mapping[str, Any]) -> int:
+        key = (str(r.get("job", "")), int(r.get("alloc", 0)))
+        return index.get(key, int(r.get("alloc", 0)))
+
+    for k, run in sorted(runs.items()):
+        if run.get("start") is None:
+            continue
+        end = run.get("end")
+        for node in run.get("nodes", ()):
+            out.append({"t": float(run["start"]), "ev": "alloc_start", "alloc": k, "node": node})
+            n_end = (run.get("node_ends") or {}).get(node) or end
+            if n_end is not None:
+                out.append({"t": float(n_end), "ev": "alloc_end", "alloc": k, "node": node, "kind": ""})
+    prev_t: float | None = None
+    for r in records:
+        base = {"alloc": alloc_of(r), "restart": int(r.get("restart", 0)), "rank": 0,
+                "node": r.get("node", "")}
+        ev = r.get("ev")
+        if ev == "start":
+            out.append({**base, "t": float(r["t"]), "ev": "session_start", "t_proc": r.get("t_proc")})
+            prev_t = None
+        elif ev == "restored":
+            out.append({**base, "t": float(r["t0"]), "ev": "restore_begin"})
+            out.append({**base, "t": float(r["t"]), "ev": "restore_end", "step": int(r["step"])})
+            out.append({**base, "t": float(r["t"]), "ev": "loop_start", "step": int(r["step"])})
+            prev_t = float(r["t"])
+        elif ev == "step":
+            t = float(r["t"])
+            out.append({**base, "t": t, "ev": "steps", "first": int(r["step"]), "last": int(r["step"]),
+                        "count": 1, "t0": prev_t if prev_t is not None else t})
+            prev_t = t
+        elif ev == "save":
+            out.append({**base, "t": float(r["t"]), "ev": "ckpt_save", "step": int(r["step"]),
+                        "block_s": float(r["t"]) - float(r["t0"])})
+        elif ev == "end":
+            out.append({**base, "t": float(r["t"]), "ev": "session_end", "ok": True})
+    out.sort(key=lambda e: e["t"])
+    return out
+
+
+def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float) -> float | None:
+    """When the job was back after a fault at ``t_fault``: the first step a later worker group
+    completed beyond every step done before that group began (None: never).
+
+    ``trace`` is (time, step, group) as observed; ``group`` tells worker groups apart (ours:
+    allocation, restart, start step; the baseline: its rank 0's process starts). The group hit
+    may finish a step or two after the fault (a preemption's agreed stop); those count as done.
+    A fault that starts no new group (recovery in place) is back at the first step beyond the
+    step at the fault.
+    """
+    before = [p for p in trace if p[0] <= t_fault]
+    after = [p for p in trace if p[0] > t_fault]
+    seen = {p[2] for p in before}
+    first_new = next((i for i, p in enumerate(after) if p[2] not in seen), None)
+    if first_new is None:
+        ref = max((p[1] for p in before), default=-1)
+        return next((p[0] for p in after if p[1] > ref), None)
+    ref = max((p[1] for p in before + after[:first_new]), default=-1)
+    return next((p[0] for p in after[first_new:] if p[1] > ref), None)
+
+
+def node_seconds(allocations: Iterable[Any], t0: float, t1: float) -> float:
+    """Node-seconds allocated in ``[t0, t1]`` (ledger allocations: ``start``, ``node_ends``)."""
+    total = 0.0
+    for a in allocations:
+        for end in a.node_ends.values():
+            total += max(0.0, min(end, t1) - max(a.start, t0))
+    return total
+
+
+def fault_costs(faults: Sequence[Mapping[str, Any]], trace: Sequence[tuple[float, int, Any]],
+                allocations: Iterable[Any], run_end: float) -> list[dict[str, Any]]:
+    """Each fault's node-seconds lost: allocated from the fault until back at its step (pure).
+
+    Args:
+        faults: ``{"kind", "t", "step"}``: when each fault was injected, at which step.
+        trace: (time, step, worker group) as the campaign observed the job's progress.
+        allocations: The job's ledger allocations.
+        run_end: The end of the run (a fault never recovered from counts until then).
+    """
+    allocations = list(allocations)
+    out = []
+    for f in faults:
+        back = back_at(trace, float(f["t"]))
+        end = back if back is not None else run_end
+        out.append({**f, "back_s": (end - float(f["t"])), "recovered": back is not None,
+                    "lost_node_s": node_seconds(allocations, float(f["t"]), end)})
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _per_fault(run: Mapping[str, Any]) -> float:
+    faults = run["faults"]
+    return sum(f["lost_node_s"] for f in faults) / len(faults) if faults else 0.0
+
+
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of a list of values (the campaign's spread over seeds)."""
+    return {"median": _median(xs), "min": min(xs), "max": max(xs)} if xs else {}
+
+
+def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> dict[str, Any]:
+    """Per contender, over its runs (one per seed): the figures and their ratios to ``baseline``.
+
+    A run is ``{"contender", "seed", "goodput", "faults": [fault_costs rows], "lost_steps",
+    "finished", "weights_equal", ...}``. Ratios pair runs by seed (the same schedule).
+    """
+    by: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(str(r["contender"]), {})[int(r["seed"])] = r
+    out: dict[str, Any] = {}
+    for name, seeds in by.items():
+        per_fault = {s: _per_fault(r) for s, r in seeds.items()}
+        kinds: dict[str, list[float]] = {}
+        for r in seeds.values():
+            for f in r["faults"]:
+                kinds.setdefault(f["kind"], []).append(f["lost_node_s"])
+        entry: dict[str, Any] = {
+            "seeds": sorted(seeds),
+            "goodput": spread([r["goodput"] for r in seeds.values()]),
+            "lost_node_s_per_fault": spread(list(per_fault.values())),
+            "lost_node_s_by_kind": {k: spread(v) for k, v in kinds.items()},
+            "steps_computed_twice": spread([float(r["lost_steps"]) for r in seeds.values()]),
+            "finished": [bool(r["finished"]) for _, r in sorted(seeds.items())],
+            "finished_unattended": [bool(r.get("finished_unattended", r["finished"]))
+                                    for _, r in sorted(seeds.items())],
+            "weights_equal": [bool(r["weights_equal"]) for _, r in sorted(seeds.items())],
+        }
+        base = by.get(baseline, {})
+        paired = [s for s in seeds if s in base]
+        if name != baseline and paired:
+            base_pf = {s: _per_fault(r) for s, r in base.items()}
+            entry["ratio_to_baseline"] = {
+                "goodput": spread([seeds[s]["goodput"] / base[s]["goodput"] for s in paired
+                                   if base[s]["goodput"]]),
+                "lost_node_s_per_fault": spread([per_fault[s] / base_pf[s] for s in paired if base_pf[s]]),
+            }
+        out[name] = entry
+    return out
+
+
+def markdown(summary: Mapping[str, Any], baseline: str = "baseline") -> str:
+    """The results table: each contender's figures (median [min, max] over seeds) and ratios."""
+    def fmt(sp: Mapping[str, float], pct: bool = False, digits: int = 1) -> str:
+        if not sp:
+            return "-"
+        f = (lambda v: f"{v * 100:.{digits}f}%") if pct else (lambda v: f"{v:.{digits}f}")
+        return f"{f(sp['median'])} [{f(sp['min'])}, {f(sp['max'])}]"
+    lines = ["| contender | goodput | node-s lost per fault | steps computed twice | finished (of it "
+             "unattended) | weights equal "
+             "| goodput / baseline | lost per fault / baseline |",
+             "| --- | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+    for name, e in summary.items():
+        r = e.get("ratio_to_baseline", {})
+        lines.append(f"| {name} | {fmt(e['goodput'], pct=True)} | {fmt(e['lost_node_s_per_fault'])} | "
+                     f"{fmt(e['steps_computed_twice'], digits=0)} | "
+                     f"{sum(e['finished'])}/{len(e['finished'])} ({sum(e['finished_unattended'])}) | "
+                     f"{sum(e['weights_equal'])}/{len(e['weights_equal'])} | "
+                     f"{fmt(r.get('goodput', {}), digits=2) if name != baseline else '1'} | "
+                     f"{fmt(r.get('lost_node_s_per_fault', {}), digits=3) if name != baseline else '1'} |")
+    kinds = [k for k in KINDS if any(k in e["lost_node_s_by_kind"] for e in summary.values())]
+    lines += ["", "Node-seconds lost per fault kind (median [min, max] over seeds):", "",
+              "| fault | " + " | ".join(summary) + " |", "| --- |" + " ---: |" * len(summary)]
+    for k in kinds:
+        lines.append(f"| {LABELS[k]} | " + " | ".join(fmt(e["lost_node_s_by_kind"].get(k, {}))
+                                                   for e in summary.values()) + " |")
+    return "\n".join(lines) + "\n"

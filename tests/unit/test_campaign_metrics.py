@@ -1,0 +1,113 @@
+"""The fault campaign's numbers (benchmarks/campaign_metrics.py): schedule, baseline ledger, costs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import campaign_metrics as cm  # noqa: E402
+from hpc.report.ledger import build  # noqa: E402
+
+
+def test_schedule_is_seeded_spaced_and_has_every_kind_once():
+    a, b = cm.schedule(1, 240), cm.schedule(1, 240)
+    assert a == b, "the same seed gives every contender the same schedule"
+    assert a != cm.schedule(2, 240)
+    steps = [s for s, _ in a]
+    assert sorted(k for _, k in a) == sorted(cm.KINDS)
+    assert steps == sorted(steps) and steps[0] >= 15 and steps[-1] <= 225
+    assert all(y - x >= 30 for x, y in zip(steps, steps[1:]))
+
+
+def test_schedule_refuses_what_cannot_fit_and_unknown_kinds():
+    with pytest.raises(ValueError, match="need at least 180 steps"):
+        cm.schedule(1, 100)
+    with pytest.raises(ValueError, match="valid: preempt"):
+        cm.schedule(1, 240, ("meteor",))
+
+
+# A baseline run recorded as train_plain.py writes it: allocation 0 trains steps 1-4 (a save at
+# 2), its workers are killed after step 4 (no end), torchrun restarts them, they resume at 2 and
+# finish at 5. Slurm: one allocation of 2 nodes from t=0 to t=30.
+RECORDS = [
+    {"ev": "start", "t": 2.0, "t_proc": 1.0, "alloc": 0, "restart": 0, "node": "node1"},
+    {"ev": "restored", "t0": 3.0, "t": 4.0, "step": 0, "alloc": 0, "restart": 0},
+    {"ev": "step", "t": 5.0, "step": 1, "world": 2, "alloc": 0, "restart": 0},
+    {"ev": "step", "t": 6.0, "step": 2, "world": 2, "alloc": 0, "restart": 0},
+    {"ev": "save", "t0": 6.0, "t": 6.5, "step": 2, "alloc": 0, "restart": 0},
+    {"ev": "step", "t": 7.5, "step": 3, "world": 2, "alloc": 0, "restart": 0},
+    {"ev": "step", "t": 8.5, "step": 4, "world": 2, "alloc": 0, "restart": 0},
+    {"ev": "start", "t": 15.0, "t_proc": 13.0, "alloc": 0, "restart": 1, "node": "node1"},
+    {"ev": "restored", "t0": 16.0, "t": 17.0, "step": 2, "alloc": 0, "restart": 1},
+    {"ev": "step", "t": 18.0, "step": 3, "world": 2, "alloc": 0, "restart": 1},
+    {"ev": "step", "t": 19.0, "step": 4, "world": 2, "alloc": 0, "restart": 1},
+    {"ev": "step", "t": 20.0, "step": 5, "world": 2, "alloc": 0, "restart": 1},
+    {"ev": "end", "t": 21.0, "step": 5, "alloc": 0, "restart": 1},
+]
+RUNS = {0: {"start": 0.0, "end": 30.0, "nodes": ["node1", "node2"],
+            "node_ends": {"node1": 30.0, "node2": 30.0}}}
+
+
+def test_the_hpc_report_ledger_applies_to_the_baselines_step_records():
+    ledger = build(cm.plain_events(RECORDS, RUNS), slurm_runs=RUNS)
+    assert ledger.allocated_node_s == pytest.approx(60.0)
+    assert ledger.lost_steps == 2, "steps 3 and 4 were computed twice"
+    cats = ledger.categories
+    assert sum(cats.values()) == pytest.approx(60.0)
+    # Productive: the loops [4, 8.5] and [17, 20] less the lost steps 3-4 (6.5..8.5) and the
+    # save's block (6.0..6.5), on 2 nodes.
+    assert cats["productive"] == pytest.approx(2 * (2.0 + 3.0))
+    assert cats["lost"] > 2 * 2.0 - 1e-9
+    assert cats["checkpoint"] == pytest.approx(2 * 0.5)
+    assert 0 < ledger.goodput < 0.5
+
+
+def test_a_fault_costs_the_node_seconds_until_the_job_is_back_at_its_step():
+    ledger = build(cm.plain_events(RECORDS, RUNS), slurm_runs=RUNS)
+    # The fault at t=7 (step 3 done); group 0 still completes step 4 before it takes effect.
+    trace = [(5.0, 1, 0), (6.0, 2, 0), (7.5, 3, 0), (8.5, 4, 0), (18.0, 3, 1), (19.0, 4, 1), (20.0, 5, 1)]
+    [cost] = cm.fault_costs([{"kind": "worker_kill", "t": 7.0, "step": 2}], trace,
+                            ledger.allocations, 30.0)
+    assert cost["recovered"] and cost["back_s"] == pytest.approx(13.0), "back at step 5, beyond 4"
+    assert cost["lost_node_s"] == pytest.approx(26.0), "2 nodes x (20 - 7) s"
+    [never] = cm.fault_costs([{"kind": "freeze", "t": 25.0, "step": 9}], trace, ledger.allocations, 30.0)
+    assert not never["recovered"] and never["lost_node_s"] == pytest.approx(10.0)
+
+
+def test_recovery_in_place_is_back_at_the_first_step_beyond_the_fault():
+    trace = [(1.0, 1, "g"), (2.0, 2, "g"), (9.0, 3, "g"), (10.0, 4, "g")]
+    assert cm.back_at(trace, 2.5) == 9.0
+    assert cm.back_at(trace, 11.0) is None
+
+
+def test_queue_wait_between_allocations_costs_no_node_seconds():
+    class A:
+        def __init__(self, start, ends):
+            self.start, self.node_ends = start, ends
+    allocs = [A(0.0, {"n1": 10.0, "n2": 10.0}), A(20.0, {"n1": 30.0, "n2": 30.0, "n3": 25.0})]
+    assert cm.node_seconds(allocs, 5.0, 22.0) == pytest.approx(2 * 5.0 + 3 * 2.0)
+
+
+def test_summary_pairs_seeds_and_gives_ratios_to_the_baseline():
+    def run(c, seed, goodput, costs, finished=True):
+        return {"contender": c, "seed": seed, "goodput": goodput, "lost_steps": 3,
+                "finished": finished, "weights_equal": False,
+                "faults": [{"kind": k, "lost_node_s": v} for k, v in costs]}
+    runs = [run("baseline", 1, 0.5, [("preempt", 100), ("freeze", 300)]),
+            run("restart", 1, 0.8, [("preempt", 20), ("freeze", 20)]),
+            run("baseline", 2, 0.4, [("preempt", 200), ("freeze", 200)], finished=False),
+            run("restart", 2, 0.8, [("preempt", 40), ("freeze", 60)])]
+    s = cm.summarize(runs)
+    assert s["baseline"]["lost_node_s_per_fault"] == {"median": 200.0, "min": 200.0, "max": 200.0}
+    assert s["restart"]["ratio_to_baseline"]["lost_node_s_per_fault"] == \
+        {"median": pytest.approx(0.175), "min": pytest.approx(0.1), "max": pytest.approx(0.25)}
+    assert s["restart"]["ratio_to_baseline"]["goodput"]["max"] == pytest.approx(2.0)
+    assert s["baseline"]["finished"] == [True, False]
+    assert s["restart"]["lost_node_s_by_kind"]["freeze"]["median"] == pytest.approx(40.0)
+    table = cm.markdown(s)
+    assert "| restart | 80.0% [80.0%, 80.0%] | 35.0 [20.0, 50.0] | 3 [3, 3] | 2/2 (2) |" in table
+    assert "worker frozen (SIGSTOP)" in table
