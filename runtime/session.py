@@ -44,7 +44,7 @@ from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
 from runtime.liveness import events, stragglers
 from runtime.liveness.deadline import (USER_PHASE_S, StallPolicy, collective_timeout_s, p99,
-                                       policy_from_spec, step_deadline_s)
+                                       policy_for, step_deadline_s)
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
 from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
@@ -275,8 +275,7 @@ class Session:
         a peer may legitimately be in while others wait (a rank-0 evaluation), or a healthy
         run would fail in a barrier. Without the watch the given ``timeout_s`` stands.
         """
-        policy = policy_from_spec(self.spec.stall_timeout, self.spec.busy_timeout_s) \
-            if self.spec is not None else None
+        policy = policy_for(self.spec.liveness) if self.spec is not None else None
         if isinstance(self._beat, NullHeartbeat) or policy is None:
             return self.timeout
 
@@ -305,8 +304,7 @@ class Session:
 
     def _step_bound_s(self) -> float:
         """The bound of one training all-reduce now: the stall watch's deadline of a step."""
-        policy = (policy_from_spec(self.spec.stall_timeout, self.spec.busy_timeout_s)
-                  if self.spec is not None else None) or StallPolicy()
+        policy = (policy_for(self.spec.liveness) if self.spec is not None else None) or StallPolicy()
         if len(self._recent) < policy.first_steps:
             return policy.first_steps_s
         return step_deadline_s(policy, p99(self._recent), len(self._recent))

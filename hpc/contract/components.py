@@ -5,6 +5,8 @@ what ``jobspec.json`` stores); each component takes its own config whole, built 
 (:attr:`JobSpec.checkpoint`, :attr:`JobSpec.preemption`, :attr:`JobSpec.wandb`) or, for a
 plain ``torchrun``/``python`` start without a spec, from these defaults. Each default is
 written once, here, and the ``JobSpec``'s option defaults are taken from these classes.
+A flag's text is parsed once, on the way in (``--stall-timeout auto|off|SECONDS`` becomes a
+:class:`LivenessConfig`), so no process parses it again.
 
 "Off" is 0 everywhere (an interval or a retention rule of 0 is not applied), never None.
 """
@@ -12,6 +14,8 @@ written once, here, and the ``JobSpec``'s option defaults are taken from these c
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hpc.contract import stall
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +61,43 @@ class WandbConfig:
     """offline, online or disabled."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class LivenessConfig:
+    """What the stall watch (:mod:`runtime.liveness`) needs: the launcher's watchdog, the NCCL
+    settings the launcher plans and the Session's collective timeout all take this one value."""
+
+    watch: bool = True
+    """False: ``--stall-timeout off`` (a stalled job waits for the collective timeout)."""
+    fixed_step_s: float | None = None
+    """A fixed deadline of an ordinary step (``--stall-timeout SECONDS``); None: auto, adapted to
+    the measured step time."""
+    busy_s: float = float(stall.BUSY_TIMEOUT_S)
+    """How long a rank that is alive and works outside any collective may go without progress
+    (``--busy-timeout``)."""
+
+    def __post_init__(self) -> None:
+        if self.fixed_step_s is not None and self.fixed_step_s < stall.MIN_SECONDS:
+            raise ValueError(f"fixed_step_s={self.fixed_step_s!r}: at least "
+                             f"{stall.MIN_SECONDS:g} s, or None for auto")
+        if not stall.MIN_BUSY_TIMEOUT_S <= self.busy_s <= stall.MAX_BUSY_TIMEOUT_S:
+            raise ValueError(f"busy_s={self.busy_s!r}: {stall.MIN_BUSY_TIMEOUT_S} "
+                             f"to {stall.MAX_BUSY_TIMEOUT_S} s")
+
+    @classmethod
+    def from_flags(cls, stall_timeout: str = stall.AUTO,
+                   busy_timeout_s: float = stall.BUSY_TIMEOUT_S) -> LivenessConfig:
+        """The config of ``--stall-timeout`` (``auto``, ``off`` or seconds, as the user typed it
+        or normalized) and ``--busy-timeout``.
+
+        Raises:
+            SpecError: a ``--stall-timeout`` that is none of those (it names the flag).
+        """
+        text = stall.parse_stall_timeout(stall_timeout)
+        return cls(watch=text != stall.OFF, fixed_step_s=stall.stall_seconds(text),
+                   busy_s=float(busy_timeout_s))
+
+
 CHECKPOINT = CheckpointConfig()
 PREEMPTION = PreemptionConfig()
 WANDB = WandbConfig()
+LIVENESS = LivenessConfig()

@@ -536,6 +536,10 @@ class JobSpec:
         return components.PreemptionConfig(signal=self.signal, lead_s=self.signal_lead_s)
 
     @property
+    def liveness(self) -> components.LivenessConfig:
+        return components.LivenessConfig.from_flags(self.stall_timeout, self.busy_timeout_s)
+
+    @property
     def wandb(self) -> components.WandbConfig:
         return components.WandbConfig(project=self.wandb_project or self.job_name,
                                       entity=self.wandb_entity, mode=self.wandb_mode)

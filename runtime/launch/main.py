@@ -196,10 +196,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )
     # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
-    watchdog = Watchdog.for_job(plan.job_dir, spec.stall_timeout, allocation=plan.allocation,
+    watchdog = Watchdog.for_job(plan.job_dir, spec.liveness, allocation=plan.allocation,
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
-                                run_id=plan.run_id, max_nodes=plan.launchers,
-                                busy_timeout_s=spec.busy_timeout_s, local=plan.local)
+                                run_id=plan.run_id, max_nodes=plan.launchers, local=plan.local)
     watchdog.start()
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \

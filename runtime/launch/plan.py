@@ -21,7 +21,7 @@ from hpc.contract.jobspec import JobSpec
 from runtime import stopping, wandb_env
 from runtime.launch.cpus import job_cpus, omp_threads
 from runtime.env import SlurmEnv
-from runtime.liveness.deadline import policy_from_spec
+from runtime.liveness.deadline import policy_for
 from runtime.liveness.nccl import nccl_defaults
 from runtime.liveness.watchdog import heartbeat_dir
 from runtime.launch.network import EnvChange
@@ -112,7 +112,7 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
                             "one share of the job's CPUs (affinity, cgroup quota) per worker"),
         **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
         # GPU jobs: NCCL's watchdog and flight recorder, coherent with the stall watch.
-        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_from_spec(spec.stall_timeout, spec.busy_timeout_s),
+        **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_for(spec.liveness),
                         log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid())),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)

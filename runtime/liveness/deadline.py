@@ -21,7 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from hpc.contract.stall import AUTO, BUSY_TIMEOUT_S, OFF, stall_seconds
+from hpc.contract.components import LivenessConfig
+from hpc.contract.stall import BUSY_TIMEOUT_S
 
 STEP = "step"
 # A worker that publishes no heartbeat (a script without the Session): its output is all that
@@ -84,14 +85,12 @@ def collective_timeout_s(policy: StallPolicy) -> float:
     return policy.longest_s + 60
 
 
-def policy_from_spec(stall_timeout: str, busy_timeout_s: float = BUSY_TIMEOUT_S) -> StallPolicy | None:
-    """The policy for a JobSpec's ``stall_timeout`` (``auto``, ``off``, seconds) and
-    ``busy_timeout_s``; None: off."""
-    if stall_timeout == OFF:
+def policy_for(config: LivenessConfig) -> StallPolicy | None:
+    """The stall policy of a job's :class:`~hpc.contract.components.LivenessConfig`
+    (``JobSpec.liveness``); None: the watch is off."""
+    if not config.watch:
         return None
-    if stall_timeout == AUTO:
-        return StallPolicy(busy_s=float(busy_timeout_s))
-    return StallPolicy(fixed_s=stall_seconds(stall_timeout), busy_s=float(busy_timeout_s))
+    return StallPolicy(fixed_s=config.fixed_step_s, busy_s=config.busy_s)
 
 
 def p99(times: Sequence[float]) -> float | None:

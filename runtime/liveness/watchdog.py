@@ -54,11 +54,11 @@ import time
 from pathlib import Path
 
 from hpc.contract import environment as job_env
+from hpc.contract.components import LivenessConfig
 from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
 from runtime.liveness import events, nccl, nodes, proc, stacks
-from hpc.contract.stall import BUSY_TIMEOUT_S
-from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_from_spec
+from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
@@ -202,11 +202,12 @@ class Watchdog:
         self.board = NodeBoard(self.job_dir, allocation=allocation, node_rank=node_rank, host=self.host)
 
     @classmethod
-    def for_job(cls, job_dir: Path, stall_timeout: str, *, allocation: int, node_rank: int,
+    def for_job(cls, job_dir: Path, liveness: LivenessConfig, *, allocation: int, node_rank: int,
                 rdzv_endpoint: str = "", run_id: str = "", max_nodes: int = 1,
-                busy_timeout_s: float = BUSY_TIMEOUT_S, local: bool = False) -> Watchdog:
-        """The watchdog of one launcher; with a rendezvous endpoint, a peer beacon too."""
-        policy = policy_from_spec(stall_timeout, busy_timeout_s)
+                local: bool = False) -> Watchdog:
+        """The watchdog of one launcher (``liveness``: the job's ``JobSpec.liveness``); with a
+        rendezvous endpoint, a peer beacon too."""
+        policy = policy_for(liveness)
         beacon = PeerBeacon(rdzv_endpoint, run_id, node_rank=node_rank, host=socket.gethostname(),
                             max_nodes=max_nodes) if rdzv_endpoint and max_nodes > 1 and policy else None
         return cls(job_dir, allocation=allocation, node_rank=node_rank, policy=policy, beacon=beacon,

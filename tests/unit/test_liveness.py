@@ -16,7 +16,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobdir import Outcome
 from hpc.contract.stall import check_stall_timeout, parse_stall_timeout
 from runtime.liveness import events
-from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_from_spec, step_deadline_s
+from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, HeartbeatWriter, read_all
 from runtime.liveness.stacks import main_thread_first
 from runtime.liveness.verdict import (BUSY, COLLECTIVE, FROZEN, HARDWARE_KINDS, LOST, QUIET, USER, assess,
@@ -47,6 +47,14 @@ def test_jobspec_carries_the_stall_timeout(tmp_path: Path):
     assert JobSpec.from_json(spec.to_json()).stall_timeout == "60"
     with pytest.raises(SpecError):
         JobSpec(script="t.py", stall_timeout="soon")
+
+
+def policy_from_spec(stall_timeout: str, busy_timeout_s: int = 1800) -> StallPolicy | None:
+    """The flags' one way to a policy: the JobSpec's LivenessConfig, then policy_for."""
+    from hpc.contract.jobspec import JobSpec
+
+    spec = JobSpec(script="t.py", stall_timeout=stall_timeout, busy_timeout_s=busy_timeout_s)
+    return policy_for(spec.liveness)
 
 
 def test_policy_from_spec():
@@ -596,3 +604,35 @@ def test_a_stopped_process_gets_the_floor_even_after_a_long_unmarked_step():
     assert running.deadline_s == 450.0 and not running.overdue
     [stopped] = assess([slow], {100: True}, 25.0, POLICY)
     assert stopped.deadline_s == 20.0 and stopped.overdue and judge([stopped]).kind == FROZEN
+
+
+# --- LivenessConfig: the stall watch's settings, parsed once -------------------------------
+def test_liveness_config_parses_the_flags_once_and_refuses_bad_values():
+    from hpc.contract.components import LIVENESS, LivenessConfig
+    from hpc.contract.jobspec import JobSpec
+
+    assert JobSpec(script="t.py").liveness == LIVENESS == LivenessConfig.from_flags("auto")
+    assert LivenessConfig.from_flags(" OFF ").watch is False
+    assert LivenessConfig.from_flags("45", 300) == LivenessConfig(fixed_step_s=45.0, busy_s=300.0)
+    with pytest.raises(SpecError, match="--stall-timeout"):
+        LivenessConfig.from_flags("soon")
+    with pytest.raises(ValueError, match="fixed_step_s=2"):
+        LivenessConfig(fixed_step_s=2)
+    with pytest.raises(ValueError, match="busy_s=1"):
+        LivenessConfig(busy_s=1)
+
+
+def test_no_runtime_process_reads_the_stall_flags_text():
+    """The launcher, its watchdog, the NCCL plan and the Session take ``JobSpec.liveness``
+    whole: none reads ``stall_timeout``/``busy_timeout_s`` or parses the flag again."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else \
+                node.id if isinstance(node, ast.Name) else None
+            if name in ("stall_timeout", "busy_timeout_s", "parse_stall_timeout", "stall_seconds"):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert found == [], "take JobSpec.liveness (hpc.contract.components.LivenessConfig) instead"
