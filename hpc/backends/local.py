@@ -210,9 +210,9 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
     # Each `hpc run` on a job directory is a new allocation of that job (as a requeue is).
     earlier = jobdir.read_outcomes(job_dir)
     allocation = max([len(earlier), *(o.allocation + 1 for o in earlier)])
-    env = dict(os.environ, **{job_env.ALLOCATION: str(allocation)})
-    if verbose:
-        env[job_env.VERBOSE] = "1"   # the launchers' consoles show every log line
+    env = dict(os.environ)
+    # verbose: the launchers' consoles show every log line
+    job_env.JobEnvironment(allocation=allocation, verbose=verbose).export(env)
     me, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl   # loaded before fork
     procs: list[subprocess.Popen[bytes]] = []
     interrupts = [0]

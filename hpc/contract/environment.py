@@ -4,14 +4,16 @@
 learned at run time and hands to the workers it starts (and to their restarts): which
 allocation this is, when the hard kill comes, a warning that arrived before a worker could
 handle it. :class:`JobEnvironment` is the only place that names them; the launcher writes
-:meth:`JobEnvironment.to_env`, workers read :meth:`JobEnvironment.from_env` (tests pass
-dicts). torch-free: the login node's templates export two of them too.
+:meth:`JobEnvironment.to_env` (the only writer of ``HPC_*`` in Python, directly or through
+:meth:`JobEnvironment.export`; tests/unit/test_environment_writers.py keeps it so), workers read
+:meth:`JobEnvironment.from_env` (tests pass dicts). torch-free: the login node's templates
+export two of them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 # Variable names (the wire format), each with what it carries.
@@ -40,8 +42,9 @@ STOP_FILE = "HPC_STOP_FILE"              # JSON written when a stop begins: kind
 STOPPED_EXIT = 75
 
 
-# Fields written even when 0/False: a user's script reads "not resumed" from HPC_RESUMED=0.
-_SET_WHEN_ZERO = frozenset({"resumed", "requeue_count", "restart_count"})
+# Fields written even when 0/False: a user's script reads "not resumed" from HPC_RESUMED=0;
+# allocation 0 and rendezvous epoch 0 are values too.
+_SET_WHEN_ZERO = frozenset({"resumed", "requeue_count", "restart_count", "allocation", "rdzv_epoch"})
 
 
 def _float(env: Mapping[str, str], name: str) -> float | None:
@@ -79,6 +82,7 @@ class JobEnvironment:
     restart_count: int | None = None
     warning_lead_s: float | None = None
     stop_file: str = ""
+    verbose: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> JobEnvironment:
@@ -97,7 +101,8 @@ class JobEnvironment:
             checkpoint_dir=env.get(CHECKPOINT_DIR, ""),
             resumed={"1": True, "0": False}.get(env.get(RESUMED, "")),
             requeue_count=_int(env, REQUEUE_COUNT), restart_count=_int(env, RESTART_COUNT),
-            warning_lead_s=_float(env, WARNING_LEAD_S), stop_file=env.get(STOP_FILE, ""))
+            warning_lead_s=_float(env, WARNING_LEAD_S), stop_file=env.get(STOP_FILE, ""),
+            verbose=env.get(VERBOSE, "") == "1")
 
     def to_env(self) -> dict[str, str]:
         """The variables to set (fields left empty are not set)."""
@@ -109,7 +114,7 @@ class JobEnvironment:
                  "rdzv_epoch": RDZV_EPOCH,
                  "checkpoint_dir": CHECKPOINT_DIR, "resumed": RESUMED,
                  "requeue_count": REQUEUE_COUNT, "restart_count": RESTART_COUNT,
-                 "warning_lead_s": WARNING_LEAD_S, "stop_file": STOP_FILE}
+                 "warning_lead_s": WARNING_LEAD_S, "stop_file": STOP_FILE, "verbose": VERBOSE}
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -124,3 +129,15 @@ class JobEnvironment:
                 value = f"{value:.3f}".rstrip("0").rstrip(".")
             out[names[f.name]] = str(value)
         return out
+
+    def export(self, environ: MutableMapping[str, str], *, keep_set: bool = False) -> None:
+        """Writes :meth:`to_env` into ``environ`` (``os.environ``, a child's env dict).
+
+        Args:
+            environ: Where to write.
+            keep_set: Leave a variable that is already set as it is (the first warning stays
+                the first).
+        """
+        for name, value in self.to_env().items():
+            if not keep_set or name not in environ:
+                environ[name] = value

@@ -43,7 +43,7 @@ class SignalForwarder:
         now = time.time()
         self.received.append((now, name))
         # Workers (re)started from now on learn of the warning from their environment.
-        os.environ.setdefault(job_env.PENDING_WARNING, f"{name}@{now:.3f}")
+        job_env.JobEnvironment(pending_warning=f"{name}@{now:.3f}").export(os.environ, keep_set=True)
         # Forwarded first: the stop tracker then starts a Slurm query, a child of this process
         # too, which must not get the signal (nor any later one while it runs: IN_FLIGHT).
         workers = [pid for pid in children(os.getpid()) if pid not in slurm.IN_FLIGHT]

@@ -177,7 +177,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
 
     spec = plan.spec
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
-    os.environ[job_env.RDZV_EPOCH] = str(epoch)
+    job_env.JobEnvironment(rdzv_epoch=epoch).export(os.environ)
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     logs_specs = _logs_specs(plan, tee)
 
@@ -530,10 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     known = job_env.JobEnvironment.from_env(os.environ)   # in a container: from the batch shell
     end, grace = (known.job_end_time, known.grace_s) if spec.container_image \
         else slurm_deadlines(os.environ)
-    if end:
-        os.environ[job_env.JOB_END_TIME] = f"{end:.0f}"
-    if grace:
-        os.environ[job_env.GRACE_S] = f"{grace:.0f}"
+    job_env.JobEnvironment(job_end_time=float(round(end)) if end else None,
+                           grace_s=float(round(grace)) if grace else None).export(os.environ)
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
     plan = dataclasses.replace(plan, local=args.local)

@@ -219,7 +219,7 @@ class Watchdog:
         clean_stale_heartbeat_dirs(self.directory.parent)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         old = os.environ.get(job_env.HEARTBEAT_DIR)
-        os.environ[job_env.HEARTBEAT_DIR] = str(self.directory)
+        job_env.JobEnvironment(heartbeat_dir=str(self.directory)).export(os.environ)
         log.info("env %s: %s -> %r (node-local worker heartbeats for the stall watch)",
                  job_env.HEARTBEAT_DIR, repr(old) if old is not None else "(unset)", str(self.directory))
         if self.policy is None:

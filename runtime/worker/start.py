@@ -18,8 +18,7 @@ import signal
 import sys
 from collections.abc import Mapping
 
-from hpc.contract import environment as job_env
-from hpc.contract.environment import PENDING_WARNING, JobEnvironment
+from hpc.contract.environment import JobEnvironment
 from runtime.stopping import exit_if_stopping
 from runtime.liveness import stacks
 from runtime.wandb_env import finish_run_on_sigterm
@@ -55,7 +54,8 @@ def record_early_warning() -> None:
 
     def record(signum: int, frame: object) -> None:
         import time
-        os.environ.setdefault(PENDING_WARNING, f"{signal.Signals(signum).name}@{time.time():.3f}")
+        JobEnvironment(pending_warning=f"{signal.Signals(signum).name}@{time.time():.3f}").export(
+            os.environ, keep_set=True)
 
     signal.signal(getattr(signal, name), record)
 
@@ -85,10 +85,8 @@ def script_contract(job: JobEnvironment, env: Mapping[str, str]) -> dict[str, st
     restart count, and a restarted worker resumes whatever the allocation says.
     """
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    out = {job_env.RESTART_COUNT: str(restart)}
-    if job.resumed is not None or restart:
-        out[job_env.RESUMED] = "1" if job.resumed or restart else "0"
-    return out
+    resumed = bool(job.resumed or restart) if job.resumed is not None or restart else None
+    return JobEnvironment(restart_count=restart, resumed=resumed).to_env()
 
 
 def main(argv: list[str]) -> None:
