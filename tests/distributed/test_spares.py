@@ -1,0 +1,95 @@
+"""A hot spare for real, on one machine: ``hpc run --nodes 2 --spare-nodes 1`` starts three
+launchers; torch's rendezvous takes two, the third waits without a rank. A member's launcher
+and workers are SIGKILLed mid-training (as a node crash ends them); the spare takes its place,
+the group re-forms at world 2 from the last checkpoint and finishes with the weights and sample
+order of the uninterrupted 2-node run. (The cluster test, tests/slurm/test_spares.py, does the
+same with a crashed node and a cut link, and checks the ledger and ``hpc status``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, wait_until
+
+pytestmark = pytest.mark.distributed
+TRAIN = REPO / "examples" / "train_gpt.py"
+ARGS = ("--preset", "tiny", "--max-steps", "12")
+
+
+def hpc_run(job: Path, *hpc_args: str, train: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", "1", "--job-dir", str(job),
+         "--checkpoint-every-steps", "2", *hpc_args, "--", *ARGS, *train],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def latest_step(job: Path) -> int:
+    try:
+        return int((job / "checkpoints" / "latest").read_text().strip().split("-")[-1])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def launchers(job: Path) -> tuple[set[int], set[int]]:
+    """(node ranks whose workers started, node ranks ready to join)."""
+    try:
+        evs = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return set(), set()
+    return ({e["node_rank"] for e in evs if e.get("ev") == "workers_started"},
+            {e["node_rank"] for e in evs if e.get("ev") == "node_ready"})
+
+
+def launcher_pid(job: Path, node_rank: int) -> int:
+    """The pid of ``hpc run``'s launcher for ``node_rank`` (its own session: its pgid)."""
+    for pid in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if "runtime.launch" in words and str(job) in words and \
+                words[words.index("--node-rank") + 1] == str(node_rank):
+            return int(pid)
+    raise AssertionError(f"no launcher for node rank {node_rank}")
+
+
+def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_world(tmp_path: Path):
+    job, plain = tmp_path / "spare", tmp_path / "plain"
+    run = hpc_run(job, "--nodes", "2", "--spare-nodes", "1", train=("--step-sleep", "0.3"))
+    try:
+        wait_until(lambda: latest_step(job) >= 4 and len(launchers(job)[0]) == 2
+                   and len(launchers(job)[1]) == 3, 240, f"training with a spare waiting: {launchers(job)}")
+        started, ready = launchers(job)
+        [spare] = ready - started
+        victim = max(started - {0})      # node 0 hosts the rendezvous store
+        killed_at = time.time()
+        os.killpg(launcher_pid(job, victim), signal.SIGKILL)   # the launcher and its workers
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert spare in launchers(job)[0], f"the spare's workers never started: {launchers(job)}\n{out[-3000:]}"
+    result = json.loads((job / "result.json").read_text())
+    assert result["final_step"] == 12 and result["world_size"] == 2, result
+    print(f"node rank {victim} killed; finished {time.time() - killed_at:.1f} s later")
+    base = hpc_run(plain, "--nodes", "2")
+    base_out, _ = base.communicate(timeout=300)
+    assert base.returncode == 0, base_out[-3000:]
+    expected = json.loads((plain / "result.json").read_text())
+    assert result["sample_order_sha256"] == expected["sample_order_sha256"], "samples lost or repeated"
+    assert result["weights_sha256"] == expected["weights_sha256"], "not the numerics of the same world"
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["hangs"] == [], outcome
+    status = subprocess.run([sys.executable, "-m", "hpc", "status", str(job)], cwd=REPO,
+                            capture_output=True, text=True, env={**os.environ, "HPC_HOME": str(tmp_path)})
+    assert f"(node rank {spare}) joined" in status.stdout, status.stdout + status.stderr
