@@ -22,7 +22,7 @@ from tests.conftest import REPO, wait_until
 
 pytestmark = pytest.mark.distributed
 TRAIN = REPO / "examples" / "train_gpt.py"
-ARGS = ("--preset", "tiny", "--max-steps", "12")
+ARGS = ("--preset", "tiny", "--max-steps", "8")
 
 
 def hpc_run(job: Path, *hpc_args: str, train: tuple[str, ...] = ()) -> subprocess.Popen[str]:
@@ -65,9 +65,10 @@ def launcher_pid(job: Path, node_rank: int) -> int:
 
 def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_world(tmp_path: Path):
     job, plain = tmp_path / "spare", tmp_path / "plain"
+    base = hpc_run(plain, "--nodes", "2")    # the uninterrupted run, meanwhile
     run = hpc_run(job, "--nodes", "2", "--spare-nodes", "1", train=("--step-sleep", "0.3"))
     try:
-        wait_until(lambda: latest_step(job) >= 4 and len(launchers(job)[0]) == 2
+        wait_until(lambda: latest_step(job) >= 2 and len(launchers(job)[0]) == 2
                    and len(launchers(job)[1]) == 3, 240, f"training with a spare waiting: {launchers(job)}")
         started, ready = launchers(job)
         [spare] = ready - started
@@ -75,15 +76,16 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_wo
         killed_at = time.time()
         os.killpg(launcher_pid(job, victim), signal.SIGKILL)   # the launcher and its workers
         out, _ = run.communicate(timeout=300)
+        took_s = time.time() - killed_at
+        base_out, _ = base.communicate(timeout=300)
     finally:
-        if run.poll() is None:
-            run.kill()
+        for p in (run, base):
+            if p.poll() is None:
+                p.kill()
     assert spare in launchers(job)[0], f"the spare's workers never started: {launchers(job)}\n{out[-3000:]}"
     result = json.loads((job / "result.json").read_text())
-    assert result["final_step"] == 12 and result["world_size"] == 2, result
-    print(f"node rank {victim} killed; finished {time.time() - killed_at:.1f} s later")
-    base = hpc_run(plain, "--nodes", "2")
-    base_out, _ = base.communicate(timeout=300)
+    assert result["final_step"] == 8 and result["world_size"] == 2, result
+    print(f"node rank {victim} killed; finished {took_s:.1f} s later")
     assert base.returncode == 0, base_out[-3000:]
     expected = json.loads((plain / "result.json").read_text())
     assert result["sample_order_sha256"] == expected["sample_order_sha256"], "samples lost or repeated"
@@ -93,3 +95,21 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_wo
     status = subprocess.run([sys.executable, "-m", "hpc", "status", str(job)], cwd=REPO,
                             capture_output=True, text=True, env={**os.environ, "HPC_HOME": str(tmp_path)})
     assert f"(node rank {spare}) joined" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_spare_failing_its_health_check_is_not_used_and_no_one_waits_for_it(tmp_path: Path):
+    """Node rank 2, one of three launchers of ``--nodes 2 --spare-nodes 1``, fails its pre-join
+    check (its job-directory probe points at a path that cannot be written): it leaves without
+    joining, and the two others train at world 2 and finish; nothing waited for it."""
+    job = tmp_path / "job"
+    r = subprocess.run(
+        [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", "2", "--spare-nodes", "1",
+         "--nproc-per-node", "1", "--job-dir", str(job), "--env", "HPC_TEST_HEALTH_FAIL=2",
+         "--", "--preset", "tiny", "--max-steps", "4"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert json.loads((job / "result.json").read_text())["world_size"] == 2
+    started, ready = launchers(job)
+    assert started == ready == {0, 1}, (started, ready)
+    logs = "".join(p.read_text() for p in (job / "logs" / "alloc-0").glob("node-*.log"))
+    assert "[hpc launch node 2] ERROR health check failed" in logs and "this node leaves the job" in logs

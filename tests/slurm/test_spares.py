@@ -44,19 +44,22 @@ def members(job: Path) -> tuple[set[str], set[str]]:
 
 def run_with_spare(env: dict[str, str], job: Path, baseline: dict, fault: str, slurm_cluster) -> None:
     job_id = submit(env, job, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "3",
-                    train=("--step-sleep", "0.2"))
+                    train=("--step-sleep", "0.1"))
+    submitted = time.time()
     wait_until(lambda: latest_step(job) >= 4 and len(members(job)[0]) == 2 and len(members(job)[1]) == 3,
                240, f"training on 2 nodes with a third waiting; events: {members(job)}")
     started, ready = members(job)
     [spare] = ready - started
     # The rendezvous host (node1, the first node) hosts the store: lose the other member.
     victim = sorted(started - {"node1"})[-1]
-    print(f"members {sorted(started)}, spare {spare}; {fault} {victim} at step {latest_step(job)}")
+    print(f"members {sorted(started)}, spare {spare}; {fault} {victim} at step {latest_step(job)}, "
+          f"{time.time() - submitted:.1f} s after the submission")
     lost_at = time.time()
     getattr(slurm_cluster, fault)(victim)
     wait_until(lambda: spare in members(job)[0], 120, f"{spare} to join; outcomes {outcomes(job)}")
     print(f"{fault} -> spare {spare}'s workers started {time.time() - lost_at:.1f} s later")
     wait_done(env, job_id, job)
+    print(f"job done {time.time() - lost_at:.1f} s after the {fault}")
     result = assert_same_as_baseline(job, baseline)
     assert result["world_size"] == 4, "the spare kept the world size (2 nodes x 2)"
     assert [o["kind"] for o in outcomes(job)] == ["finished"], outcomes(job)
