@@ -149,3 +149,11 @@ def test_launchers_sharing_a_host_are_told_apart_by_node_rank():
     """hpc run: every launcher is on this machine."""
     evs = [dict(e, node="vm") for e in crash_with_spare()]
     assert describe(evs, 1) == "hot spares: 1; vm (node rank 2) joined 55s in"
+
+
+def test_the_picture_gives_the_spare_a_lane(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hpc.report.plot import render_png
+
+    led = build(crash_with_spare(), slurm_runs={0: {"start": 0, "end": 100, "node_ends": {"n2": 60}}})
+    assert render_png(led, tmp_path / "t.png").stat().st_size > 1000
