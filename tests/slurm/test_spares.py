@@ -44,7 +44,7 @@ def members(job: Path) -> tuple[set[str], set[str]]:
 
 def run_with_spare(env: dict[str, str], job: Path, baseline: dict, fault: str, slurm_cluster) -> None:
     job_id = submit(env, job, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "3",
-                    train=("--step-sleep", "0.1"))
+                    train=("--step-sleep", "0.2"))
     submitted = time.time()
     wait_until(lambda: latest_step(job) >= 4 and len(members(job)[0]) == 2 and len(members(job)[1]) == 3,
                240, f"training on 2 nodes with a third waiting; events: {members(job)}")
