@@ -1,7 +1,8 @@
 """Hot spares (``--spare-nodes``), the pure parts: the option and what each backend makes of it,
 which node waited as a spare and when it joined (from the launchers' events), its idle time as
 its own category of the goodput ledger, and ``hpc status``'s line. The behaviour across
-processes and nodes is proven in tests/distributed/test_spares.py and tests/slurm/test_spares.py.
+processes and nodes is proven in tests/distributed/test_spares_local.py and
+tests/slurm/test_spares_on_cluster.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 launchers; torch's rendezvous takes two, the third waits without a rank. A member's launcher
 and workers are SIGKILLed mid-training (as a node crash ends them); the spare takes its place,
 the group re-forms at world 2 from the last checkpoint and finishes with the weights and sample
-order of the uninterrupted 2-node run. (The cluster test, tests/slurm/test_spares.py, does the
-same with a crashed node and a cut link, and checks the ledger and ``hpc status``.)
+order of the uninterrupted 2-node run. (The cluster test, tests/slurm/test_spares_on_cluster.py,
+does the same with a crashed node and a cut link, and checks the ledger and ``hpc status``.)
 """
 
 from __future__ import annotations
