@@ -84,5 +84,5 @@ def test_a_crashed_node_is_replaced_by_the_spare_bit_equal(env, slurm_cluster, t
 def test_a_cut_link_is_replaced_by_the_spare_bit_equal(env, slurm_cluster, tmp_path, baseline):
     """Nothing closes on a cut link: the survivors' stall watch names the silent node and kills
     its workers; the re-formed group takes the spare. The cut node, cut off from the store and
-    from Slurm's controller, fences itself and records nothing (runtime/launch.py)."""
+    from Slurm's controller, fences itself and records nothing (runtime/launch/main.py)."""
     run_with_spare(env, tmp_path / "cut", baseline, "cut", slurm_cluster)
