@@ -67,6 +67,18 @@ class SlurmEnv:
         )
 
 
+
+def rendezvous_host(env: Mapping[str, str], given: str = "", *, default: str = "127.0.0.1") -> str:
+    """The host of the c10d rendezvous, by the one rule every process uses.
+
+    ``--rdzv-host`` when given, else ``HPC_RDZV_HOST`` (the batch shell's: the allocation's first
+    node as ``scontrol show hostnames`` lists it), else the allocation's first node from Slurm's
+    variables (:attr:`SlurmEnv.first_node`; a submitit or TorchX job step), else ``default``
+    (outside Slurm: this machine).
+    """
+    return (given or JobEnvironment.from_env(env).rdzv_host or SlurmEnv.from_env(env).first_node
+            or default)
+
 @dataclass(frozen=True)
 class WorkerEnv:
     """What torchrun's elastic agent tells each worker (RANK, WORLD_SIZE, ...)."""

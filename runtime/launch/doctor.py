@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc.contract.slurm_parse import expand_hostlist
+from runtime.env import rendezvous_host
 from runtime.launch import health, network
 
 
@@ -189,18 +189,18 @@ def format_reports(reports: list[Report]) -> str:
     return "\n".join(lines)
 
 
-def _first_node(env: dict[str, str]) -> str:
-    nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
-    if not nodes:
+def _first_node(env: dict[str, str], given: str) -> str:
+    host = rendezvous_host(env, given, default="")
+    if not host:
         raise SystemExit("hpc doctor --multi-node must run inside a Slurm step (no SLURM_JOB_NODELIST)")
-    return nodes[0]
+    return host
 
 
 def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if getattr(args, "multi_node", False):
         rank, world = int(env.get("SLURM_NODEID", "0")), int(env.get("SLURM_NNODES", "1"))
-        rdzv = args.rdzv_host or _first_node(env)
+        rdzv = _first_node(env, args.rdzv_host or "")
         rep = node_report(rdzv, multi_node=world > 1)
         reports = collective_checks(rep, rank=rank, world=world, rdzv_host=rdzv, port=args.port,
                                     shared_dir=Path(args.shared_dir).absolute())

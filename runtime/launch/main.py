@@ -39,7 +39,7 @@ from hpc.contract.jobpaths import JobPaths
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
-from runtime.env import SlurmEnv
+from runtime.env import SlurmEnv, rendezvous_host
 from runtime.events import LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.launch.lifeline import watch_parent
@@ -511,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     _ARGV[:] = [a for a in (sys.argv[1:] if argv is None else argv)]
 
     job_dir = Path(args.job_dir).absolute()
-    args.rdzv_host = (args.rdzv_host or os.environ.get(job_env.RDZV_HOST)
-                      or SlurmEnv.from_env(os.environ).first_node or "127.0.0.1")
+    args.rdzv_host = rendezvous_host(os.environ, args.rdzv_host or "")
     spec = JobSpec.load(job_dir)
     if args.rdzv_port:
         spec = spec.replace(rdzv_port=args.rdzv_port)
