@@ -105,7 +105,7 @@ def test_a_spare_failing_its_health_check_is_not_used_and_no_one_waits_for_it(tm
     r = subprocess.run(
         [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", "2", "--spare-nodes", "1",
          "--nproc-per-node", "1", "--job-dir", str(job), "--env", "HPC_TEST_HEALTH_FAIL=2",
-         "--", "--preset", "tiny", "--max-steps", "4"],
+         "--", "--preset", "tiny", "--max-steps", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert json.loads((job / "result.json").read_text())["world_size"] == 2
