@@ -88,6 +88,30 @@ def task_args(job_overrides: Sequence[Sequence[str]], first: int) -> list[tuple[
     return [(f"--hydra-job-num={first + i}", *overrides) for i, overrides in enumerate(job_overrides)]
 
 
+def app_notes(lines: Sequence[str], app: Path | None) -> list[str]:
+    """hpc's advice about the job, told about the Hydra app instead of ``_task.py`` (pure but
+    for reading the app's source).
+
+    hpc reads the job's script to say whether it saves checkpoints through the Session; that
+    script is ``_task.py`` here, while the training code is the app's task function.
+    """
+    from hpc.contract.interval import uses_session
+
+    about_task = f"{TASK_SCRIPT.name} does not import runtime.session"
+    out = []
+    for line in lines:
+        if about_task in line:
+            try:
+                source = app.read_text(errors="replace") if app is not None else None
+            except OSError:
+                source = None
+            if source is None or uses_session(source):
+                continue      # unknown, or the app uses the Session: nothing to warn about
+            line = line.replace(TASK_SCRIPT.name, app.name)   # type: ignore[union-attr]
+        out.append(line)
+    return out
+
+
 def failed_return(overrides: Sequence[str], error: BaseException) -> JobReturn:
     """A ``JobReturn`` for a task that left none: Hydra raises ``error`` when it reads it."""
     ret = JobReturn(overrides=list(overrides), status=JobStatus.FAILED)
@@ -159,8 +183,9 @@ class HpcLauncher(Launcher):
         """Submits the array, waits for it; returns each task's job directory, in order."""
         import hpc
 
+        app = Path(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else None
         sweep = hpc.sweep(spec, arg_sets, throttle=int(self.params.get("throttle") or 0),
-                          on_notes=lambda lines: [log.warning(x) for x in lines])
+                          on_notes=lambda lines: [log.warning(x) for x in app_notes(lines, app)])
         log.info(f"hpc launcher: submitted array {sweep.job_id} ({len(arg_sets)} tasks); "
                  f"`hpc status {sweep.job_id}` shows it, Ctrl-C stops waiting (not the jobs)")
         sweep.wait(self.params.get("timeout_s"),

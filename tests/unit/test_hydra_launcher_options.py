@@ -55,3 +55,17 @@ def test_the_launcher_configs_offer_every_hpc_toml_key() -> None:
         fields = set(conf.__dataclass_fields__)
         assert set(CONFIG_KEYS) <= fields and {"throttle", "poll_interval_s", "timeout_s"} <= fields
     assert HpcLauncherConf().job_dir == "${hydra.sweep.dir}/.hpc"
+
+
+def test_hpcs_advice_speaks_of_the_hydra_app_not_the_task_runner(tmp_path) -> None:
+    from hydra_plugins.hpc_launcher.launcher import app_notes
+
+    note = ("_task.py does not import runtime.session, so hpc-elastic saves no checkpoint for it: "
+            "only the script's own saves (in $HPC_CHECKPOINT_DIR) survive a crash (docs/own-script.md)")
+    plain, with_session = tmp_path / "train.py", tmp_path / "fit.py"
+    plain.write_text("import hydra\n")
+    with_session.write_text("from runtime.session import Session\n")
+    other = "--cpus-per-task is not set"
+    assert app_notes([note, other], plain) == [note.replace("_task.py", "train.py"), other]
+    assert app_notes([note, other], with_session) == [other]
+    assert app_notes([note], None) == []
