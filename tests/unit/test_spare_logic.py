@@ -125,10 +125,18 @@ def test_the_ledger_counts_the_spares_wait_as_its_own_category_and_marks_its_joi
     assert sum(led.categories.values()) == pytest.approx(led.allocated_node_s)
     assert [m.label for m in a.markers if m.kind == "spare"] == ["spare n3 joins"]
     assert a.spares == {"n3": [10.01, 55.02, True]}
-    # The spare's rendezvous round [3, 55] is its wait, not a re-form of the job's group.
-    assert led.categories["rendezvous"] < 3 * 10, led.categories
     assert "idle hot spares" in format_table(led)
     assert "spare" in CATEGORIES
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_the_spares_own_rendezvous_round_is_its_wait_not_a_re_form(joined):
+    """Its agent's round spans its whole wait ([3, 55], or [3, 100] when released at the end):
+    the ledger is the same as without that record."""
+    runs = {0: {"start": 0, "end": 100, "node_ends": {"n2": 60}}}
+    evs = crash_with_spare(joined)
+    without = [e for e in evs if not (e["ev"] == "agent_rendezvous" and e["node"] == "n3")]
+    assert build(evs, slurm_runs=runs).categories == build(without, slurm_runs=runs).categories
 
 
 def test_a_spare_never_needed_is_idle_until_the_end():
