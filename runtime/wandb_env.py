@@ -6,7 +6,8 @@ run id, resume mode, directory and mode from its own environment variables when 
 not given them, so the launcher hands every worker:
 
 * ``WANDB_RUN_ID``: the job's run id, the one in ``JOB_DIR/wandb_run_id`` that our Session's
-  sink uses too (:func:`runtime.worker.wandb_sink.load_or_create_run_id`; created once, atomically);
+  sink uses too (:func:`load_or_create_run_id`, here because the launcher and the sink both
+  create it: created once, atomically);
 * ``WANDB_RESUME=allow``: continue that run if it exists, create it if not (``must`` fails on
   the first start and offline);
 * ``WANDB_DIR=JOB_DIR``: the offline runs land in ``JOB_DIR/wandb/offline-run-*`` where
@@ -28,9 +29,41 @@ available offline. See docs/own-script.md.
 
 from __future__ import annotations
 
+import os
+import secrets
+import string
 from pathlib import Path
 
-from runtime.worker.wandb_sink import load_or_create_run_id
+from hpc.contract import jobdir
+
+RUN_ID_FILE = jobdir.WANDB_RUN_ID
+
+
+def load_or_create_run_id(job_dir: Path, preferred: str | None = None) -> str:
+    """The job's W&B run id: read `JOB_DIR/wandb_run_id`, or create it exactly once.
+
+    Args:
+        job_dir: the job directory.
+        preferred: an id to store if none exists yet (e.g. from a checkpoint manifest).
+
+    Returns:
+        The id in the file; if two processes race, both return the one that won.
+    """
+    path = Path(job_dir) / RUN_ID_FILE
+    if path.exists() and path.read_text().strip():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    alphabet = string.ascii_lowercase + string.digits
+    run_id = preferred or "".join(secrets.choice(alphabet) for _ in range(8))
+    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(run_id + "\n")
+    try:
+        os.link(tmp, path)  # atomic and exclusive: fails if another process created it first
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
 
 
 def defaults(job_dir: Path, mode: str) -> dict[str, tuple[str, str]]:

@@ -32,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
-import string
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from hpc.contract import components, jobdir
 from hpc.contract.components import WandbConfig
 from hpc.contract.jobspec import WANDB_MODES
+from runtime.wandb_env import RUN_ID_FILE, load_or_create_run_id  # noqa: F401 - re-exported
 from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
 if TYPE_CHECKING:
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RUN_ID_FILE = jobdir.WANDB_RUN_ID
 STATE_FILE = jobdir.WANDB_STATE
 FALLBACK_FILE = jobdir.METRICS_JSONL
 DEFAULT_PROJECT = "hpc-elastic"
@@ -87,33 +85,6 @@ class WandbSettings:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.init_attempts < 1:
             raise ValueError(f"init_attempts must be >= 1, got {self.init_attempts}")
-
-
-def load_or_create_run_id(job_dir: Path, preferred: str | None = None) -> str:
-    """The job's W&B run id: read `JOB_DIR/wandb_run_id`, or create it exactly once.
-
-    Args:
-        job_dir: the job directory.
-        preferred: an id to store if none exists yet (e.g. from a checkpoint manifest).
-
-    Returns:
-        The id in the file; if two processes race, both return the one that won.
-    """
-    path = Path(job_dir) / RUN_ID_FILE
-    if path.exists() and path.read_text().strip():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    alphabet = string.ascii_lowercase + string.digits
-    run_id = preferred or "".join(secrets.choice(alphabet) for _ in range(8))
-    tmp = path.with_name(f".{RUN_ID_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(run_id + "\n")
-    try:
-        os.link(tmp, path)  # atomic and exclusive: fails if another process created it first
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.read_text().strip()
 
 
 def run_metadata(worker: WorkerEnv) -> dict[str, Any]:

@@ -49,14 +49,13 @@ TOP: dict[str, tuple[str, str]] = {
     "succession": (SHARED, "the rendezvous board: launchers elect, checkpoints are fenced by it"),
     "exclusions": (SHARED, "bad nodes: the launcher and its watchdog record, the batch shell "
                            "enforces (python -m runtime.exclusions)"),
-    "wandb_env": (SHARED, "the W&B variables the launcher hands to scripts that call "
-                          "wandb.init() themselves, and the worker's finish on SIGTERM"),
+    "wandb_env": (SHARED, "the job's one W&B run id (launcher and sink), the W&B variables the "
+                          "launcher hands to scripts' own wandb.init(), the worker's finish on SIGTERM"),
 }
 
 CROSSINGS: dict[str, str] = {
-    # "module -> target": why this import crosses from one side to the other
-    "runtime.wandb_env -> runtime.worker.wandb_sink": "the job's one W&B run id file "
-        "(load_or_create_run_id) is created by the launcher and the Session's sink alike",
+    # "module -> target": why this import crosses from one side to the other (none today: the
+    # job's W&B run id, created by the launcher and the sink alike, lives in runtime.wandb_env)
 }
 
 
