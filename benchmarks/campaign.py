@@ -449,9 +449,13 @@ def run_campaign(contenders: list[Contender], seeds: list[int], cfg: Config, env
     t0 = time.time()
 
     def make_references() -> None:
+        done: dict[tuple[str, int], str] = {}   # one per script and world size
         for c in contenders:
             for world in worlds:
-                references[(c.name, world)] = c.reference(world, cfg, root / f"ref-{c.name}-w{world}")
+                script = type(c).__name__
+                if (script, world) not in done:
+                    done[(script, world)] = c.reference(world, cfg, root / f"ref-{c.name}-w{world}")
+                references[(c.name, world)] = done[(script, world)]
         print(f"references (local, uninterrupted): {time.time() - t0:.0f} s", flush=True)
     maker = threading.Thread(target=make_references, daemon=True)
     maker.start()
