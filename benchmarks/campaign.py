@@ -509,7 +509,14 @@ def main() -> None:
     p.add_argument("--md", default="", help="write the results table here")
     p.add_argument("--png-dir", default="", help="draw the first seed's ledger of each contender here")
     p.add_argument("--keep", default="", help="keep job directories here (default: a temporary one)")
+    p.add_argument("--from-partial", default="", metavar="PATH",
+                   help="summarize a campaign cut short from its JSON.partial record (--keep: its "
+                        "job directories, where the uninterrupted references are)")
     args = p.parse_args()
+    if args.from_partial:
+        out = from_partial(Path(args.from_partial), Path(args.keep))
+        write(out, args.json, args.md)
+        return
     unknown = [c for c in args.contenders if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; valid: {', '.join(CONTENDERS)}")
@@ -537,12 +544,41 @@ def main() -> None:
                                Path(args.png_dir) if args.png_dir else None,
                                partial=Path(args.json + ".partial") if args.json else None)
     out["skipped"] = skipped
-    table = cm.markdown(out["contenders"])
+    write(out, args.json, args.md)
+
+
+def write(out: dict[str, Any], json_path: str, md_path: str) -> None:
+    """Prints the tables; writes the JSON record and the markdown tables where asked."""
+    table = cm.markdown(out["contenders"]) + "\nEvery run:\n\n" + cm.runs_markdown(out["runs"])
     print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
-    if args.md:
-        Path(args.md).write_text(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=1, default=str) + "\n")
+    if md_path:
+        Path(md_path).write_text(table)
+
+
+def from_partial(path: Path, root: Path) -> dict[str, Any]:
+    """The record of a campaign cut short: its finished runs, the weights compared with the
+    references it had made (``root/ref-NAME-wW/result.json``)."""
+    data = json.loads(path.read_text())
+    refs: dict[tuple[str, int], str] = {}
+    for res in root.glob("ref-*-w*/result.json"):
+        name, world = res.parent.name[len("ref-"):].rsplit("-w", 1)
+        refs[(name, int(world))] = json.loads(res.read_text())["weights_sha256"]
+    for script, names in (("Ours", [n for n, c in CONTENDERS.items() if isinstance(c, Ours)]),):
+        for (name, world), digest in list(refs.items()):
+            if name in names:
+                for other in names:
+                    refs.setdefault((other, world), digest)
+    runs = data["runs"]
+    for r in runs:
+        ref = refs.get((r["contender"], r["final_world"]))
+        r["weights_equal"] = bool(ref and r.pop("weights_sha256", None) == ref)
+        r["reference_world_available"] = ref is not None
+    seeds = sorted({int(r["seed"]) for r in runs})
+    return {"seeds": seeds, "contenders": cm.summarize(runs), "runs": runs,
+            "failed": data.get("failed", []), "cut_short": True,
+            "references": {f"{k[0]}-w{k[1]}": v for k, v in refs.items()}}
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> 
             "finished": [bool(r["finished"]) for _, r in sorted(seeds.items())],
             "finished_unattended": [bool(r.get("finished_unattended", r["finished"]))
                                     for _, r in sorted(seeds.items())],
-            "weights_equal": [bool(r["weights_equal"]) for _, r in sorted(seeds.items())],
+            "weights_equal": [bool(r.get("weights_equal")) for _, r in sorted(seeds.items())],
         }
         base = by.get(baseline, {})
         paired = [s for s in seeds if s in base]
@@ -245,4 +245,23 @@ def markdown(summary: Mapping[str, Any], baseline: str = "baseline") -> str:
     for k in kinds:
         lines.append(f"| {LABELS[k]} | " + " | ".join(fmt(e["lost_node_s_by_kind"].get(k, {}))
                                                    for e in summary.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def runs_markdown(runs: Sequence[Mapping[str, Any]]) -> str:
+    """One line per run: how it ended, each fault's cost, the machine's load while it ran."""
+    lines = ["| contender | seed | finished | resubmitted | goodput | allocated node-s | faults: step, node-s lost "
+             "(* never recovered) | steps twice | worlds | load (1-min, median [min, max]) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | --- | --- |"]
+    for r in runs:
+        faults = ", ".join(f"{f['kind']} @{f['step']}: {f['lost_node_s']:.0f}{'' if f['recovered'] else '*'}"
+                           for f in r["faults"])
+        missed = r.get("faults_not_reached") or []
+        if missed:
+            faults += f"; not reached: {', '.join(k for _, k in missed)}"
+        load = r.get("load_1m") or {}
+        load_s = f"{load['median']:.1f} [{load['min']:.1f}, {load['max']:.1f}]" if load else "-"
+        lines.append(f"| {r['contender']} | {r['seed']} | {'yes' if r['finished'] else 'no'} | "
+                     f"{len(r.get('resubmitted') or [])} | {r['goodput'] * 100:.1f}% | {r['allocated_node_s']:.0f} | "
+                     f"{faults} | {r['lost_steps']} | {r.get('worlds_seen')} | {load_s} |")
     return "\n".join(lines) + "\n"

@@ -111,3 +111,15 @@ def test_summary_pairs_seeds_and_gives_ratios_to_the_baseline():
     table = cm.markdown(s)
     assert "| restart | 80.0% [80.0%, 80.0%] | 35.0 [20.0, 50.0] | 3 [3, 3] | 2/2 (2) |" in table
     assert "worker frozen (SIGSTOP)" in table
+
+
+def test_the_run_table_marks_a_fault_never_recovered_and_the_faults_not_reached():
+    run = {"contender": "baseline", "seed": 1, "finished": False, "resubmitted": [], "goodput": 0.056,
+           "allocated_node_s": 1773.0, "lost_steps": 8, "worlds_seen": [3],
+           "load_1m": {"median": 8.6, "min": 4.5, "max": 12.1},
+           "faults": [{"kind": "node_crash", "step": 7, "lost_node_s": 185.2, "recovered": True},
+                      {"kind": "freeze", "step": 15, "lost_node_s": 1482.0, "recovered": False}],
+           "faults_not_reached": [[30, "preempt"]]}
+    line = cm.runs_markdown([run]).splitlines()[-1]
+    assert "node_crash @7: 185, freeze @15: 1482*; not reached: preempt" in line
+    assert "| no | 0 | 5.6% | 1773 |" in line and "8.6 [4.5, 12.1]" in line
