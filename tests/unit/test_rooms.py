@@ -86,7 +86,8 @@ def crossings(edges: list[Import]) -> list[str]:
 def test_every_runtime_module_has_a_room() -> None:
     undeclared = sorted(m for m in modules() if m.startswith("runtime") and side_of(m) is None)
     assert undeclared == [], ("put each in a folder of runtime/ named for the process that runs "
-                              f"it ({sorted(ROOMS)}), or declare it in TOP: {undeclared}")
+                              f"it ({sorted(ROOMS)}), or declare its new folder in ROOMS (or a new "
+                              f"top-level module in TOP) of tests/unit/test_rooms.py: {undeclared}")
 
 
 def test_declared_rooms_and_top_modules_exist() -> None:
