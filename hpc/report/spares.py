@@ -20,6 +20,8 @@ that trains nothing, the price of keeping the world size when a node is lost.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +58,8 @@ def _labels(aevs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], str]:
     """Each launcher's name: its node, or ``node (node rank R)`` where launchers share a host
     (``hpc run``: every node is this machine)."""
     launchers = {_launcher(e) for e in aevs if e.get("ev") in ("alloc_start", "node_ready")}
-    hosts = [h for h, _ in launchers]
-    return {(h, r): h if hosts.count(h) == 1 else f"{h} (node rank {r})" for h, r in launchers}
+    hosts = Counter(h for h, _ in launchers)   # list.count per launcher was O(N^2) per allocation
+    return {(h, r): h if hosts[h] == 1 else f"{h} (node rank {r})" for h, r in launchers}
 
 
 def spare_waits(aevs: Sequence[Mapping[str, Any]], node_ends: Mapping[str, float]
@@ -102,6 +104,8 @@ def in_wait(waits: Mapping[str, SpareWait], aevs: Sequence[Mapping[str, Any]],
     """The launcher event ``e``'s ``[t0, t]`` with the part its node spent waiting as a spare
     cut off (a spare's rendezvous round spans its whole wait, which was no re-form)."""
     t0, t1 = e.get("t0"), float(e["t"])
+    if not waits or t0 is None:   # no spare waited: no labels to compute (once per event)
+        return t0, t1
     w = waits.get(_labels(aevs).get(_launcher(e), str(e.get("node", ""))))
     if w is None or t0 is None:
         return t0, t1

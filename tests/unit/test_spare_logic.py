@@ -166,3 +166,22 @@ def test_the_picture_gives_the_spare_a_lane(tmp_path):
 
     led = build(crash_with_spare(), slurm_runs={0: {"start": 0, "end": 100, "node_ends": {"n2": 60}}})
     assert render_png(led, tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_the_rendezvous_layer_of_a_2048_node_allocation_is_linear_in_its_events() -> None:
+    """hpc report on the simulated 1,024-node history took 64 s of CPU: every launcher event
+    recomputed every launcher's label with list.count (O(N^2) per event). Now an allocation
+    without spares computes none, and a label is one Counter lookup."""
+    import time
+
+    from hpc.report.spares import _labels, in_wait
+
+    n = 2048
+    aevs = [{"ev": "alloc_start", "t": 1.0, "node": f"node{r:05d}", "node_rank": r} for r in range(n)]
+    aevs += [{"ev": "agent_rendezvous", "t": 5.0, "t0": 2.0, "node": f"node{r:05d}", "node_rank": r}
+             for r in range(n)]
+    started = time.process_time()
+    spans = [in_wait({}, aevs, e) for e in aevs[n:]]
+    labels = _labels(aevs)
+    assert time.process_time() - started < 5.0
+    assert spans[0] == (2.0, 5.0) and len(labels) == n and labels[("node00007", 7)] == "node00007"
