@@ -336,13 +336,16 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
 
     node_names = tuple(dict.fromkeys(str(e.get("node", "")) for e in starts)) or \
         tuple(dict.fromkeys(str(e.get("node", "")) for e in aevs[:1]))
-    node_ends = {n: max((float(e["t"]) for e in ends if e.get("node") == n), default=t_end)
-                 for n in node_names}
+    ended: dict[str, float] = {}   # each node's last alloc_end (one pass: O(N), not O(N^2))
+    for e in ends:
+        n = str(e.get("node"))
+        ended[n] = max(ended.get(n, float("-inf")), float(e["t"]))
+    node_ends = {n: ended.get(n, t_end) for n in node_names}
     if slurm and slurm.get("end") is not None and ends:
         node_ends = {n: max(v, float(slurm["end"])) for n, v in node_ends.items()}
     left = (slurm or {}).get("node_ends") or {}
     for n in node_ends:   # a node that died without a word: allocated until Slurm dropped it
-        if left.get(n) is not None and not any(e.get("node") == n for e in ends):
+        if left.get(n) is not None and n not in ended:
             node_ends[n] = min(t_end, max(t_start, float(left[n])))
     waits = spare_waits(aevs, node_ends)   # hot spares: their wait is theirs, not the job's
     for w in waits.values():
@@ -425,9 +428,14 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
     # A node that ended without its launcher's record died: from the first failure after its
     # last own record until Slurm dropped it, its time is lost whatever the others did.
     dead: dict[str, float] = {}
+    last_own: dict[str, float] = {}
+    for e in aevs:
+        if e.get("t") is not None:
+            n = str(e.get("node"))
+            last_own[n] = max(last_own.get(n, float("-inf")), float(e["t"]))
     for n in node_names:
-        if not any(e.get("node") == n for e in ends):
-            own = max((float(e["t"]) for e in aevs if e.get("node") == n), default=t_start)
+        if n not in ended:
+            own = last_own.get(n, t_start)
             fails = [m.t for m in markers if m.kind == "failure" and m.t >= own]
             if fails and min(fails) < node_ends[n]:
                 dead[n] = min(fails)
