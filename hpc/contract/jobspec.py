@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc.contract import components, interval, jobdir, jobpaths, spec_terms, stall, values
+from hpc.contract import parallel as mesh
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
@@ -364,6 +365,19 @@ class JobSpec:
                                   _choice(CONTAINER_RUNTIMES), check=_in(CONTAINER_RUNTIMES),
                                   example="--container-runtime apptainer",
                                   metavar="pyxis|apptainer")
+    # --- parallelism (hpc.contract.parallel) -------------------------------------------
+    tp: int = _int_opt(1, "Tensor-parallel degree: ranks that split each layer (within a node: a "
+                       f"divisor of --nproc-per-node; at most {mesh.MAX_DEGREE}).", 1,
+                       mesh.MAX_DEGREE, "--tp 2", metavar="N")
+    pp: int = _int_opt(1, "Pipeline-parallel degree: stages the model is cut into (at most "
+                       f"{mesh.MAX_DEGREE}).", 1, mesh.MAX_DEGREE, "--pp 2", metavar="N")
+    dp_replicate: int = _int_opt(1, "Data-parallel replicas of the sharded model (HSDP; 1: plain "
+                                 f"FSDP; at most {mesh.MAX_DEGREE}).", 1, mesh.MAX_DEGREE,
+                                 "--dp-replicate 2", metavar="N")
+    dp_shard: int = _int_opt(0, "FSDP shards per replica (0: what the world leaves after tp x pp x "
+                             "dp-replicate: the dimension an elastic job grows and shrinks; at most "
+                             f"{mesh.MAX_DEGREE}).", 0, mesh.MAX_DEGREE, "--dp-shard 4",
+                             metavar="N")
     # --- keeping it alive ----------------------------------------------------------------
     signal: str = _opt(components.PREEMPTION.signal,
                        "Warning signal Slurm sends before the time limit.",
@@ -479,6 +493,8 @@ class JobSpec:
                             f"at most {values.MAX_NODES - self.max_nodes} with "
                             f"{name('nodes')} {self.nodes_text} (nodes and spares together at "
                             f"most {values.MAX_NODES})", pick("--spare-nodes 1", "spare_nodes=1"))
+        mesh.check_nodes(self.parallel, nodes=self.nodes, nproc_per_node=self.nproc_per_node,
+                         cli=spec_terms.in_cli_terms())
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
             raise SpecError(name("signal_lead_s"), self.signal_lead_s,
                             f"shorter than the time limit ({name('time_limit_s')}: "
@@ -538,6 +554,12 @@ class JobSpec:
     @property
     def liveness(self) -> components.LivenessConfig:
         return components.LivenessConfig.from_flags(self.stall_timeout, self.busy_timeout_s)
+
+    @property
+    def parallel(self) -> mesh.ParallelDims:
+        """The degrees of the job's mesh (see :mod:`hpc.contract.parallel`)."""
+        return mesh.ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                                 tp=self.tp, pp=self.pp)
 
     @property
     def wandb(self) -> components.WandbConfig:
