@@ -1,10 +1,12 @@
-"""A char-level GPT trained with DDP (default) or FSDP2 (``--fsdp``) on hpc-elastic's Session.
+"""A char-level GPT trained with DDP (default), FSDP2 (``--fsdp``) or FSDP2 x tensor parallel
+(``--tp N``) on hpc-elastic's Session.
 
 Copy this file to start your own job. It needs no download: the text is the Python
 standard library's own source code, read as bytes (a 256-symbol vocabulary).
 
     hpc run examples/train_gpt.py --nproc-per-node 2 -- --preset tiny
     hpc submit examples/train_gpt.py --nodes 2:4 --gpus-per-node 8 --time 4:00:00 -- --preset default
+    hpc run examples/train_gpt.py --nproc-per-node 4 -- --preset tiny --tp 2     # FSDP 2 x TP 2
 
 What it shows: a fixed global batch whatever the world size (gradient accumulation adapts,
 with ``no_sync`` / FSDP2's ``set_requires_gradient_sync``), gradient clipping, warmup then
@@ -31,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpc.contract.parallel import ParallelDims
+from runtime.parallel.grads import clip_grad_norm_
 from runtime.sampler import ResumableSampler, plan_batches, rank_slice
 from runtime.session import Session
 
@@ -59,7 +63,9 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)      # three layers, not one fused: tensor
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)      # parallel splits each by heads
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
@@ -68,11 +74,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        h = self.ln1(x)
+        # Under tensor parallel each rank holds some of the heads: -1, not n_head.
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2)
+                   for z in (self.q(h), self.k(h), self.v(h)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
 
 
@@ -98,6 +106,13 @@ class GPT(nn.Module):
                 x = block(x)
         logits = self.head(self.ln_f(x)).float()
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# Tensor parallel (Megatron's pairing): q, k, v and the MLP's first layer split their outputs
+# (heads, hidden units) over the TP ranks, proj and the MLP's last layer their inputs, so each
+# block all-reduces twice forward and twice backward. Embeddings, norms and the head stay whole.
+TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise",
+           "blocks.*.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
 # --- data --------------------------------------------------------------------------------
@@ -180,6 +195,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of steps)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree (FSDP2 over the rest; default: the job's --tp, else 1)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--log-every", type=int, default=5,
                    help="reduce, log (W&B) and print a progress line every N steps (lines at most "
@@ -198,13 +215,15 @@ def main(argv: list[str] | None = None) -> None:
     max_steps = args.max_steps or steps
     lr = args.lr or lr
 
-    with Session(seed=args.seed, log_every=args.log_every) as s:
-        accum = plan_batches(global_batch, s.world_size, micro)
+    parallel = ParallelDims(tp=args.tp) if args.tp else None
+    with Session(seed=args.seed, log_every=args.log_every, parallel=parallel) as s:
+        # The ranks of one TP group read the same batch: the data-parallel width counts.
+        accum = plan_batches(global_batch, s.dp_size, micro)
         data = Blocks(load_text(data_bytes), cfg.block_size)
         sampler = ResumableSampler(len(data), global_batch=global_batch, seed=args.seed)
         model = GPT(cfg, args.activation_checkpointing)
         blocks = list(model.blocks)
-        model = s.wrap(model, fsdp=args.fsdp, blocks=blocks)
+        model = s.wrap(model, fsdp=args.fsdp, blocks=blocks, tp_plan=TP_PLAN)
         optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup or max(1, max_steps // 10), max_steps))
         train = TrainState()
@@ -216,8 +235,9 @@ def main(argv: list[str] | None = None) -> None:
             s.finish()
             return
         if s.is_rank0:
+            mesh = f" ({s.mesh.mesh.describe()})" if s.mesh is not None else ""
             print(f"train_gpt: preset {args.preset}, {sum(p.numel() for p in model.parameters())} "
-                  f"params/rank, world {s.world_size}, global batch {global_batch} = {s.world_size} "
+                  f"params/rank, world {s.world_size}{mesh}, global batch {global_batch} = {s.dp_size} "
                   f"x {micro} x {accum} accumulation, {len(data)} samples, start step {start}",
                   flush=True)
 
@@ -228,18 +248,18 @@ def main(argv: list[str] | None = None) -> None:
             # Per step: with --recovery inprocess the world can shrink or grow between steps.
             accum = plan_batches(global_batch, s.world_size, micro)
             global_indices = sampler.next_global_batch()
-            mine = rank_slice(global_indices, s.rank, s.world_size)
+            mine = rank_slice(global_indices, s.dp_rank, s.dp_size)
             optim.zero_grad(set_to_none=True)
             total = 0.0
             for i in range(accum):
                 x, y = data.batch(mine[i * micro:(i + 1) * micro])
                 sync = i == accum - 1
-                ctx = _no_sync(model, args.fsdp, sync)
+                ctx = _no_sync(model, sync)
                 with ctx:
                     loss = model(x.to(s.device), y.to(s.device)) / accum
                     loss.backward()
                 total += loss.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm_(model.parameters(), 1.0)   # torch's, for parameters on several meshes
             optim.step()
             sched.step()
             train.consume(global_indices)
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             result = {"final_step": s.step, "final_loss": train.loss, "weights_sha256": digest,
                       "sample_order_sha256": train.sample_digest, "world_size": s.world_size,
                       "preset": args.preset, "fsdp": args.fsdp, "epoch": sampler.epoch,
+                      "mesh": s.mesh.mesh.describe() if s.mesh is not None else None,
                       "cursor": sampler.cursor}
             (s.job_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
             print(f"train_gpt: done at step {s.step}, loss {train.loss:.4f}, weights {digest[:16]}",
@@ -266,11 +287,13 @@ def main(argv: list[str] | None = None) -> None:
         s.finish()
 
 
-def _no_sync(model: nn.Module, fsdp: bool, sync: bool):
+def _no_sync(model: nn.Module, sync: bool):
+    """No gradient reduction on the micro-batches before the last (DDP, FSDP2; with one
+    data-parallel rank under TP there is none to skip)."""
     import contextlib
-    if sync:
+    if sync or not hasattr(model, "set_requires_gradient_sync") and not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
-    if fsdp:
+    if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(False)
 
         @contextlib.contextmanager

@@ -39,6 +39,7 @@ from hpc.contract import components, interval, jobdir
 from hpc.contract import inprocess as proto
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
+from hpc.contract.parallel import MeshError, ParallelDims
 from runtime.console import NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
@@ -75,16 +76,21 @@ class Session:
         log_every: Reduce and log metrics every N steps.
         timeout_s: Collective timeout for the process groups.
         env: Environment mapping (tests pass dicts).
+        parallel: The mesh degrees (tensor, pipeline, data parallel; default: the job spec's
+            ``--tp``/``--pp``/``--dp-replicate``/``--dp-shard``, else plain data parallel). A
+            script's own degrees must agree with the spec's where that sets any.
     """
 
     def __init__(self, *, seed: int = 0, job_dir: str | Path | None = None, spec: JobSpec | None = None,
                  log_every: int = 10, timeout_s: float = 600.0,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, parallel: ParallelDims | None = None) -> None:
         self.env = WorkerEnv.from_env(env)
         self.job_dir = Path(job_dir or self.env.job_dir or "job").absolute()
         spec_path = self.job_dir / jobdir.JOBSPEC
         self.spec = spec or (JobSpec.load(self.job_dir) if spec_path.exists() else None)
         self.seed = seed
+        self.parallel = _degrees(parallel, self.spec)
+        self.mesh: Any = None                # runtime.parallel.mesh.MeshPlace with a mesh
         self.log_every = max(1, log_every)
         self.timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cpu")
@@ -127,6 +133,17 @@ class Session:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of the global batch it reads (the
+        ranks of one TP group or pipeline read the same)."""
+        return self.mesh.dp_rank if self.mesh is not None else self.env.rank
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel width (the world size without a mesh)."""
+        return self.mesh.dp_size if self.mesh is not None else self.env.world_size
 
     @property
     def is_rank0(self) -> bool:
@@ -178,6 +195,7 @@ class Session:
             else dist.group.WORLD
         self._rec.emit("rendezvous", world_size=self.world_size)
         _show_hpc_logs(self.is_rank0)
+        self._build_mesh()
         random.seed(self.seed)
         np.random.seed(self.seed % 2**32)
         torch.manual_seed(self.seed)
@@ -195,6 +213,37 @@ class Session:
                      self.world_size, backend, self.device, self.restart_count, self.env.allocation)
             log.info("session: %s", self._timeout_note or
                      f"collective timeout {self.timeout.total_seconds():.0f}s")
+
+    def _build_mesh(self) -> None:
+        """The job's device mesh, when it asks for more than plain data parallel.
+
+        A world that cannot form the mesh (the survivors of a node loss hold a part of a
+        pipeline or of a TP group) is no place to train: under hpc's launcher every rank
+        ends cleanly and rank 0 records a node failure, which requeues the job for a whole
+        allocation; a script run without hpc gets the error.
+        """
+        if self.parallel.trivial:
+            return
+        from hpc.contract.parallel import resolve
+        from runtime.parallel import mesh as device_mesh
+
+        try:
+            mesh = resolve(self.parallel, self.world_size, self.env.local_world_size)
+        except MeshError as e:
+            if self.spec is None:
+                raise
+            reason = f"no mesh on this allocation: {e}; requeued for a whole allocation"
+            if self.is_rank0:
+                log.error("session: %s", reason)
+                jobdir.write_atomic(self.job_dir / jobdir.EXIT_INTENT, _json({
+                    "allocation": self.env.allocation, "kind": "node_failure", "step": None,
+                    "reason": reason, "time": time.time()}))
+            self.close()
+            raise SystemExit(0) from None
+        self.mesh = device_mesh.build(mesh, self.rank, self.device.type)
+        if self.is_rank0:
+            log.info("session: mesh %s (data parallel %d of %d ranks)", mesh.describe(), mesh.dp,
+                     self.world_size)
 
     def close(self, error: BaseException | None = None) -> None:
         """Flushes any save in flight, closes sinks and the process group (every exit path)."""
@@ -355,8 +404,13 @@ class Session:
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
              mixed_precision: bool | None = None, reproducible_resume: bool = True,
-             find_unused_parameters: bool = False, pace_hook: bool = True) -> torch.nn.Module:
+             find_unused_parameters: bool = False, pace_hook: bool = True,
+             tp_plan: Mapping[str, Any] | None = None) -> torch.nn.Module:
         """Moves ``model`` to the device and wraps it in DDP, or FSDP2 (``fully_shard``).
+
+        With a mesh (``--tp``, ``--dp-replicate``...; see :mod:`runtime.parallel`) the model is
+        split by ``tp_plan`` over the TP ranks and sharded with FSDP2 over the data-parallel
+        ranks, whatever ``fsdp`` says.
 
         Args:
             model: The model.
@@ -374,17 +428,25 @@ class Session:
                 for the straggler watch (autograd hooks during those steps only; DDP's comm
                 hook stays free for yours). False: straggler reports time the whole step
                 body, where DDP hides a slow rank.
+            tp_plan: With ``--tp``: module names (``fnmatch`` patterns, ``"blocks.*.q"``) to
+                ``"colwise"``, ``"rowwise"`` or a torch ``ParallelStyle``.
         """
         from runtime.worker import ddp as ddp_build
 
         model = model.to(self.device)
         self._pace = None
-        if fsdp:
+        if fsdp or self.mesh is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if mp else MixedPrecisionPolicy()
+            if self.mesh is not None:
+                from runtime.parallel import apply
+
+                apply.tensor_parallel(model, self.mesh, tp_plan)
+                apply.fully_shard(model, self.mesh, blocks or [], policy)
+                return model
             for block in blocks or []:
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
@@ -450,6 +512,7 @@ class Session:
 
     def _metadata(self) -> dict[str, Any]:
         return {"wandb_run_id": getattr(self._sink, "run_id", None), "world_size": self.world_size,
+                "mesh": self.mesh.mesh.describe() if self.mesh is not None else None,
                 "allocation": self.env.allocation, "slurm_job_id": self.slurm_job_id}
 
     # --- the loop ------------------------------------------------------------------------
@@ -718,6 +781,19 @@ class Session:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""
         if self.stopped is None:
             self.event("finished", step=self.step)
+
+
+def _degrees(given: ParallelDims | None, spec: JobSpec | None) -> ParallelDims:
+    """The run's mesh degrees: the script's and the spec's, which must agree where both say.
+
+    Raises:
+        ValueError: When the script asks for other degrees than the job was submitted with.
+    """
+    from_spec = spec.parallel if spec is not None else ParallelDims()
+    if given is None or given == from_spec or from_spec.trivial:
+        return given or from_spec
+    raise ValueError(f"the script asks for {given} but the job was submitted with {from_spec} "
+                     "(--tp/--pp/--dp-replicate/--dp-shard): give the degrees in one place")
 
 
 def wandb_mode(spec: JobSpec | None, environ: Mapping[str, str]) -> str:
