@@ -39,7 +39,7 @@ from hpc.contract import components, interval, jobdir
 from hpc.contract import inprocess as proto
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
-from hpc.contract.parallel import MeshError, ParallelDims
+from hpc.contract.parallel import MeshError, ParallelDims, resolve
 from runtime.console import NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
@@ -48,6 +48,7 @@ from runtime.liveness.deadline import (USER_PHASE_S, StallPolicy, collective_tim
                                        policy_for, step_deadline_s)
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
+from runtime.parallel import mesh as device_mesh
 from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
@@ -224,9 +225,6 @@ class Session:
         """
         if self.parallel.trivial:
             return
-        from hpc.contract.parallel import resolve
-        from runtime.parallel import mesh as device_mesh
-
         try:
             mesh = resolve(self.parallel, self.world_size, self.env.local_world_size)
         except MeshError as e:

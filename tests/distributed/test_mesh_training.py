@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,42 @@ def test_a_checkpoint_at_dp2_x_tp2_resumes_at_dp1_x_tp2(reference: Path, crashed
     assert (final["cursor"], final["epoch"]) == (expected["cursor"], expected["epoch"])
     assert final["sample_order_sha256"] == expected["sample_order_sha256"]
     assert final["mesh"] == "tp 2" and final["final_step"] == 10
+
+
+NO_MESH = """
+from runtime.session import Session
+with Session() as s:
+    print("trained on a mesh of", s.world_size)
+"""
+
+
+def test_survivors_that_cannot_form_a_whole_pipeline_end_cleanly_for_a_requeue(tmp_path: Path) -> None:
+    """A job of 2 to 4 nodes x 1 process with 2 pipeline stages, left with 3 ranks: no rank
+    trains on a wrong mesh; every rank exits 0 and rank 0's exit intent is a node failure,
+    which the launcher classifies as such and Slurm requeues."""
+    from hpc.contract.jobspec import JobSpec
+    from runtime.ending.outcome import classify
+    from runtime.ending.requeue import decide_requeue
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "jobspec.json").write_text(JobSpec(script="s", nodes=(2, 4), nproc_per_node=1, pp=2,
+                                              job_dir=str(job)).to_json())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", NO_MESH], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled",
+                        "HPC_JOB_DIR": str(job), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1"})
+        for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert not any("trained" in o for o in outs), outs
+    intent = json.loads((job / "exit-intent.json").read_text())
+    assert intent["kind"] == "node_failure", intent
+    assert "a world of 3 ranks cannot form whole groups of tp 1 x pp 2 = 2 ranks" in intent["reason"]
+    kind = classify("succeeded", intent, intent["allocation"])
+    assert kind == "node_failure"
+    assert decide_requeue(kind, policy="auto", allocation=0, max_requeues=20, under_slurm=True).requeue
