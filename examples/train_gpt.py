@@ -90,22 +90,50 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # A dict named "0", "1"...: a pipeline stage drops the others' blocks and keeps the
+        # names (blocks.3 stays blocks.3), so checkpoints of any number of stages match.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.ln_f: nn.Module | None = nn.LayerNorm(cfg.n_embd)
+        self.head: nn.Module | None = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.activation_checkpointing = activation_checkpointing
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss (with ``targets``), else the logits; a pipeline stage without the embedding
+        takes the previous stage's activations, one without the head returns its own."""
+        if self.tok is not None:
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        else:
+            x = idx
+        for block in self.blocks.values():
             if self.activation_checkpointing and self.training:
                 from torch.utils.checkpoint import checkpoint
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(self.ln_f(x)).float()
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits if targets is None else loss_fn(logits, targets)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def pipeline_stage(model: GPT, stage: int, stages: int) -> GPT:
+    """Stage ``stage`` of ``stages``: its share of the blocks; the first keeps the embeddings,
+    the last the final norm and the head."""
+    n = len(model.blocks)
+    if stages > n:
+        raise ValueError(f"{stages} pipeline stages for {n} blocks: at most one stage per block")
+    mine = range(stage * n // stages, (stage + 1) * n // stages)
+    for name in [k for k in model.blocks if int(k) not in mine]:
+        del model.blocks[name]
+    if stage > 0:
+        model.tok = model.pos = None
+    if stage < stages - 1:
+        model.ln_f = model.head = None
+    return model
 
 
 # Tensor parallel (Megatron's pairing): q, k, v and the MLP's first layer split their outputs
@@ -172,15 +200,23 @@ def lr_lambda(warmup: int, total: int):
 
 
 def weights_digest(model: nn.Module) -> str:
-    """SHA-256 of the full (gathered) weights; a collective under FSDP2 (call on all ranks)."""
+    """SHA-256 of the whole model's weights, gathered over every rank (a pipeline stage holds
+    only its layers; FSDP2 and TP shards are made whole): a collective, call on all ranks."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = {name: hashlib.sha256(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+            for name, t in sd.items()}
+    parts = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    every = {name: d for part in parts for name, d in part.items()}
     h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].detach().to("cpu", torch.float32).contiguous()
+    for name in sorted(every):
         h.update(name.encode())
-        h.update(t.numpy().tobytes())
+        h.update(every[name].encode())
     return h.hexdigest()
 
 
@@ -197,6 +233,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel degree (FSDP2 over the rest; default: the job's --tp, else 1)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: the job's --pp, else 1); micro-batches replace "
+                        "gradient accumulation")
+    p.add_argument("--pp-schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--log-every", type=int, default=5,
                    help="reduce, log (W&B) and print a progress line every N steps (lines at most "
@@ -215,15 +255,21 @@ def main(argv: list[str] | None = None) -> None:
     max_steps = args.max_steps or steps
     lr = args.lr or lr
 
-    parallel = ParallelDims(tp=args.tp) if args.tp else None
+    parallel = ParallelDims(tp=args.tp or 1, pp=args.pp or 1) if args.tp or args.pp else None
     with Session(seed=args.seed, log_every=args.log_every, parallel=parallel) as s:
         # The ranks of one TP group read the same batch: the data-parallel width counts.
         accum = plan_batches(global_batch, s.dp_size, micro)
         data = Blocks(load_text(data_bytes), cfg.block_size)
         sampler = ResumableSampler(len(data), global_batch=global_batch, seed=args.seed)
         model = GPT(cfg, args.activation_checkpointing)
-        blocks = list(model.blocks)
-        model = s.wrap(model, fsdp=args.fsdp, blocks=blocks, tp_plan=TP_PLAN)
+        blocks = list(model.blocks.values())
+        pipe = None
+        if s.mesh is not None and s.mesh.mesh.pp > 1:
+            pipe = s.pipeline(model, split=pipeline_stage, loss_fn=loss_fn, microbatches=accum,
+                              schedule=args.pp_schedule, blocks=blocks, tp_plan=TP_PLAN)
+            model = pipe.module
+        else:
+            model = s.wrap(model, fsdp=args.fsdp, blocks=blocks, tp_plan=TP_PLAN)
         optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup or max(1, max_steps // 10), max_steps))
         train = TrainState()
@@ -251,7 +297,10 @@ def main(argv: list[str] | None = None) -> None:
             mine = rank_slice(global_indices, s.dp_rank, s.dp_size)
             optim.zero_grad(set_to_none=True)
             total = 0.0
-            for i in range(accum):
+            if pipe is not None:      # every stage reads the batch: the first its inputs, the last its targets
+                x, y = data.batch(mine)
+                total = pipe.step(x.to(s.device), y.to(s.device)).item()
+            for i in range(accum if pipe is None else 0):
                 x, y = data.batch(mine[i * micro:(i + 1) * micro])
                 sync = i == accum - 1
                 ctx = _no_sync(model, sync)

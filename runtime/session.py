@@ -442,6 +442,9 @@ class Session:
             if self.mesh is not None:
                 from runtime.parallel import apply
 
+                if self.mesh.mesh.pp > 1:
+                    raise ValueError(f"the job runs {self.mesh.mesh.pp} pipeline stages (--pp): build "
+                                     "this rank's stage with s.pipeline(model, split=..., loss_fn=...)")
                 apply.tensor_parallel(model, self.mesh, tp_plan)
                 apply.fully_shard(model, self.mesh, blocks or [], policy)
                 return model
@@ -462,6 +465,45 @@ class Session:
         if self.world_size > 1 and pace_hook:
             self._pace = ddp_build.PaceProbe(list(ddp.parameters()))   # straggler accounting
         return ddp
+
+    def pipeline(self, model: torch.nn.Module, *, split: Any, loss_fn: Any, microbatches: int,
+                 schedule: str = "1f1b", blocks: Any = None, tp_plan: Mapping[str, Any] | None = None,
+                 mixed_precision: bool | None = None) -> Any:
+        """This rank's pipeline stage of ``model`` (``--pp``), split by ``tp_plan`` and sharded
+        with FSDP2 over the data-parallel ranks as :meth:`wrap` does.
+
+        Args:
+            model: The whole model (built the same on every rank).
+            split: ``split(model, stage, num_stages)`` returns the module of that stage: the
+                model with the other stages' layers dropped, parameter names kept.
+            loss_fn: ``loss_fn(output, target)`` on the last stage, per micro-batch.
+            microbatches: Micro-batches per step (they replace gradient accumulation).
+            schedule: ``"gpipe"`` or ``"1f1b"``.
+            blocks: FSDP2 units, as for :meth:`wrap` (those the stage kept are used).
+            tp_plan: As for :meth:`wrap`.
+            mixed_precision: As for :meth:`wrap`.
+
+        Returns:
+            A :class:`runtime.parallel.pipeline.Pipeline`: ``.module`` (the stage, for the
+            optimizer and :meth:`restore`) and ``.step(inputs, targets)`` (the step's loss).
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from runtime.parallel import apply
+        from runtime.parallel.pipeline import Pipeline
+
+        if self.mesh is None or self.mesh.mesh.pp == 1:
+            raise ValueError("s.pipeline() needs pipeline stages: --pp N (or Session(parallel="
+                             "ParallelDims(pp=N))) with N >= 2; without, use s.wrap(model)")
+        stage = split(model, self.mesh.coords["pp"], self.mesh.mesh.pp).to(self.device)
+        kept = {id(m) for m in stage.modules()}
+        mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if mp else MixedPrecisionPolicy()
+        apply.tensor_parallel(stage, self.mesh, tp_plan)
+        apply.fully_shard(stage, self.mesh, [b for b in blocks or [] if id(b) in kept], policy)
+        return Pipeline(stage, self.mesh, loss_fn=loss_fn, microbatches=microbatches,
+                        schedule=schedule, device=self.device)
 
     # --- checkpoints ---------------------------------------------------------------------
     def restore(self, **state: Any) -> int:

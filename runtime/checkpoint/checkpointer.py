@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
 from hpc.contract.components import CHECKPOINT, CheckpointConfig
 from runtime import succession
@@ -99,16 +99,25 @@ class _ModuleState:
 
 
 class _OptimizerState:
-    """Stateful view of an optimizer, keyed by parameter names (reshardable)."""
+    """Stateful view of an optimizer, keyed by parameter names (reshardable).
+
+    Flattened (``param_groups.<name>.lr``, ``state.<name>.exp_avg``): every entry belongs to
+    one parameter. Unflattened, a group's settings are one entry per group index
+    (``param_groups.0.params`` lists its parameters), which DCP saves once, from rank 0: a
+    pipeline stage, whose group holds other parameters than stage 0's, then loaded stage 0's
+    group and lost its own settings (AdamW's ``betas``: the first step after the resume failed).
+    """
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model, self.optim = model, optim
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optim)
+        return get_optimizer_state_dict(self.model, self.optim, options=self.OPTIONS)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optim, state)
+        set_optimizer_state_dict(self.model, self.optim, state, options=self.OPTIONS)
 
 
 def split_state(app_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -112,7 +112,8 @@ def test_every_keys_toml_example_is_valid_toml_the_key_accepts(tmp_path: Path):
     from hpc.contract.jobspec import CONFIG_KEYS, JobSpec
 
     for key, name in CONFIG_KEYS.items():
-        extra = 'gpus_per_node = 8\n' if name == "gpu_type" else ""
+        extra = 'gpus_per_node = 8\n' if name == "gpu_type" else \
+            'nproc_per_node = 4\n' if name in ("tp", "pp", "dp_replicate", "dp_shard") else ""
         (tmp_path / "hpc.toml").write_text(f"[defaults]\n{extra}{key} = {toml_example(name)}\n")
         opts = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)}).parsed_options()
         JobSpec(script="s", **opts)
