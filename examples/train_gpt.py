@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                     and not (args.fail_once and s.restart_count):
                 raise RuntimeError(f"injected failure at step {step} (--fail-at-step)")
             # Per step: with --recovery inprocess the world can shrink or grow between steps.
-            accum = plan_batches(global_batch, s.world_size, micro)
+            accum = plan_batches(global_batch, s.dp_size, micro)
             global_indices = sampler.next_global_batch()
             mine = rank_slice(global_indices, s.dp_rank, s.dp_size)
             optim.zero_grad(set_to_none=True)
