@@ -33,6 +33,7 @@ ROOMS: dict[str, tuple[str, str]] = {
     "worker": (WORKER, "every training process (python -m runtime.worker SCRIPT)"),
     "checkpoint": (WORKER, "every training process (the Session's saves and loads)"),
     "integrations": (WORKER, "every training process: hooks into frameworks' own loops (HF Trainer)"),
+    "parallel": (WORKER, "every training process: the device mesh, TP and FSDP2 on it, pipeline stages"),
     "liveness": (SHARED, "workers write heartbeats and stacks; the launcher's watchdog reads them"),
 }
 
