@@ -265,6 +265,8 @@ class Session:
                 if error is None:
                     dist.barrier(group=self.cpu_group)
                 dist.destroy_process_group()
+            if self._inproc is not None:
+                self._inproc.close()
             self._rec.close(self._checkpointer, error, self.step)
             self._beat.close()
 

@@ -8,8 +8,10 @@ that agreement is declared here, once, with its writer and reader, because three
 process speak it: the workers (``runtime.worker.inprocess``), the per-node launcher (it announces a
 dead child at once) and a joining process (a restarted worker or a hot spare, issue 27).
 
-All keys live under :data:`ROOT` in one store that outlives any worker (the launcher's
-rendezvous store, ``HPC_INPROC_STORE=host:port``). ``G`` is a generation (0 is the group the
+All keys live in one store that outlives any worker (the launcher's rendezvous store,
+``HPC_INPROC_STORE=host:port``), under :func:`namespace` of the workers' rendezvous round
+(``hpc/inproc/MASTER_ADDR:MASTER_PORT``: torch picks a new master port each round, so a group
+that torch restarted starts a fresh protocol). ``G`` is a generation (0 is the group the
 workers started in), ``UID`` a process's identity ``host/pid`` (:func:`uid`).
 
 ================================  =========================  ========================================
@@ -48,7 +50,7 @@ from dataclasses import asdict, dataclass
 
 from hpc.contract.errors import SpecError
 
-ROOT = "hpc/inproc/"
+ROOT = "hpc/inproc/"   # + MASTER_ADDR:MASTER_PORT (namespace)
 STORE_ENV = "HPC_INPROC_STORE"      # host:port of the store that outlives the workers
 RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --recovery)
 TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
@@ -82,47 +84,53 @@ def uid(host: str, pid: int) -> str:
 
 
 def who(gen: int, rank: int) -> str:
-    return f"{ROOT}g/{gen}/who/{rank}"
+    return f"g/{gen}/who/{rank}"
 
 
 def arrive(gen: int) -> str:
-    return f"{ROOT}g/{gen}/arrive"
+    return f"g/{gen}/arrive"
 
 
 def arrival(gen: int, index: int) -> str:
-    return f"{ROOT}g/{gen}/arrival/{index}"
+    return f"g/{gen}/arrival/{index}"
 
 
 def members(gen: int) -> str:
-    return f"{ROOT}g/{gen}/members"
+    return f"g/{gen}/members"
 
 
 def pg_prefix(gen: int) -> str:
-    return f"{ROOT}g/{gen}/pg/"
+    return f"g/{gen}/pg/"
 
 
 def coming(gen: int, worker: str) -> str:
-    return f"{ROOT}g/{gen}/coming/{worker}"
+    return f"g/{gen}/coming/{worker}"
 
 
 def fault(gen: int) -> str:
-    return f"{ROOT}fault/{gen}"
+    return f"fault/{gen}"
 
 
 def dead(worker: str) -> str:
-    return f"{ROOT}dead/{worker}"
+    return f"dead/{worker}"
 
 
 def busy(worker: str) -> str:
-    return f"{ROOT}busy/{worker}"
+    return f"busy/{worker}"
 
 
 def join(index: int) -> str:
-    return f"{ROOT}join/{index}"
+    return f"join/{index}"
 
 
-JOIN_COUNT = f"{ROOT}join/count"
-GENERATION = f"{ROOT}generation"
+JOIN_COUNT = "join/count"
+GENERATION = "generation"
+
+
+def namespace(master_addr: str, master_port: int | str) -> str:
+    """The prefix of every key of one rendezvous round's workers (a ``PrefixStore``'s: it
+    joins prefix and key with ``/``)."""
+    return f"{ROOT}{master_addr}:{master_port}"
 
 
 @dataclass(frozen=True)

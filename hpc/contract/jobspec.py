@@ -20,12 +20,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import components, interval, jobdir, jobpaths, spec_terms, stall, values
+from hpc.contract import components, inprocess, interval, jobdir, jobpaths, spec_terms, stall, values
 from hpc.contract import parallel as mesh
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
+RECOVERY_MODES = inprocess.RECOVERY_MODES
 WANDB_MODES = ("offline", "online", "disabled")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 
@@ -389,6 +390,12 @@ class JobSpec:
                                   "--signal-lead 120")
     max_restarts: int = _int_opt(3, "Elastic restarts of the workers within one allocation (at "
                                  f"most {MAX_RESTARTS}).", 0, MAX_RESTARTS, "--max-restarts 3")
+    recovery: str = _opt("restart", "How workers recover from a lost peer: restart (every worker "
+                         "starts again from the last checkpoint; any script) or inprocess (the "
+                         "survivors keep their processes and take the state from a peer, at most "
+                         "one step lost; Session scripts with DDP on gloo).",
+                         _choice(RECOVERY_MODES), check=_in(RECOVERY_MODES),
+                         example="--recovery inprocess")
     requeue: str = _opt("auto", "Requeue policy: auto (on preemption and time limit) or never.",
                         _choice(REQUEUE_POLICIES), check=_in(REQUEUE_POLICIES),
                         example="--requeue auto")

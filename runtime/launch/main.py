@@ -40,14 +40,14 @@ from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv, rendezvous_host
-from runtime.events import LauncherRecorder
+from runtime.events import EventLog, LauncherRecorder
 from runtime.liveness.watchdog import Watchdog
 from runtime.launch.lifeline import watch_parent
 from runtime.launch.network import NetworkError, detect
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
-from runtime.launch import health, spares
+from runtime.launch import health, inprocess_agent, spares
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -178,6 +178,13 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     spec = plan.spec
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     job_env.JobEnvironment(rdzv_epoch=epoch).export(os.environ)
+    # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
+    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint,
+                                        EventLog(plan.job_dir, allocation=plan.allocation,
+                                                 node_rank=plan.node_rank, sync_every_s=0)
+                                        if spec.recovery == "inprocess" else None)
+    if spec.recovery == "inprocess":
+        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint))
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     logs_specs = _logs_specs(plan, tee)
 
@@ -215,7 +222,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
                 futile=lambda result: _futile(plan, result) or watchdog.repeated(),
-                on_restart=on_restart), release:
+                on_restart=on_restart), release, recovery:
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"

@@ -53,3 +53,12 @@ def test_the_recovery_mode_is_validated_with_the_valid_ones_named():
     assert proto.parse_recovery(" InProcess ") == "inprocess"
     with pytest.raises(SpecError, match="restart or inprocess"):
         proto.parse_recovery("in-process")
+
+
+def test_the_jobspec_refuses_an_unknown_recovery_naming_the_flag():
+    from hpc.contract.jobspec import JobSpec
+
+    assert JobSpec(script="train.py").recovery == "restart"
+    assert JobSpec(script="train.py", recovery="inprocess").recovery == "inprocess"
+    with pytest.raises(SpecError, match="restart, inprocess"):
+        JobSpec(script="train.py", recovery="fast")

@@ -38,6 +38,7 @@ from hpc.contract import inprocess as proto
 from runtime.worker import rng
 
 log = logging.getLogger("hpc.inprocess")
+WATCH_EVERY_S = 0.1   # how often a worker asks the store whether its generation failed
 
 
 class PeerLost(RuntimeError):
@@ -207,12 +208,13 @@ def _parse_fault(raw: str) -> tuple[int, int, str] | None:
 
 
 class FaultWatch(threading.Thread):
-    """Waits in the store for the announcement that the current generation failed, and then
+    """Watches the store for the announcement that the current generation failed, and then
     fails the step at once (pushed detection: a survivor blocked in an all-reduce whose peer
-    left or died is released in milliseconds instead of at the operation's bound).
+    left or died is released within :data:`WATCH_EVERY_S` instead of at the operation's bound).
 
-    It uses its own store connection (a client is not shared between threads) and blocks in
-    the store's ``wait``, so it costs no polling.
+    It uses its own store connection (a client is not shared between threads) and asks every
+    :data:`WATCH_EVERY_S` (one small request; a blocking store ``wait`` would leave a thread in
+    C++ that aborts the interpreter at exit).
 
     Args:
         connect: ``() -> store``: a new client of the job's store.
@@ -232,21 +234,28 @@ class FaultWatch(threading.Thread):
         except Exception as e:   # noqa: BLE001 - no store: the operations' bound still holds
             log.warning("fault watch: cannot reach the store (%s)", e)
             return
-        while not self.stopped.is_set():
+        while not self.stopped.wait(WATCH_EVERY_S):
             try:
-                store.wait([self.key], timedelta(seconds=30))
-            except Exception:   # noqa: BLE001 - its timeout, or the store went away
-                continue
-            if not self.stopped.is_set():
+                if not store.check([self.key]):
+                    continue
                 why = store.get(self.key).decode(errors="replace")
-                me = getattr(self.guard, "uid", "")
-                if me:   # alive and aware: the next generation's leader waits for this process
+            except Exception:   # noqa: BLE001 - the store went away: the bound still holds
+                return
+            if self.stopped.is_set():
+                return
+            me = getattr(self.guard, "uid", "")
+            if me:   # alive and aware: the next generation's leader waits for this process
+                try:
                     store.set(proto.coming(self.gen + 1, me), "1")
-                self.guard.fail(f"fault announced: {why}", gen=self.gen)
+                except Exception:   # noqa: BLE001
+                    pass
+            self.guard.fail(f"fault announced: {why}", gen=self.gen)
             return
 
-    def stop(self) -> None:
+    def stop(self, join: bool = False) -> None:
         self.stopped.set()
+        if join and self.is_alive():
+            self.join(timeout=2 * WATCH_EVERY_S + 1)
 
 
 def _complete(fut: torch.futures.Future, tensor: torch.Tensor) -> None:

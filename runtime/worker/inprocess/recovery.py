@@ -117,8 +117,12 @@ class InProcess:
         window = float(environ.get(proto.WINDOW_ENV, "") or proto.DEFAULT_WINDOW_S)
         fixed = environ.get(proto.TIMEOUT_ENV, "")
         bound = (lambda: float(fixed)) if fixed else step_bound_s
-        return cls(connect(address), rank=rank, world_size=world_size, timeout=timeout,
-                   step_bound_s=bound, window_s=window, reconnect=lambda: connect(address))
+        space = proto.namespace(environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", ""))
+
+        def store() -> Any:
+            return dist.PrefixStore(space, connect(address))
+        return cls(store(), rank=rank, world_size=world_size, timeout=timeout,
+                   step_bound_s=bound, window_s=window, reconnect=store)
 
     @property
     def gen(self) -> int:
@@ -265,6 +269,11 @@ class InProcess:
                 m.register_comm_hook(None, self.guard.comm_hook)
                 ddp_build.fix_bucket_layout(m)
 
+
+    def close(self) -> None:
+        """Stops the fault watch (the Session's end)."""
+        if self._watch is not None:
+            self._watch.stop(join=True)
 
     def record(self, job_dir: Any, allocation: int, rec: Recovered, *, old_rank: int,
                old_world: int, held: int, dirty: bool) -> None:
