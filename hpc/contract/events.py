@@ -25,6 +25,13 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
 ``stop_begin/end``     rank 0     the agreed stop (``kind``, ``signal``; ``saved_step``)
 ``crash``              rank 0     the training raised (``error``, ``step``)
 ``session_end``        rank 0     the worker tears down (``ok``)
+``inproc_detect``      launcher   ``--recovery inprocess``: a worker died (``pid``, ``rank``,
+                                  ``exit``), announced in the store for generation ``gen``
+``inproc_fallback``    launcher   every local worker is gone: torch's restart path (``reason``)
+``inproc_recovery``    new rank 0 an in-process recovery: ``gen``, ``world_size`` (was
+                                  ``old_world_size``), ``step`` gone on from, ``held``, ``left``,
+                                  and the stage ends ``t_detect/t_abort/t_reform/t_group/
+                                  t_transfer``, ``bytes`` moved
 =====================  =========  ==============================================================
 
 Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.
