@@ -396,8 +396,9 @@ class _Fence(threading.Thread):
         t = self.tracker
         if not self.is_host or t is None or self.members < 2:
             return None
-        lost = t.lost(time.monotonic())
-        left = self.members - len(lost)
+        now = time.monotonic()
+        lost = t.lost(now)
+        left = self.members - t.out_of_sight(now)   # lost, or unseen behind a lost watcher
         if not lost or left * 2 > self.members or _controller_reachable():
             return None
         names = ", ".join(t.name(r) for r in lost)

@@ -57,7 +57,7 @@ from hpc.contract import environment as job_env
 from hpc.contract.components import LivenessConfig
 from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
-from runtime.liveness import events, nccl, nodes, proc, stacks
+from runtime.liveness import events, nccl, proc, stacks
 from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
@@ -307,18 +307,22 @@ class Watchdog:
                        ran=self._worked(pids, now))
         tracker = self.beacon.tracker if self.beacon is not None else None
         lost = tracker.lost(time.monotonic()) if tracker is not None else {}
-        peers = self.board.peers(now)
-        verdict = judge(ranks, peer_progress_age_s=nodes.progress_age(peers, now),
+        # The other nodes' progress and busy ranks come folded through the store (the summary
+        # of liveness.groups), never from reading their records on the shared filesystem.
+        peers_watch = tracker is not None and tracker.store_ok_at is not None
+        verdict = judge(ranks, peer_progress_age_s=tracker.peer_progress_age(now) if tracker else None,
                         lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None,
-                        peer_busy=nodes.busy_rank(peers))
+                        peer_busy=tracker.peer_busy() if tracker else "")
         dumps = None
         if verdict.stalled and not verdict.hard:
-            verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=bool(peers),
+            verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=peers_watch,
                                          peer_stall=self._peer_stall(verdict))
         else:
             self._new_episode(())
         self._note_busy(verdict, dumps or {}, now)
         self.board.publish(ranks, self.busy, now)
+        if self.beacon is not None:
+            self.beacon.publish(max(r.beat.time for r in ranks), self.busy)
         if verdict.stalled:
             verdict = self._act(verdict, sorted(pids), dumps)
             if tracker is not None:
