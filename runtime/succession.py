@@ -13,9 +13,10 @@ no outcome of its own, i.e. did not simply end the job):
    it is the one cut off, not the survivors (a cut node loses its network, the controller
    with it).
 2. **Wait** until every member of the previous epoch but the old host has announced, or a
-   short window has passed.
-3. **Decide once**: the first launcher to get here writes ``decision.json`` with O_EXCL; all
-   others read it. The decision (:func:`elect`, pure) is a *strict majority* of the previous
+   window that grows with the epoch's size has passed. Only the first survivors in order
+   (:data:`DECIDERS`) list the announcements; the others look for the decision only.
+3. **Decide once**: the first decider to get here links ``decision.json`` into place
+   (exclusive); all others read it. The decision (:func:`elect`, pure) is a *strict majority* of the previous
    epoch's members and at least MIN nodes; the new host is the first survivor in the
    allocation's node order. Without a majority (2 nodes, one lost) nobody continues: the job
    is recorded and requeued as before, so two halves can never both train.
@@ -49,7 +50,10 @@ from hpc.contract.jobpaths import JobPaths
 from hpc.contract.environment import JobEnvironment
 
 BOARD_DIR = jobpaths.RDZV_BOARD
-ANNOUNCE_WINDOW_S = 8.0     # how long survivors wait for each other before deciding
+ANNOUNCE_WINDOW_S = 8.0     # how long survivors wait for each other before deciding (at least)
+DECIDERS = 3                # survivors that list the announcements and decide
+DECIDER_STAGGER_S = 2.0     # the k-th decider's turn comes this much after the (k-1)-th's
+LOOK_EVERY_S = 0.5          # how often a survivor that does not decide looks for the decision
 
 
 @dataclass(frozen=True)
@@ -173,23 +177,52 @@ class Board:
         return None
 
 
+def announce_window_s(members: int) -> float:
+    """How long the deciders wait for the others' announcements: longer for larger epochs
+    (their launchers lose the store over a spread of beats, and announce over a loaded
+    filesystem): 8 s up to ~100 nodes, 16 s at 1,024."""
+    return ANNOUNCE_WINDOW_S + members / 128
+
+
+def decider_rank(previous: Epoch, host: str, order: Sequence[str]) -> int:
+    """``host``'s place among the survivors that may decide: the members of ``previous`` but
+    its host, in the allocation's order (a host not among them comes last)."""
+    candidates = [h for h in order if h in previous.members and h != previous.host]
+    return candidates.index(host) if host in candidates else len(candidates)
+
+
 def run_election(board: Board, previous: Epoch, host: str, *, order: Sequence[str], min_nodes: int,
-                 window_s: float = ANNOUNCE_WINDOW_S,
+                 window_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> Election:
-    """Announces ``host`` for the next epoch, waits for the others, and decides (once, for all)."""
+    """Announces ``host`` for the next epoch, waits for the others, and decides (once, for all).
+
+    Only the first :data:`DECIDERS` survivors in order list the announcements (the k-th from
+    ``k x DECIDER_STAGGER_S`` on, in case those before it are gone too) and decide; the others
+    only look for the decision, one file read per look. Every survivor listing an N-entry
+    directory five times a second was O(N^2) on the filesystem and outran the window at 1,024
+    simulated nodes. Should no decider decide, the others decide themselves after the window
+    and every decider's turn (the decision is exclusive: the first one counts).
+    """
     index = previous.index + 1
+    window_s = announce_window_s(len(previous.members)) if window_s is None else window_s
     board.announce(index, host)
     expected = {h for h in previous.members if h != previous.host}
-    end = clock() + window_s
+    k = decider_rank(previous, host, order)
+    start = clock()
+    turn = start + (k * DECIDER_STAGGER_S if k < DECIDERS else window_s + DECIDERS * DECIDER_STAGGER_S)
+    end = start + window_s + min(k, DECIDERS) * DECIDER_STAGGER_S
+    seen: set[str] = set()
     while True:
         existing = board.decision(index)
         if existing is not None:
             return existing
-        seen = set(board.announced(index))
-        if expected <= seen or clock() >= end:
-            break
-        sleep(0.2)
+        now = clock()
+        if now >= turn:
+            seen = set(board.announced(index))
+            if expected <= seen or now >= end:
+                break
+        sleep(0.2 if now >= turn else LOOK_EVERY_S)
     return board.decide(index, elect(previous, sorted(seen), order=order, min_nodes=min_nodes))
 
 

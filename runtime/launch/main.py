@@ -63,6 +63,22 @@ RDZV_CONF: dict[str, Any] = {
     "keep_alive_max_attempt": 5,
 }
 
+
+
+def rdzv_conf(max_nodes: int) -> dict[str, Any]:
+    """:data:`RDZV_CONF` for a job of up to ``max_nodes`` nodes (pure).
+
+    torch's c10d rendezvous keeps its whole state (O(N)) in one key, rewritten by every node at
+    each keep-alive and retried by compare-and-set at each join: the joins and keep-alives cost
+    O(N^2) bytes (the 256-node simulation did not join within 120 s on 2 cores). Above ~200
+    nodes the keep-alive slows to N/200 s, the join may take 0.1 s per node beyond 600 s, and
+    the last call waits N/100 s for late joiners; up to 200 nodes it is :data:`RDZV_CONF`.
+    """
+    return dict(RDZV_CONF, join_timeout=int(RDZV_CONF["join_timeout"] + 0.1 * max_nodes),
+                keep_alive_interval=max(RDZV_CONF["keep_alive_interval"], round(max_nodes / 200)),
+                last_call_timeout=max(RDZV_CONF["last_call_timeout"], round(max_nodes / 100)))
+
+
 # A rendezvous store silent this long (from a node that is not its host): the host is lost.
 STORE_LOST_S = 10.0
 
@@ -198,7 +214,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
         run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend="c10d",
-        rdzv_configs=dict(RDZV_CONF, is_host=plan.is_rdzv_host), max_restarts=spec.max_restarts,
+        rdzv_configs=dict(rdzv_conf(plan.nnodes[1]), is_host=plan.is_rdzv_host), max_restarts=spec.max_restarts,
         monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )

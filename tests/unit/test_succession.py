@@ -128,3 +128,33 @@ def test_a_decision_is_never_visible_half_written(tmp_path: Path) -> None:
         t.join(5)
         sys.setswitchinterval(old)
     assert torn == []
+
+
+def test_only_the_first_survivors_list_the_announcements(tmp_path: Path) -> None:
+    """At 1,024 simulated nodes every survivor listed the N-entry announce directory five
+    times a second (O(N^2) on the filesystem) and the window ran out before all announced.
+    Now a survivor past the first DECIDERS only looks for the decision."""
+    order = [f"n{i:04d}" for i in range(64)]
+    e0 = Epoch(0, order[0], tuple(order))
+    listed: dict[str, int] = {}
+
+    class Counting(Board):
+        def announced(self, index: int) -> list[str]:
+            name = threading.current_thread().name
+            listed[name] = listed.get(name, 0) + 1
+            return super().announced(index)
+
+    board = Counting(tmp_path, 0)
+    results: dict[str, succession.Election] = {}
+
+    def survivor(host: str) -> None:
+        results[host] = run_election(board, e0, host, order=order, min_nodes=1, window_s=3)
+
+    threads = [threading.Thread(target=survivor, args=(h,), name=h) for h in order[1:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len({r.epoch for r in results.values()}) == 1 and len(results) == 63
+    assert results[order[5]].epoch.members == tuple(order[1:])
+    assert set(listed) <= set(order[1:1 + succession.DECIDERS]), sorted(listed)
