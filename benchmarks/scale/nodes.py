@@ -3,7 +3,7 @@
 Each agent is one node's control plane, with the project's real code:
 
 * **join**: torch's c10d rendezvous handler with the launcher's settings
-  (:data:`runtime.launch.main.RDZV_CONF`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
+  (:func:`runtime.launch.main.rdzv_conf`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
   its keep-alive thread then runs as in a real agent;
 * **keepalive**: a real :class:`~runtime.liveness.peers.PeerBeacon` thread (its store client
   wrapped to count requests);
@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale.meter import CountingStore, FsCounter
-from runtime.launch.main import RDZV_CONF
+from runtime.launch.main import rdzv_conf
 from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
 from runtime.liveness.peers import BEAT_S, PeerBeacon
 from runtime.liveness.verdict import assess
-from runtime.liveness import nodes
 from runtime.liveness.nodes import NodeBoard
+from runtime.liveness.watchdog import POLL_S
 from runtime import succession
 
 RANKS_PER_NODE = 8
@@ -114,7 +114,7 @@ class Host:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-        conf = dict(RDZV_CONF, join_timeout=int(join_timeout_s))
+        conf = dict(rdzv_conf(self.a.nodes), join_timeout=int(join_timeout_s))
         for r in self.ranks:
             params = RendezvousParameters("c10d", self.a.endpoint, RUN_ID, self.a.nodes, self.a.nodes,
                                           local_addr=host_name(r), is_host=False, **conf)
@@ -222,6 +222,9 @@ class Host:
 
     # --- the stall watch's node records -------------------------------------------------------
     def records(self, go: dict) -> dict:
+        """What :meth:`Watchdog.check` does on the job directory over ``ticks`` polls (their
+        clock advanced by the poll period): publish this node's record, every 2 s. The other
+        nodes' progress and busy ranks come from the store's summary, not from files."""
         policy = StallPolicy()
         boards = {r: NodeBoard(self.job_dir, allocation=0, node_rank=r, host=host_name(r))
                   for r in self.ranks}
@@ -229,14 +232,11 @@ class Host:
         if not ticks:
             return {}
         before = dict(self.fs.counts)
-        started = time.time()
-        for _ in range(ticks):
-            now = time.time()
-            for r, board in boards.items():    # what Watchdog.check does on the job directory
+        started, t0 = time.time(), time.time()
+        for k in range(ticks):
+            now = t0 + k * POLL_S
+            for r, board in boards.items():
                 self.fs.local.owner = r
-                peers = board.peers(now)
-                nodes.progress_age(peers, now)
-                nodes.busy_rank(peers)
                 board.publish(assess(fake_beats(r, now), {}, now, policy), (), now)
             self.fs.local.owner = None
         took = time.time() - started

@@ -41,6 +41,7 @@ from pathlib import Path
 from benchmarks.scale import history
 from benchmarks.scale.fit import exponent
 from benchmarks.scale.meter import cpu_s, load
+from runtime.liveness import groups
 from runtime.liveness.peers import BEAT_S, LOST_AFTER_S
 from runtime.liveness.watchdog import POLL_S
 
@@ -74,9 +75,9 @@ def _go(ctl: Path, name: str, **data: object) -> None:
     os.replace(tmp, ctl / f"go-{name}.json")
 
 
-def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 2,
+def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
              join_timeout_s: float = 300.0, history_allocs: int = 20,
-             work: Path | None = None, skip_liveness: str = "") -> dict:
+             work: Path | None = None, skip_liveness: str = "", skip_join: str = "") -> dict:
     """Measures one N; returns its row (figures, their context, and notes on any null).
 
     ``skip_liveness``: a reason not to run the join, load and detection phases (then their
@@ -115,7 +116,7 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 2,
                 row[k] = None
                 row["notes"][k] = f"not run: {skip_liveness}"
         else:
-            _liveness(row, n, ctl, pids, hosts, server, window_s, join_timeout_s)
+            _liveness(row, n, ctl, pids, hosts, server, window_s, join_timeout_s, skip_join)
         _records_and_election(row, n, ctl, pids, ticks)
     finally:
         for h in hosts:
@@ -138,24 +139,30 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 2,
 
 
 def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server: subprocess.Popen,
-              window_s: float, join_timeout_s: float) -> None:
+              window_s: float, join_timeout_s: float, skip_join: str = "") -> None:
     """Phases 1-3: join, the load window, the silent node's detection."""
     victim = n - 1
     t_join = time.time() + 1.0
     c0 = cpu_s(server.pid)
-    _go(ctl, "join", t=t_join)
-    joined = _collect(ctl, "joined", pids, join_timeout_s + 120)
-    if joined is None:
-        raise RuntimeError(f"the agents neither joined nor gave up in {join_timeout_s + 120:.0f} s")
-    done = [t for j in joined for t in j["done"].values()]
-    errors = [e for j in joined for e in j["errors"]]
-    row["join_s"] = round(max(done) - t_join, 3) if len(done) == n else None
-    row["joined"] = len(done)
-    if row["join_s"] is None:
-        row["notes"]["join_s"] = (f"{n - len(done)} of {n} agents did not join within the "
-                                  f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
-    row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
-    row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
+    if skip_join:
+        _go(ctl, "join", skip=True)
+        _collect(ctl, "joined", pids, 60)
+        row["join_s"] = None
+        row["notes"]["join_s"] = f"not run: {skip_join}"
+    else:
+        _go(ctl, "join", t=t_join)
+        joined = _collect(ctl, "joined", pids, join_timeout_s + 120)
+        if joined is None:
+            raise RuntimeError(f"the agents neither joined nor gave up in {join_timeout_s + 120:.0f} s")
+        done = [t for j in joined for t in j["done"].values()]
+        errors = [e for j in joined for e in j["errors"]]
+        row["join_s"] = round(max(done) - t_join, 3) if len(done) == n else None
+        row["joined"] = len(done)
+        if row["join_s"] is None:
+            row["notes"]["join_s"] = (f"{n - len(done)} of {n} agents did not join within the "
+                                      f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
+        row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
+        row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
     # The beacons start; the window opens once every one of them (the victim's too) has beaten
     # and read its peers: a node that never reached the store is tracked by nobody. Its first
     # connection can take seconds on this loaded machine (seen: 5 s, the victim's only try
@@ -182,7 +189,7 @@ def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server
     row["store_req_per_s"] = round(req / window_s, 1)
     row["beacon_req_per_s"] = round(sum(x["beacon_req"] for x in loaded) / window_s, 1)
     row["rdzv_keepalive_req_per_s"] = round(sum(x["rdzv_req"] for x in loaded) / window_s, 1)
-    row["beacon_demand_req_per_s"] = n * (1 + 2 * (n - 1)) / BEAT_S   # add own, add(0)+check(done) per peer
+    row["beacon_demand_req_per_s"] = groups.requests_per_beat(n) / BEAT_S
     row["store_server_cpu"] = round((s1 - s0) / window_s, 3)
     row["false_lost"] = sorted({r for x in loaded for r in x.get("false_lost", [])})[:20]
     seen = [s for x in loaded[:-1] for s in x["detected"].values()]
@@ -271,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-liveness-from", type=int, default=1 << 30,
                    help="from this N on, skip join/keepalive/detection (with --skip-liveness)")
     p.add_argument("--skip-liveness", default="", help="the reason recorded for skipping")
+    p.add_argument("--skip-join-from", type=int, default=1 << 30,
+                   help="from this N on, skip only the c10d join (with --skip-join)")
+    p.add_argument("--skip-join", default="", help="the reason recorded for skipping the join")
     p.add_argument("--elect-only", action="store_true",
                    help="measure the election again and update those figures in --out")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
@@ -297,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.nodes:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
         row = simulate(n, procs=a.procs, window_s=a.window, join_timeout_s=a.join_timeout,
-                       skip_liveness=skip)
+                       skip_liveness=skip, skip_join=a.skip_join if n >= a.skip_join_from else "")
         print(json.dumps({k: row.get(k) for k in (*FIGURES, "load_window")}), flush=True)
         rows.append(row)
         rows.sort(key=lambda r: r["nodes"])

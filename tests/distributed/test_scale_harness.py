@@ -24,7 +24,7 @@ N = 64
 
 @pytest.fixture(scope="module")
 def row(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return simulate(N, procs=2, window_s=3.0, ticks=1, join_timeout_s=120.0,
+    return simulate(N, procs=2, window_s=3.0, ticks=4, join_timeout_s=120.0,
                     work=tmp_path_factory.mktemp("scale"))
 
 
@@ -38,8 +38,9 @@ def test_no_healthy_node_is_named_lost_while_all_beat(row: dict) -> None:
 
 
 def test_a_suspended_node_is_named_lost_by_the_host(row: dict) -> None:
-    # Named once its counter stood still LOST_AFTER_S; the host's beacon reads every peer
-    # each beat. Generous for a loaded machine, far below the collective timeout (600 s).
+    # Named by every node within LOST_AFTER_S of its last beat (its watcher names it, the root's
+    # summary carries the name). Generous for a loaded machine, far below the collective
+    # timeout (600 s).
     # The window opens only once every beacon, the victim's too, has beaten: under load its
     # first store connection can take seconds (a 3-s timeout, retried each beat).
     assert row["beating"] == f"{N} of {N}", row["notes"]
@@ -54,10 +55,13 @@ def test_the_election_after_the_host_loss_is_one_decision_within_bounds(row: dic
     assert row["elect_fs_ops_per_node"] <= 30
 
 
-def test_the_job_directory_operations_of_one_node_stay_linear_in_the_peers(row: dict) -> None:
-    # Today each stall-watch poll reads every peer's record (O(N) per node): ~0.75 N + 2.
-    # More than one operation per peer per poll is a regression.
-    assert row["fs_ops_per_node_tick"] <= N + 10
+def test_the_store_and_job_directory_load_of_one_node_does_not_grow_with_the_peers(row: dict) -> None:
+    # Liveness folded in groups (runtime.liveness.groups): ~2 requests per node per beat plus
+    # the watchers' and the root's (was 2N - 1 per node: 8,128 req/s at 64 nodes).
+    assert row["beacon_req_per_s"] <= 4 * N, row["notes"]
+    # The stall watch writes its own record every 2 s and reads none (was one read per peer
+    # per poll: ~0.75 N + 2).
+    assert row["fs_ops_per_node_tick"] <= 4
 
 
 def test_status_and_report_read_64_nodes_x_20_allocations_in_bounds(row: dict) -> None:
