@@ -216,28 +216,6 @@ def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_
     assert "node3 (lost" in " ".join(outcomes(job)[-1]["excluded"]), outcomes(job)
 
 
-def test_tp2_x_dp2_loses_a_node_and_goes_on_at_dp1_x_tp2(env, slurm_cluster, tmp_path, baseline):
-    """TP 2 x DP 2 on 2 nodes x 2 processes (a TP pair per node); the second node crashes. The
-    survivors re-form at DP 1 x TP 2 (the TP degree kept), resume from the last checkpoint with
-    the same global batch (accumulation doubles) and finish with the samples of an
-    uninterrupted run (``baseline``: the same global batch, seed and steps)."""
-    job = tmp_path / "mesh"
-    job_id = submit(env, job, "--nodes", "1:2", "--tp", "2", "--max-restarts", "3")
-    wait_until(lambda: latest_step(job) >= 4, 240, "training to checkpoint step 4")
-    assert progress(job)["world_size"] == 4, "the job should start on 2 nodes"
-    q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=env, capture_output=True, text=True)
-    nodes = expand_hostlist(q.stdout.strip())
-    assert len(nodes) == 2, q.stdout + q.stderr
-    slurm_cluster.crash(nodes[-1])                  # not the rendezvous host
-    wait_done(env, job_id, job)
-    result = assert_same_as_baseline(job, baseline, weights=False)
-    assert result["world_size"] == 2 and result["mesh"] == "tp 2", result
-    assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
-    logs = "".join(f.read_text(errors="replace") for f in job.glob("logs/alloc-*/restart-*/rank-0.log"))
-    assert "world 4 (dp_shard 2 x tp 2), global batch 16 = 2 x 4 x 2 accumulation" in logs, logs[-3000:]
-    assert "world 2 (tp 2), global batch 16 = 1 x 4 x 4 accumulation" in logs, logs[-3000:]
-
-
 def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
     job = tmp_path / "bug"
     job_id = submit(env, job, "--nodes", "2", "--max-restarts", "1", train=("--fail-at-step", "3"))
