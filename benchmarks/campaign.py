@@ -557,6 +557,35 @@ def write(out: dict[str, Any], json_path: str, md_path: str) -> None:
         Path(md_path).write_text(table)
 
 
+def slurm_frame(record: dict[str, Any]) -> None:
+    """Each fault's cost on Slurm's frame of the run too (sacct: every allocation's start and each
+    node's end): the ledger ends an allocation whose launchers wrote no end (a job cancelled while
+    hung) at its last event, so it leaves out a hang's node-time; Slurm does not."""
+    from types import SimpleNamespace
+    allocs, ends = [], []
+    for job_id in record.get("job_ids") or [record.get("job_id")]:
+        for run in accounting_runs(str(job_id)).values():
+            if run.get("start") is None or run.get("end") is None:
+                continue
+            ends.append(run["end"])
+            allocs.append(SimpleNamespace(start=run["start"], node_ends={
+                n: (t if t is not None else run["end"]) for n, t in (run.get("node_ends") or {}).items()}))
+    if not allocs:
+        return
+    trace = [(t, s, tuple(g) if isinstance(g, list) else g) for t, s, _, g in record["trace"]]
+    faults = [{k: f[k] for k in ("kind", "t", "step", "scheduled_step", "target")} for f in record["faults"]]
+    record["faults_ledger_frame"] = record["faults"]
+    slurm = cm.fault_costs(faults, trace, allocs, max(ends))
+    # Each frame can only miss node-time (the ledger a hang's tail, sacct an allocation of a
+    # requeued job it did not list: seen): a fault costs the larger of the two.
+    for f, led in zip(slurm, record["faults_ledger_frame"]):
+        f["lost_node_s_slurm"], f["lost_node_s_ledger"] = f["lost_node_s"], led["lost_node_s"]
+        f["lost_node_s"] = max(f["lost_node_s"], led["lost_node_s"])
+        f["recovered"] = led["recovered"] and f["recovered"]
+    record["faults"] = slurm
+    record["allocated_node_s_slurm"] = cm.node_seconds(allocs, min(a.start for a in allocs), max(ends))
+
+
 def from_partial(path: Path, root: Path) -> dict[str, Any]:
     """The record of a campaign cut short: its finished runs, the weights compared with the
     references it had made (``root/ref-NAME-wW/result.json``)."""
@@ -572,6 +601,7 @@ def from_partial(path: Path, root: Path) -> dict[str, Any]:
                     refs.setdefault((other, world), digest)
     runs = data["runs"]
     for r in runs:
+        slurm_frame(r)
         ref = refs.get((r["contender"], r["final_world"]))
         r["weights_equal"] = bool(ref and r.pop("weights_sha256", None) == ref)
         r["reference_world_available"] = ref is not None
