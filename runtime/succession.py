@@ -171,10 +171,18 @@ class Board:
             return (f"rendezvous epoch {index} was replaced by epoch {cur.index} (host {cur.host}, "
                     f"members {', '.join(cur.members)})")
         decided = self.decision(index + 1)
-        if decided is not None and (decided.epoch is None or host not in decided.epoch.members) \
-                and host not in self.announced(index + 1):
-            return f"the other nodes lost this one and decided without it: {decided.reason}"
-        return None
+        if decided is None:
+            return None
+        announced = self.announced(index + 1)
+        if host in announced or (decided.epoch is not None and host in decided.epoch.members):
+            return None
+        if decided.epoch is None and cur is not None and cur.index == index:
+            # A minority that lost this side (a cut node, alone) found no majority and stops; the
+            # side left out of its election still holds a strict majority of the epoch and goes on.
+            left_out = [h for h in cur.members if h not in announced]
+            if len(left_out) * 2 > len(cur.members):
+                return None
+        return f"the other nodes lost this one and decided without it: {decided.reason}"
 
 
 def announce_window_s(members: int) -> float:

@@ -78,6 +78,17 @@ def test_a_failed_election_fences_the_old_host_too(tmp_path: Path) -> None:
     assert "decided without it" in board.fenced(0, "node1")
 
 
+def test_a_cut_minority_that_finds_no_majority_fences_nobody_else(tmp_path: Path) -> None:
+    """3 nodes, node3's link cut: node3 alone loses the host, finds no majority and stops. Its
+    failed election must not fence the host and node2 (2 of 3, a majority that trains on): in CI
+    of 5dc1605 it did, and the survivors' last checkpoint was refused at step 40."""
+    board = Board(tmp_path, allocation=0)
+    board.publish(E0)
+    got = run_election(board, E0, "node3", order=ORDER, min_nodes=1, window_s=0.1)
+    assert got.epoch is None
+    assert board.fenced(0, "node1") is None and board.fenced(0, "node2") is None
+
+
 def test_checkpoint_commits_are_refused_for_a_fenced_epoch(tmp_path: Path, monkeypatch) -> None:
     env = {"HPC_JOB_DIR": str(tmp_path), "HPC_ALLOCATION": "0", "HPC_RDZV_EPOCH": "0"}
     monkeypatch.setattr(succession.socket, "gethostname", lambda: "node1")
