@@ -66,9 +66,11 @@ def load_batch(step: int, rank: int, first_run: bool) -> torch.Tensor:
 def unmarked_evaluation(seconds: float) -> None:
     """Long work in the user's own code, alive and outside any collective."""
     if args.pause_holds_gil:
-        t = time.perf_counter()
+        # Calibrated on CPU time, not the wall clock: under load the calibration shares a core
+        # and a wall-clock rate would make the call as much shorter as the load was high.
+        t = time.process_time()
         sum(range(10**7))
-        per_item = max(1e-10, (time.perf_counter() - t) / 10**7)
+        per_item = max(1e-10, (time.process_time() - t) / 10**7)
         sum(range(min(int(seconds / per_item), 4 * 10**9)))   # one C call: the lock is held
         return
     end = time.time() + seconds
