@@ -83,8 +83,9 @@ def elect(previous: Epoch, announced: Sequence[str], *, order: Sequence[str], mi
         order: The allocation's nodes in Slurm's order (the succession order).
         min_nodes: The job's MIN nodes.
     """
-    survivors = [h for h in order if h in set(announced) and h != previous.host]
-    survivors += sorted(h for h in set(announced) if h not in order and h != previous.host)
+    present, known = set(announced), set(order)     # sets: O(N), not O(N^2) (10,000 nodes)
+    survivors = [h for h in order if h in present and h != previous.host]
+    survivors += sorted(h for h in present if h not in known and h != previous.host)
     members = len(previous.members)
     if len(survivors) * 2 <= members:
         return Election(None, f"{len(survivors)} of {members} nodes survived the loss of "
@@ -195,7 +196,8 @@ def announce_window_s(members: int) -> float:
 def decider_rank(previous: Epoch, host: str, order: Sequence[str]) -> int:
     """``host``'s place among the survivors that may decide: the members of ``previous`` but
     its host, in the allocation's order (a host not among them comes last)."""
-    candidates = [h for h in order if h in previous.members and h != previous.host]
+    members = set(previous.members)   # a set: every survivor calls this (O(N^2) with the tuple)
+    candidates = [h for h in order if h in members and h != previous.host]
     return candidates.index(host) if host in candidates else len(candidates)
 
 
