@@ -22,6 +22,11 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   (:func:`enforce_in`): at a time limit, so that the allocation ends while the job can still be
   requeued; at a preemption, so that a worker can finish its W&B run before Slurm's SIGTERM
   kills wandb's service;
+* under ``hpc run`` (no Slurm to escalate), workers still running :data:`KILL_AFTER_S` after a
+  SIGTERM are killed (SIGKILL), as Slurm's ``KillWait`` would: a handler that hangs (Lightning's
+  broadcasts from inside its SIGTERM handler; with a peer rank blocked in the step's collective
+  the two never match and wait out the 30-minute collective timeout) would otherwise keep the
+  job, and ``hpc run``, from ever ending;
 * workers that then die of the stop are a stopped allocation, not an application error
   (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
   job is requeued.
@@ -58,7 +63,9 @@ from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 
 log = logging.getLogger("hpc.launch")
 
-
+# Without Slurm: seconds from a SIGTERM to the SIGKILL of workers still running (Slurm's
+# default KillWait; the same grace hpc run's lifeline gives, runtime/launch/lifeline.py).
+KILL_AFTER_S = 30.0
 
 def notice_path(job_dir: Path, allocation: int) -> Path:
     """Where an allocation's stop notice goes: ``logs/alloc-A/stop.json``."""
@@ -117,12 +124,17 @@ class StopTracker:
             from that launcher's notice when it comes within
             :data:`~runtime.stop_deadline.ANSWER_WAIT_S`.
         under_slurm: Whether the job runs under Slurm (else a warning is a preemption's).
+        kill_workers: SIGKILLs the workers still running and returns their pids; called
+            ``kill_after_s`` after the first SIGTERM (None: Slurm's KillWait escalates).
+        kill_after_s: See ``kill_workers``.
     """
 
     def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
                  lead_s: float, grace_s: float | None, enforce: bool = False,
                  ask_slurm: Callable[[], Any] | None = None, restarts: int | None = None,
-                 follow: bool = False, under_slurm: bool = True) -> None:
+                 follow: bool = False, under_slurm: bool = True,
+                 kill_workers: Callable[[], list[int]] | None = None,
+                 kill_after_s: float = KILL_AFTER_S) -> None:
         self.path = Path(path)
         self.under_slurm = under_slurm
         self.allocation = allocation
@@ -130,6 +142,8 @@ class StopTracker:
         self.notice: StopNotice | None = None
         self.enforce = enforce
         self.timer: threading.Timer | None = None
+        self.kill_workers, self.kill_after_s = kill_workers, kill_after_s
+        self.kill_timer: threading.Timer | None = None
         self.ask_slurm, self.restarts, self.follow = ask_slurm, restarts, follow
         self.refined = threading.Event()   # set once Slurm's answer (or its absence) is in
         self._lock = threading.RLock()     # the handler (main thread) and the asking thread
@@ -141,6 +155,8 @@ class StopTracker:
     def on_signal(self, name: str, when: float) -> None:
         """Records the first stop signal and writes its notice; never raises (signal handler)."""
         with self._lock:
+            if name == "SIGTERM":
+                self._arm_kill()
             if self.notice is not None:
                 if name == "SIGTERM" and when < self.notice.deadline:   # the kill came early
                     self.notice = dataclasses.replace(self.notice, deadline=round(when, 3))
@@ -165,12 +181,33 @@ class StopTracker:
         delay = enforce_in(self.notice, now)
         if not self.enforce or delay is None:
             return
-        self.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         # SIGTERM to the launcher itself: its handler forwards it to the workers.
         self.timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
         self.timer.daemon = True
         self.timer.start()
         log.warning("%s", enforcement_line(self.notice, delay, under_slurm=self.under_slurm))
+
+    def _arm_kill(self) -> None:
+        """Starts the countdown to the SIGKILL of the workers (once, at the first SIGTERM)."""
+        if self.kill_workers is None or self.kill_timer is not None:
+            return
+        self.kill_timer = threading.Timer(self.kill_after_s, self._kill)
+        self.kill_timer.daemon = True
+        self.kill_timer.start()
+
+    def _kill(self) -> None:
+        """Kills the workers that outlived the SIGTERM by ``kill_after_s``; never raises."""
+        try:
+            killed = self.kill_workers() if self.kill_workers is not None else []
+        except Exception as e:   # noqa: BLE001 - a timer thread; the launcher goes on
+            log.warning("could not kill the workers after the SIGTERM: %s", e)
+            return
+        if killed:
+            log.error("the workers did not stop within %.0f s of the SIGTERM (a signal handler that "
+                      "hangs, e.g. one running a collective): killed %s (SIGKILL)",
+                      self.kill_after_s, killed)
 
     def _refine(self) -> None:
         """Asks Slurm (or waits for the asking node's notice) and plans for the earlier
@@ -215,9 +252,10 @@ class StopTracker:
         return notice
 
     def cancel(self) -> None:
-        """Stops a pending enforcement (the workers ended)."""
-        if self.timer is not None:
-            self.timer.cancel()
+        """Stops a pending enforcement and kill (the workers ended)."""
+        for timer in (self.timer, self.kill_timer):
+            if timer is not None:
+                timer.cancel()
 
     def _write(self) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import slurm
 from runtime import stopping
+from runtime.liveness.proc import workers
 
 log = logging.getLogger("hpc.launch")
 
@@ -55,6 +56,24 @@ class SignalForwarder:
         if self.stop is not None:
             self.stop.on_signal(name, now)
         log.warning("received %s: forwarded to workers %s", name, workers)
+
+
+def kill_workers(ppid: int, parent: int | None = None) -> list[int]:
+    """SIGKILLs the worker processes of launcher ``ppid``; returns their pids.
+
+    With ``parent`` (``hpc run``'s pid): nothing when that is gone, for then the lifeline
+    (:mod:`runtime.launch.lifeline`) ends the job and records it as cancelled.
+    """
+    if parent is not None and os.getppid() != parent:
+        return []
+    killed = []
+    for pid in workers(ppid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
 
 
 def children(ppid: int) -> list[int]:

@@ -49,7 +49,7 @@ from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from runtime.launch import health, inprocess_agent, spares
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
-from runtime.launch.forwarding import SignalForwarder, children as _children  # noqa: F401 - re-exported
+from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
@@ -579,7 +579,10 @@ def main(argv: list[str] | None = None) -> int:
         ask_slurm=functools.partial(stop_deadline.ask_slurm, slurm.job_id)
         if asks and node_rank == 0 else None,
         restarts=slurm.restart_count if slurm.active else None,
-        follow=asks and node_rank != 0, under_slurm=slurm.active)
+        follow=asks and node_rank != 0, under_slurm=slurm.active,
+        # hpc run: nobody else kills workers that outlive a SIGTERM (under Slurm, KillWait)
+        kill_workers=None if slurm.active else
+        functools.partial(kill_workers, os.getpid(), os.getppid() if args.local else None))
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

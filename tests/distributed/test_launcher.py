@@ -418,3 +418,39 @@ def test_full_disk_before_start_is_refused(small_disk: Path):
     assert p.returncode == 2, out
     assert "no space left on device (ENOSPC)" in out and str(job) in out and " free of " in out, out
     assert not (job / "jobspec.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_workers_hung_in_their_sigterm_handler_are_killed_and_the_stop_recorded(tmp_path: Path):
+    """A SIGTERM handler that hangs (a collective inside it that the other rank never joins, as
+    Lightning's broadcast can) must not keep the job alive: without Slurm's KillWait, the
+    launcher kills such workers KILL_AFTER_S after the SIGTERM, records the stop, and hpc run
+    exits 75 (requeue me)."""
+    from runtime.stopping import KILL_AFTER_S
+
+    job = tmp_path / "job"
+    job.mkdir()
+    script = REPO / "tests" / "distributed" / "scripts" / "term_collective.py"
+    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "2",
+                          "--job-dir", str(job), "--", "--out", str(job)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (job / "ready-0").exists() and (job / "ready-1").exists(), 150, "both ranks waiting")
+        time.sleep(1.0)                        # rank 1 inside its all-reduce
+        os.kill(p.pid, signal.SIGTERM)         # as a closed terminal does: on to the launcher, the workers
+        sent = time.monotonic()
+        out, _ = p.communicate(timeout=KILL_AFTER_S + 60)
+        took = time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 75, out[-3000:]
+    assert KILL_AFTER_S <= took < KILL_AFTER_S + 60, took
+    assert "rank 0: SIGTERM: broadcasting from the handler" in out, out[-3000:]   # the hang was real
+    assert f"did not stop within {KILL_AFTER_S:.0f} s of the SIGTERM" in out, out[-3000:]
+    [record] = outcomes(job)
+    assert record["kind"] == "preempted" and "did not stop by themselves" in record["reason"], record
+    assert f"exited with -{int(signal.SIGKILL)}" in record["reason"], record
+    for pid in ((job / "ready-0").read_text(), (job / "ready-1").read_text()):
+        assert not alive(int(pid)), "a worker outlived the job"

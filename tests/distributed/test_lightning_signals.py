@@ -5,6 +5,10 @@ handler (in every process; it broadcasts from inside the handler, then the loop 
 ``SIGTERMException``, a ``SystemExit`` with status 0 that would read as a finished job) does
 not swallow a stop: ours stays behind it, the worker still dies of the SIGTERM, and the
 launcher records the stop and restarts nothing. docs/own-script.md says so; this checks it.
+When the SIGTERM finds one rank in the step's collective and the other outside it, that
+broadcast never completes: the launcher then kills the workers ``KILL_AFTER_S`` after the
+SIGTERM (tests/distributed/test_launcher.py forces that case), and the stop is recorded all the
+same.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.stopping import KILL_AFTER_S
 from tests.conftest import REPO
 from tests.distributed.test_own_script import env_for, launcher_pid, outcomes, wait_for
 
@@ -36,7 +41,7 @@ def stop_with(job: Path, p: subprocess.Popen[str], sig: signal.Signals) -> str:
     try:
         wait_for(lambda: (job / "checkpoints" / "last.ckpt").exists(), 150, "Lightning's last.ckpt")
         os.kill(launcher_pid(job), sig)
-        out, _ = p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=KILL_AFTER_S + 60)   # a hung handler is killed after it
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -56,7 +61,7 @@ def test_on_the_warning_the_lightning_example_saves_and_exits_75(tmp_path: Path)
     assert record["reason"] == "SIGUSR2 (preempted): the script stopped for it (exit 75)", record["reason"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_sigterm_to_a_lightning_job_is_recorded_as_the_stop(tmp_path: Path):
     job = tmp_path / "job"
     stop_with(job, start(tmp_path, job), signal.SIGTERM)   # a SIGTERM-only stop, no warning
@@ -66,4 +71,5 @@ def test_sigterm_to_a_lightning_job_is_recorded_as_the_stop(tmp_path: Path):
     assert sorted(x.name for x in (job / "logs/alloc-0").glob("restart-*")) == ["restart-0"]
     [record] = outcomes(job)
     assert (record["kind"], record["exit_code"]) == ("preempted", 75), record
-    assert "exited with -15" in record["reason"], record   # died of it, not a status-0 exit
+    # Died of it (or, its handler hung in the broadcast, was killed after it): not a status-0 exit.
+    assert any(f"exited with -{int(s)}" in record["reason"] for s in (signal.SIGTERM, signal.SIGKILL)), record

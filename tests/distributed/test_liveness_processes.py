@@ -297,6 +297,7 @@ def test_a_worker_whose_heartbeat_is_gone_is_not_judged_by_its_output(tmp_path: 
     stand-in (with a peer lost, an exiting run was killed and waited out torch's timeouts)."""
     from dataclasses import asdict
 
+    from runtime.liveness import proc
     from runtime.liveness.deadline import StallPolicy
     from runtime.liveness.heartbeat import Heartbeat, path_for
     from runtime.liveness.watchdog import Watchdog
@@ -310,6 +311,11 @@ def test_a_worker_whose_heartbeat_is_gone_is_not_judged_by_its_output(tmp_path: 
     dog = Watchdog(tmp_path / "job", allocation=0, node_rank=0, policy=StallPolicy(floor_s=20))
     dog.directory.mkdir(parents=True, exist_ok=True)
     try:
+        # Until both run as themselves: Popen returns once exec began, and for a while after
+        # (long on a loaded machine) /proc still shows an empty command line and environment.
+        both = {session_worker.pid, plain_worker.pid}
+        wait_for(lambda: both <= set(proc.workers(os.getpid())) and len(output_beats(both)) == 2,
+                 30, "both workers to run as themselves")
         beat = Heartbeat(pid=session_worker.pid, rank=0, local_rank=0, restart=0, phase="step", step=5,
                          steps_done=5, time=time.time(), p99_s=None, samples=0)
         path_for(dog.directory, session_worker.pid).write_text(json.dumps(asdict(beat)))

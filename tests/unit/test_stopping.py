@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,39 @@ def test_tracker_writes_the_first_notice_and_a_sigterm_brings_the_deadline_forwa
     got = stopping.StopNotice.read(tmp_path / "a" / "stop.json")
     assert got == t.notice
     assert (got.signal, got.kind, got.received_at, got.deadline) == ("SIGUSR2", "time_limit", 1000.0, 1005.0)
+
+
+def test_without_slurm_workers_outliving_a_sigterm_are_killed_once_after_the_wait(tmp_path: Path) -> None:
+    """hpc run has no KillWait: the first SIGTERM (not a warning) starts the one countdown to
+    the SIGKILL; the workers ending first (cancel) stops it."""
+    import threading
+
+    calls: list[float] = []
+    done = threading.Event()
+
+    def kill() -> list[int]:
+        calls.append(time.monotonic())
+        done.set()
+        return [4242]
+
+    t = stopping.StopTracker(tmp_path / "stop.json", allocation=0, job_end_time=None, lead_s=120,
+                             grace_s=None, under_slurm=False, kill_workers=kill, kill_after_s=0.3)
+    t.on_signal("SIGUSR2", time.time())        # a warning: the workers save, no countdown
+    assert t.kill_timer is None
+    started = time.monotonic()
+    t.on_signal("SIGTERM", time.time())
+    t.on_signal("SIGTERM", time.time())        # a second SIGTERM: the same countdown
+    assert done.wait(10) and calls[0] - started >= 0.3
+    time.sleep(0.5)
+    assert len(calls) == 1
+    t.cancel()
+
+    spared = stopping.StopTracker(tmp_path / "s2.json", allocation=0, job_end_time=None, lead_s=120,
+                                  grace_s=None, under_slurm=False, kill_workers=kill, kill_after_s=0.3)
+    spared.on_signal("SIGTERM", time.time())
+    spared.cancel()                            # the workers ended by themselves
+    time.sleep(0.6)
+    assert len(calls) == 1
 
 
 def test_unreadable_notice_is_none(tmp_path: Path) -> None:
