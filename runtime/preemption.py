@@ -109,6 +109,9 @@ class PreemptionWatcher:
         self._pending: Any = None
         self._tensor: Any = None
         self._previous: dict[int, Any] = {}
+        # One more flag agreed in the same all-reduce (in-process recovery: a joiner waits).
+        self.flag: Callable[[], bool] | None = None
+        self.flagged = False
 
     @classmethod
     def from_config(cls, config: PreemptionConfig, group: Any = None, *,
@@ -141,13 +144,14 @@ class PreemptionWatcher:
     def _record(self, signum: int, frame: Any) -> None:
         self.received.append((self.clock(), signal.Signals(signum).name))
 
-    def _local_code(self) -> tuple[float, float, float]:
-        """(any signal?, SIGTERM seen?, -first arrival time) for a MAX reduction."""
+    def _local_code(self) -> tuple[float, float, float, float]:
+        """(any signal?, SIGTERM seen?, -first arrival time, :attr:`flag`) for a MAX reduction."""
+        flag = 1.0 if self.flag is not None and self.flag() else 0.0
         if not self.received:
-            return 0.0, 0.0, float("-inf")
+            return 0.0, 0.0, float("-inf"), flag
         first = min(t for t, _ in self.received)
         term = any(n == "SIGTERM" for _, n in self.received)
-        return 1.0, 1.0 if term else 0.0, -first
+        return 1.0, 1.0 if term else 0.0, -first, flag
 
     # -- agreement ------------------------------------------------------------------------
     def poll(self, *, overlap: bool = True) -> StopRequest | None:
@@ -158,18 +162,25 @@ class PreemptionWatcher:
         signal is acted on one step later, on all ranks at the same step.
         """
         if self.group is None:
-            return self._to_request(*self._local_code())
+            *code, flag = self._local_code()
+            self.flagged = bool(flag)
+            return self._to_request(*code)
         import torch
         import torch.distributed as dist
 
         if not overlap:
             t = torch.tensor(self._local_code(), dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            return self._to_request(*t.tolist())
+            *code, flag = t.tolist()
+            self.flagged = bool(flag)
+            return self._to_request(*code)
         result = None
+        self.flagged = False
         if self._pending is not None:
             self._pending.wait()
-            result = self._to_request(*self._tensor.tolist())
+            *code, flag = self._tensor.tolist()
+            self.flagged = bool(flag)
+            result = self._to_request(*code)
         self._tensor = torch.tensor(self._local_code(), dtype=torch.float64)
         self._pending = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=self.group,
                                         async_op=True)

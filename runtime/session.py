@@ -60,6 +60,7 @@ log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
 POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
 MAX_POLL_EVERY = 50
+JOIN_WAIT_S = 30 * 86400.0      # a joiner (a hot spare's worker) may wait the job's whole life
 PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
 LINE_MIN_S = 1.0                # console progress: a line per log step, at most one a second,
 LINE_MAX_S = 30.0               # and at least one this often (a slow loop, a large log_every)
@@ -120,6 +121,9 @@ class Session:
         self._slow_s = _test_slowdown(os.environ)
         self._inproc: Any = None             # runtime.worker.inprocess.recovery.InProcess (--recovery inprocess)
         self._recent: list[float] = []       # recent step times: the bound of a training all-reduce
+        self._origin: int | None = None      # the loop's first step (a joiner takes the members')
+        self._grow_due = False               # in-process: the agreement said a joiner waits
+        self._joined_at: tuple[float, float] | None = None   # a joiner: (asked, taken in), wall times
         self._progress_total = 0
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -186,7 +190,9 @@ class Session:
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             self._inproc = self._in_process(backend)
-            if self._inproc is not None:
+            if self._inproc is not None and self._inproc.joining:
+                self._join()
+            elif self._inproc is not None:
                 self._inproc.init_group()
             else:
                 dist.init_process_group(backend, timeout=self.timeout,
@@ -209,6 +215,8 @@ class Session:
             self.spec.preemption if self.spec else components.PREEMPTION, control,
             job_end_time=end, grace_s=grace, under_slurm=self.env.slurm.active)
         self._watcher.install()
+        if self._inproc is not None:   # rank 0's fault watch saw a joiner: agreed with the signals
+            self._watcher.flag = lambda: self._inproc.guard.joiners
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
                      self.world_size, backend, self.device, self.restart_count, self.env.allocation)
@@ -266,7 +274,7 @@ class Session:
                     dist.barrier(group=self.cpu_group)
                 dist.destroy_process_group()
             if self._inproc is not None:
-                self._inproc.close()
+                self._inproc.close(finished=error is None)
             self._rec.close(self._checkpointer, error, self.step)
             self._beat.close()
 
@@ -348,8 +356,42 @@ class Session:
             return None
         from runtime.worker.inprocess.recovery import InProcess
 
-        return InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
+        made = InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
                                   timeout=self.timeout, step_bound_s=self._step_bound_s)
+        if made is not None:
+            made.session_state = self._session_state
+        return made
+
+    def _join(self) -> None:
+        """A joiner (a restarted worker, a hot spare's): waits until the running members take
+        it in, then forms their group; its rank and world are theirs. A joiner the job did not
+        need (it finished first) ends here, cleanly."""
+        assert self._inproc is not None
+        t0 = time.time()
+        self._beat.enter("join", JOIN_WAIT_S)
+        try:
+            members = self._inproc.join_group(JOIN_WAIT_S)
+        finally:
+            self._beat.leave()
+        if members is None:
+            log.info("session: the job finished while this worker waited to join: not needed")
+            self._rec.emit("inproc_join", needed=False, waited_s=round(time.time() - t0, 3))
+            self._beat.close()
+            raise SystemExit(0)
+        rank, world = self._inproc.rank, self._inproc.world_size
+        self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        self._joined_at = (t0, time.time())
+        log.warning("in-process join: taken in as rank %d of %d in generation %d after %.2f s",
+                    rank, world, members.gen, time.time() - t0)
+
+    def _session_state(self) -> dict[str, Any]:
+        """What a joiner needs of the loop to run its step-boundary collectives at the same
+        steps as the members (sent with the state)."""
+        ckpt = self._checkpointer
+        return {"origin": self._origin, "poll_every": self._poll_every,
+                "last_save_step": ckpt._last_save_step if ckpt is not None else None,
+                "schedule": ckpt.schedule if ckpt is not None else None}
 
     def _step_bound_s(self) -> float:
         """The bound of one training all-reduce now: the stall watch's deadline of a step."""
@@ -358,7 +400,31 @@ class Session:
             return policy.first_steps_s
         return step_deadline_s(policy, p99(self._recent), len(self._recent))
 
-    def _recover(self, held: int, why: str, *, dirty: bool) -> int:
+    def _regroup(self) -> None:
+        """The new generation's groups besides the default one, in the order a joiner's
+        start, ``wrap`` and ``restore`` form them (the preemption agreement's, DDP's bucket
+        layout, the checkpointer's)."""
+        assert self._inproc is not None
+        world = self._inproc.world_size
+        if self._watcher is not None:
+            self._watcher.group = dist.new_group(backend="gloo", timeout=self.timeout) if world > 1 else None
+            self._watcher._pending = None
+        self._inproc.rewrap()
+        if self._checkpointer is not None:
+            self._checkpointer.rebind()
+            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
+
+    def _grow(self) -> int:
+        """Every member at the same step boundary (the agreement said a joiner waits): opens
+        the next generation with the joiner; returns the step to go on from (unchanged)."""
+        if self._watcher is not None:
+            self._watcher.drain()
+        self._log_row_in_flight()
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+        return self._recover(self.step, "a joiner waits", dirty=False, planned=True)
+
+    def _recover(self, held: int, why: str, *, dirty: bool, planned: bool = False) -> int:
         """Leaves the failed generation, goes on in a new one; returns the step to go on from."""
         assert self._inproc is not None
         if self._pace is not None:
@@ -369,19 +435,14 @@ class Session:
         if self._checkpointer is not None:
             extra += self._checkpointer.release_groups()
         try:
-            rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None])
+            rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None],
+                                       regroup=self._regroup, planned=planned)
         finally:
             self._beat.leave()
         rank, world = rec.rank, rec.members.world_size
         self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
         self.cpu_group = dist.group.WORLD
-        if self._watcher is not None:
-            self._watcher.group = dist.new_group(backend="gloo", timeout=self.timeout) if world > 1 else None
-            self._watcher._pending = None
-        if self._checkpointer is not None:
-            self._checkpointer.rebind()
-            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
         self._pending_metrics.clear()
         self._row_in_flight = None
         self._recent = []
@@ -456,11 +517,13 @@ class Session:
             return model
         # In-process recovery: no collective in the forward pass (buffers are not broadcast;
         # a step's only collectives are the guarded gradient all-reduces).
+        joining = self._inproc is not None and self._inproc.joining
         ddp = ddp_build.SessionDDP(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=find_unused_parameters,
-            **({"forward_sync_buffers": False} if self._inproc is not None else {}))
-        if reproducible_resume and not ddp_build.fix_bucket_layout(ddp) \
+            **({"forward_sync_buffers": False} if self._inproc is not None else {}),
+            **({"init_sync": False} if joining else {}))   # the state comes in restore()
+        if (reproducible_resume or self._inproc is not None) and not ddp_build.fix_bucket_layout(ddp) \
                 and not find_unused_parameters and self.is_rank0:
             log.warning("DDP: this torch cannot fix the gradient-bucket layout; a resumed run may "
                         "differ from an uninterrupted one in the last bits")
@@ -529,6 +592,8 @@ class Session:
             else CheckpointConfig(directory=str(self.job_dir / jobdir.CHECKPOINTS)), seed=self.seed)
         if self._inproc is not None:   # its step-boundary decision: a wait a lost peer ends
             self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
+        if self._inproc is not None and self._inproc.joining:
+            return self._receive()
         self._rec.emit("restore_begin")
         with self.phase("restore"):
             manifest = self._checkpointer.load_latest(self._app_state)
@@ -543,6 +608,27 @@ class Session:
                        saved_world_size=manifest.world_size, allocation=self.env.allocation,
                        restart=self.restart_count)
         self._report_stalls()
+        return self.step
+
+    def _receive(self) -> int:
+        """A joiner's restore: the state from the members' memory (no file is read)."""
+        assert self._inproc is not None and self._joined_at is not None
+        t0 = time.time()
+        self.step, moved = self._inproc.receive()
+        got = self._inproc.received_session
+        self._origin = got.get("origin")
+        self._poll_every = int(got.get("poll_every") or 1)
+        if self._checkpointer is not None:   # the same save rules (a timed save is a collective)
+            self._checkpointer._last_save_step = got.get("last_save_step")
+            if got.get("schedule") is not None:
+                self._checkpointer.schedule = got["schedule"]
+        self._ensure_sink(resume_step=self.step, run_id=None)
+        asked, taken = self._joined_at
+        self.event("inproc_join", step=self.step, world_size=self.world_size, rank=self.rank,
+                   gen=self._inproc.gen, wait_s=round(taken - asked, 3),
+                   transfer_s=round(time.time() - t0, 3), bytes=moved)
+        log.warning("in-process join: received step %d from rank %d (%d bytes, %.3f s); no "
+                    "checkpoint read", self.step, self._inproc.joined.source, moved, time.time() - t0)
         return self.step
 
     def save(self, *, blocking: bool = True) -> None:
@@ -567,6 +653,9 @@ class Session:
         ends; :attr:`stopped` then says why.
         """
         self._start_step = start
+        if self._origin is None:   # a joiner has the members' (their step-boundary collectives)
+            self._origin = start
+        origin = self._origin
         self._rec.loop_start(start)
         self._progress_total = stop
         if self.is_rank0:
@@ -595,7 +684,7 @@ class Session:
                 continue
             self.step = step + 1
             now = time.perf_counter()
-            done = self.step - start
+            done = self.step - origin
             if done <= CALIBRATE_AFTER_STEPS:    # kept only until the interval is fixed
                 step_times.append(now - tick)
             if self._inproc is not None:
@@ -614,6 +703,11 @@ class Session:
             try:
                 if self._boundary(start, stop, done, step_times):
                     return
+                if self._grow_due and self.step < stop:
+                    self._grow_due = False
+                    step = self._grow()
+                    tick = time.perf_counter()
+                    continue
             except RuntimeError as e:
                 if self._inproc is None or not _collective_error(e):
                     raise
@@ -643,6 +737,7 @@ class Session:
         request = None
         if self._watcher is not None and done % self._poll_every == 0:
             request = self._watcher.poll()
+            self._grow_due = self._watcher.flagged and self._inproc is not None
         if request is not None and self.step < stop:
             self._stop(request)
             return True

@@ -25,8 +25,12 @@ key                               writer                     reader
 ``fault/G``                       anyone that saw G fail     workers at a step boundary, tools
 ``dead/UID``                      a launcher, its child died the leader: not waited for
 ``busy/UID``                      a rank in a long phase     the leader: waited for until the time
-``join/N``, ``join/count``        a joiner (:class:`Arrival`)  the members of the current generation
+``join/N``, ``join/count``        a joiner (:class:`Arrival`)  rank 0's fault watch, the next leader
+``join/admitted``                 the leader of G            rank 0, leaders: joiners before it are taken
+``replace/UID``                   a launcher restarting UID  the leader: wait for a joiner until then
 ``generation``                    the leader of G (``G``)    joiners, tools: the newest generation
+``current`` (at ``ROOT``)         rank 0 of a round          a spare's joiners: the round's namespace
+``done``                          rank 0, the job finished   waiting joiners: leave, not needed
 ================================  =========================  ========================================
 
 The leader of ``G`` (its first arrival) closes the membership by the pure rule
@@ -36,10 +40,16 @@ for until its announced time). :func:`plan_members` then orders the arrivals by 
 rank (so ranks keep their order), picks the newest step any arrival holds and its first
 holder as the source of the state. Every value is JSON (:func:`encode`).
 
-For the ``spares`` engineer (issue 27): a process that wants to join writes its
-:class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from ``add("join/count", 1)``) and
-waits on ``generation``; the members admit joiners at a step boundary by opening the next
-generation, in which the joiner arrives like a survivor (``runtime.worker.inprocess.membership``).
+**Joining** (a worker the launcher restarted, a hot spare's worker; issues 26, 27): the
+joiner writes its :class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from
+``add("join/count", 1)``) and waits on ``generation`` until a closed generation lists it. The
+members take joiners in at the next generation they open, up to the job's largest world
+(:func:`admit`): at a fault's re-form (a launcher that restarts a dead worker first promises
+its replacement in ``replace/UID``, and the leader waits for it, so the world keeps its size),
+or at a step boundary: rank 0's fault watch sees ``join/count`` pass ``join/admitted`` and
+raises a flag in the preemption agreement that already runs every ~0.1 s, so every member
+opens the next generation at the same step. The joiner then receives the state like any
+member behind the agreed step.
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --reco
 TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
 WINDOW_ENV = "HPC_INPROC_WINDOW_S"  # how long a leader waits for silent members of the old group
 FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail" right before optimizer.step
+JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generation (no rank of its own)
+MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
 
 RESTART = "restart"
 INPROCESS = "inprocess"
@@ -123,8 +135,16 @@ def join(index: int) -> str:
     return f"join/{index}"
 
 
+def replace(worker: str) -> str:
+    return f"replace/{worker}"
+
+
 JOIN_COUNT = "join/count"
+JOIN_ADMITTED = "join/admitted"
+JOINER_RANK = 1 << 20   # a joiner's old_rank is this + its join index (after every survivor)
 GENERATION = "generation"
+CURRENT = "current"     # under ROOT (no namespace): the namespace of the running round
+DONE = "done"
 
 
 def namespace(master_addr: str, master_port: int | str) -> str:
@@ -207,7 +227,8 @@ class CloseDecision:
 def close_decision(old: Sequence[str], arrived: Sequence[str], *, dead: Sequence[str] = (),
                    busy_until: Mapping[str, float] | None = None, coming: Sequence[str] = (),
                    now: float, opened: float, window_s: float,
-                   coming_s: float = COMING_S) -> CloseDecision:
+                   coming_s: float = COMING_S, promised: Mapping[str, float] | None = None,
+                   joiners: int = 0) -> CloseDecision:
     """The leader's rule for closing a generation (pure).
 
     Close when every old member has arrived or is known dead; else when the join window since
@@ -225,9 +246,15 @@ def close_decision(old: Sequence[str], arrived: Sequence[str], *, dead: Sequence
         window_s: How long silent members are waited for.
         coming: Members that said they are coming.
         coming_s: How long those are waited for.
+        promised: Dead member -> wall time until which its launcher's replacement is
+            waited for (``replace/UID``): the world keeps its size when the joiner comes.
+        joiners: Joiners waiting now.
     """
     gone = set(arrived) | set(dead)
     missing = tuple(u for u in old if u not in gone)
+    owed = [u for u, until in (promised or {}).items() if u in dead and until > now]
+    if not missing and joiners < len(owed):
+        return CloseDecision(False, tuple(f"replacement of {u}" for u in owed[joiners:]))
     if not missing:
         return CloseDecision(True, ())
     busy = busy_until or {}
@@ -235,6 +262,14 @@ def close_decision(old: Sequence[str], arrived: Sequence[str], *, dead: Sequence
     waiting = tuple(u for u in missing if now < opened + window_s or busy.get(u, 0.0) > now
                     or (u in late and now < opened + coming_s))
     return CloseDecision(not waiting, waiting)
+
+
+def admit(joiners: Sequence[Arrival], *, members: int, max_world: int,
+          dead: Sequence[str] = ()) -> tuple[Arrival, ...]:
+    """The joiners a generation takes in (pure): in their join order, the live ones, as many
+    as fit beside ``members`` in ``max_world`` (the others wait: a hot spare stays a spare)."""
+    room = max(0, max_world - members)
+    return tuple(j for j in joiners if j.uid not in set(dead))[:room]
 
 
 def plan_members(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str],

@@ -280,6 +280,8 @@ class Checkpointer:
         self._ctl = dist.new_group(backend="gloo") if self.distributed else None
         self._bg = dist.new_group(backend="gloo") if self.distributed and self.async_save else None
         self._plan_key = f"{next(_PLAN_KEYS)}-{self.world_size}"
+        # A joiner's new checkpointer is built now too: meet its constructor's one broadcast.
+        self._broadcast(None)
 
     @classmethod
     def from_config(cls, config: CheckpointConfig, **options: Any) -> Checkpointer:

@@ -64,6 +64,7 @@ class StepGuard:
         self.error: str | None = None
         self.stepped = False      # the optimizer step of this step ran (its state is the next step's)
         self.uid = ""             # this process in the protocol (its fault watch says it is coming)
+        self.joiners = False      # rank 0's fault watch saw a joiner the world has room for
         self._saved: dict[str, Any] = {}
         self._saved_rng: Any = None
         self._fault = _parse_fault(os.environ.get(proto.FAULT_ENV, ""))
@@ -82,7 +83,7 @@ class StepGuard:
     def reset(self, gen: int) -> None:
         """The recovery is done: the new generation ``gen`` has not failed."""
         with self._lock:
-            self.error, self.gen, self._pending = None, gen, {}
+            self.error, self.gen, self._pending, self.joiners = None, gen, {}, False
 
     @property
     def failed(self) -> bool:
@@ -138,6 +139,7 @@ class StepGuard:
         if self.failed:   # the group is broken: do not wait on it again in this step
             return _done(tensor)
         group = process_group or dist.group.WORLD
+        gen = self.gen   # a late failure of this operation says nothing about a later generation
         tensor.div_(group.size())
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
@@ -159,7 +161,7 @@ class StepGuard:
             try:
                 f.value()
             except Exception as e:   # noqa: BLE001
-                self.fail(f"all-reduce: {_first_line(e)}")
+                self.fail(f"all-reduce: {_first_line(e)}", gen=gen)
                 return
             with self._lock:
                 if self._pending.pop(id(mine), None) is None:
@@ -216,15 +218,19 @@ class FaultWatch(threading.Thread):
     :data:`WATCH_EVERY_S` (one small request; a blocking store ``wait`` would leave a thread in
     C++ that aborts the interpreter at exit).
 
+    On rank 0 it also asks whether a joiner waits (``joins``) and raises ``guard.joiners``,
+    which the Session puts into its next preemption agreement: no request on the step's path.
+
     Args:
         connect: ``() -> store``: a new client of the job's store.
         gen: The generation watched.
         guard: The guard to fail.
+        joins: ``(store) -> bool``: a joiner waits (rank 0), or None.
     """
 
-    def __init__(self, connect: Any, gen: int, guard: StepGuard) -> None:
+    def __init__(self, connect: Any, gen: int, guard: StepGuard, joins: Any = None) -> None:
         super().__init__(name="hpc-fault-watch", daemon=True)
-        self.connect, self.gen, self.guard = connect, gen, guard
+        self.connect, self.gen, self.guard, self.joins = connect, gen, guard, joins
         self.key = proto.fault(gen)
         self.stopped = threading.Event()
 
@@ -236,6 +242,8 @@ class FaultWatch(threading.Thread):
             return
         while not self.stopped.wait(WATCH_EVERY_S):
             try:
+                if self.joins is not None and not self.guard.joiners and self.joins(store):
+                    self.guard.joiners = True
                 if not store.check([self.key]):
                     continue
                 why = store.get(self.key).decode(errors="replace")

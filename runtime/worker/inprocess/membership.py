@@ -7,6 +7,11 @@ generation, and either leads it (the first arrival waits for the others by
 :func:`~hpc.contract.inprocess.close_decision` and writes the member list) or waits for the
 leader's list. A leader that dies while closing is replaced by going to the generation after:
 the wait for its list is bounded.
+
+A joiner (a restarted worker, a hot spare's) calls :meth:`Membership.join`: it writes its
+arrival under ``join/N`` and waits until a closed generation lists it. The leader of every
+generation takes in the joiners that fit (:func:`~hpc.contract.inprocess.admit`), and waits
+for the replacement a launcher promised for a dead member.
 """
 
 from __future__ import annotations
@@ -24,6 +29,19 @@ log = logging.getLogger("hpc.inprocess")
 POLL_S = 0.02
 
 
+def admitted(store: Any) -> int:
+    """How many joiners the generations took in or passed over (``join/admitted``)."""
+    return int(store.get(proto.JOIN_ADMITTED)) if store.check([proto.JOIN_ADMITTED]) else 0
+
+
+def joiners_waiting(store: Any, world: int, max_world: int) -> bool:
+    """Whether a joiner waits that a world of ``world`` has room for: no request when the
+    world is full, else two small reads (rank 0's fault watch asks every 0.1 s)."""
+    if world >= max(max_world, world):
+        return False
+    return store.add(proto.JOIN_COUNT, 0) > admitted(store)
+
+
 class Excluded(RuntimeError):
     """This process arrived after its generation closed without it (it was too slow)."""
 
@@ -39,10 +57,47 @@ class Membership:
     """
 
     def __init__(self, store: Any, me: str, *, host: str = "",
-                 window_s: float = proto.DEFAULT_WINDOW_S) -> None:
+                 window_s: float = proto.DEFAULT_WINDOW_S, max_world: int = 0) -> None:
         self.store, self.me, self.host, self.window_s = store, me, host, window_s
+        self.max_world = max_world   # the largest world joiners may fill (0: the starting one)
         self.gen = 0
         self.uids: tuple[str, ...] = ()
+
+    def join(self, *, timeout_s: float, poll_s: float = 0.05) -> Members | None:
+        """Asks to join and waits until a closed generation lists this process.
+
+        Returns:
+            That generation, or None when the job finished first (``done``: not needed).
+
+        Raises:
+            TimeoutError: Not admitted within ``timeout_s``.
+        """
+        index = self.store.add(proto.JOIN_COUNT, 1) - 1
+        self.store.set(proto.join(index), proto.encode(
+            Arrival(self.me, proto.JOINER_RANK + index, -1, self.host)))
+        seen, deadline = -1, time.time() + timeout_s
+        while time.time() < deadline:
+            if self.store.check([proto.DONE]):
+                return None
+            if self.store.check([proto.GENERATION]):
+                newest = int(self.store.get(proto.GENERATION))
+                for gen in range(max(seen + 1, newest - 8), newest + 1):
+                    if not self.store.check([proto.members(gen)]):
+                        continue
+                    members = proto.decode_members(self.store.get(proto.members(gen)))
+                    if members.rank_of(self.me) is not None:
+                        self.gen, self.uids = members.gen, members.uids
+                        return members
+                seen = newest
+            time.sleep(poll_s)
+        raise TimeoutError(f"join: no generation took {self.me} in within {timeout_s:.0f} s "
+                           f"(join index {index})")
+
+    def _max_world(self) -> int:
+        return max(self.max_world, len(self.uids))
+
+    def _admitted(self) -> int:
+        return admitted(self.store)
 
     def start(self, rank: int, world_size: int, *, gen: int = 0) -> None:
         """Records this rank in the starting generation and learns its members (a barrier
@@ -111,19 +166,51 @@ class Membership:
     def _lead(self, gen: int, reason: str) -> Members:
         opened = time.time()
         old = self.uids
+        start = self._admitted()
         while True:
             arrivals = self._arrivals(gen)
+            dead = self._dead(old)
+            joiners = self._joiners(start)
+            taken = proto.admit(joiners, members=len(arrivals), max_world=self._max_world(),
+                                dead=self._dead([j.uid for j in joiners]))
             now = time.time()
-            decision = proto.close_decision(old, [a.uid for a in arrivals], dead=self._dead(old),
+            decision = proto.close_decision(old, [a.uid for a in arrivals], dead=dead,
                                             busy_until=self._busy(old), coming=self._coming(gen, old),
-                                            now=now, opened=opened, window_s=self.window_s)
+                                            now=now, opened=opened, window_s=self.window_s,
+                                            promised=self._promised(dead), joiners=len(taken))
             if decision.close:
                 break
             time.sleep(POLL_S)
-        members = proto.plan_members(gen, arrivals, old=old, reason=reason)
+        # Taken and dead joiners are done with; one not taken (no room) and those after it wait.
+        done = {j.uid for j in taken} | set(self._dead([j.uid for j in joiners]))
+        scanned = start + next((i for i, j in enumerate(joiners) if j.uid not in done), len(joiners))
+        if taken:
+            reason = "; ".join(x for x in (reason, f"joined: {', '.join(j.uid for j in taken)}") if x)
+        members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason)
+        self.store.set(proto.JOIN_ADMITTED, str(scanned))
         self.store.set(proto.members(gen), proto.encode(members))
         self.store.set(proto.GENERATION, str(gen))
         return members
+
+    def _joiners(self, start: int) -> list[Arrival]:
+        """The joiners from index ``start`` whose records are written (in join order)."""
+        count = self.store.add(proto.JOIN_COUNT, 0)
+        out: list[Arrival] = []
+        for i in range(start, count):
+            if not self.store.check([proto.join(i)]):
+                break   # counted, not yet written: the next poll (or generation) takes it
+            out.append(proto.decode_arrival(self.store.get(proto.join(i))))
+        return out
+
+    def _promised(self, dead: Sequence[str]) -> dict[str, float]:
+        out = {}
+        for u in dead:
+            if self.store.check([proto.replace(u)]):
+                try:
+                    out[u] = float(self.store.get(proto.replace(u)))
+                except (ValueError, RuntimeError):
+                    pass
+        return out
 
     def _arrivals(self, gen: int) -> list[Arrival]:
         n = self.store.add(proto.arrive(gen), 0)

@@ -18,6 +18,14 @@ collective at a step boundary the Session calls :meth:`InProcess.recover`, which
    parameters, so the user's optimizer and references stay valid), with the guard's hook.
 
 Each stage's end time is returned for ``events.jsonl`` (:class:`Recovered`).
+
+The same stages admit a joiner (a worker its launcher restarted, a hot spare's): the members
+open the next generation (at a fault's re-form, or at a step boundary when rank 0's fault watch
+saw a joiner wait: :meth:`InProcess.grow`), and the joiner, in its Session's start, waits to be
+listed (:meth:`InProcess.join_group`), forms the group, builds its model and receives the
+state in its ``restore`` (:meth:`InProcess.receive`). The members' group-forming collectives
+(the preemption agreement's group, DDP's bucket layout, the checkpointer's groups) run in the
+order the joiner's start, ``wrap`` and ``restore`` run them, then the transfer.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from runtime.worker import rng
 from runtime.events import EventLog
 from runtime.worker.inprocess import transfer
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
-from runtime.worker.inprocess.membership import Membership
+from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
@@ -87,14 +95,20 @@ class InProcess:
 
     def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
                  step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
-                 reconnect: Callable[[], Any] | None = None) -> None:
+                 reconnect: Callable[[], Any] | None = None, joining: bool = False,
+                 max_world: int = 0) -> None:
         self.store = store
         self.reconnect = reconnect
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
+        self.joining = joining            # this process joins a running generation
         self.host = socket.gethostname()
         self.me = proto.uid(self.host, os.getpid())
-        self.membership = Membership(store, self.me, host=self.host, window_s=window_s)
+        self.membership = Membership(store, self.me, host=self.host, window_s=window_s,
+                                     max_world=max_world or (0 if joining else world_size))
+        self.joined: Members | None = None      # the generation this joiner was taken into
+        self.session_state: Callable[[], dict[str, Any]] | None = None   # the source sends it
+        self.received_session: dict[str, Any] = {}
         self.guard = StepGuard({}, timeout_s=step_bound_s, rank=rank)
         self.guard.uid = self.me
         self.models: list[Any] = []
@@ -117,12 +131,22 @@ class InProcess:
         window = float(environ.get(proto.WINDOW_ENV, "") or proto.DEFAULT_WINDOW_S)
         fixed = environ.get(proto.TIMEOUT_ENV, "")
         bound = (lambda: float(fixed)) if fixed else step_bound_s
-        space = proto.namespace(environ.get("MASTER_ADDR", ""), environ.get("MASTER_PORT", ""))
+        joining = environ.get(proto.JOIN_ENV, "") == "1"
+        max_world = int(environ.get(proto.MAX_WORLD_ENV, "") or 0)
+        raw = connect(address)
+        if environ.get("MASTER_PORT"):
+            space = proto.namespace(environ.get("MASTER_ADDR", ""), environ["MASTER_PORT"])
+        else:   # a hot spare's joiner: the running round's, published by its rank 0
+            raw.wait([proto.ROOT + proto.CURRENT], timedelta(days=30))
+            space = raw.get(proto.ROOT + proto.CURRENT).decode()
 
         def store() -> Any:
             return dist.PrefixStore(space, connect(address))
-        return cls(store(), rank=rank, world_size=world_size, timeout=timeout,
-                   step_bound_s=bound, window_s=window, reconnect=store)
+        made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
+                   step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
+                   max_world=max_world)
+        made.space, made.raw = space, raw
+        return made
 
     @property
     def gen(self) -> int:
@@ -134,15 +158,43 @@ class InProcess:
         which would die with rank 0)."""
         self._init_pg(0, self.rank, self.world_size)
         self.membership.start(self.rank, self.world_size)
+        if self.rank == 0 and getattr(self, "raw", None) is not None:   # where a spare's joiners look
+            self.raw.set(proto.ROOT + proto.CURRENT, self.space)
         self._watch_faults()
 
+    def join_group(self, timeout_s: float) -> Members | None:
+        """A joiner: waits until a generation takes it in and forms its group; None when the
+        job finished first. ``self.rank``/``self.world_size`` are then the new ones; the state
+        comes in :meth:`receive`."""
+        members = self.membership.join(timeout_s=timeout_s)
+        if members is None:
+            return None
+        rank = members.rank_of(self.me)
+        assert rank is not None
+        self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
+        self._init_pg(members.gen, rank, members.world_size)
+        self.guard.reset(members.gen)
+        self._watch_faults()
+        self.joined = members
+        return members
+
+    def receive(self) -> tuple[int, int]:
+        """A joiner, after its model, optimizers and small state are attached: receives the
+        source's state (no file is read). Returns (the step to go on from, bytes moved)."""
+        assert self.joined is not None, "receive() is for a joiner, after join_group()"
+        moved = self._transfer(self.joined, held=-1)
+        self.joining = False
+        return self.joined.step, moved
     def _watch_faults(self) -> None:
         """Starts the fault watch of the current generation (the previous one is stopped)."""
         if self._watch is not None:
             self._watch.stop()
         self.guard.gen = self.gen
         if self.reconnect is not None:
-            self._watch = FaultWatch(self.reconnect, self.gen, self.guard)
+            membership = self.membership
+            joins = (lambda store: joiners_waiting(store, len(membership.uids), membership.max_world)) \
+                if self.rank == 0 else None
+            self._watch = FaultWatch(self.reconnect, self.gen, self.guard, joins=joins)
             self._watch.start()
 
     def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
@@ -174,7 +226,8 @@ class InProcess:
 
     # -- recovery --------------------------------------------------------------------------
     def recover(self, step: int, why: str, *, dirty: bool,
-                groups: list[Any] = ()) -> Recovered:   # type: ignore[assignment]
+                groups: list[Any] = (),   # type: ignore[assignment]
+                regroup: Callable[[], None] | None = None, planned: bool = False) -> Recovered:
         """Leaves the failed generation and goes on in a new one (see the module docstring).
 
         Args:
@@ -182,6 +235,9 @@ class InProcess:
             why: What failed.
             dirty: The step failed part way: put the small state back first.
             groups: Extra groups of the old generation to drop (the Session's own).
+            regroup: Forms the new generation's other groups and re-wraps the models, in the
+                order a joiner's Session forms them (default: :meth:`rewrap`).
+            planned: Nothing failed (joiners are taken in): no fault is announced.
 
         Returns:
             The recovery's record; ``self.rank``/``self.world_size`` are the new ones.
@@ -193,7 +249,8 @@ class InProcess:
         if self._watch is not None:
             self._watch.stop()
         self.guard.gen = -1   # nothing said about the failed generation counts any more
-        self.membership.announce_fault(why)
+        if not planned:
+            self.membership.announce_fault(why)
         self._abort(list(groups))
         rec.t_abort = time.time()
         members = self.membership.reform(step, old_rank, reason=why)
@@ -205,11 +262,11 @@ class InProcess:
         self._init_pg(members.gen, rank, members.world_size)
         self.guard.reset(members.gen)
         self._watch_faults()
+        (regroup or self.rewrap)()
         rec.t_group = time.time()
         rec.received = rank != members.source
         rec.bytes_moved = self._transfer(members, held=step)
         rec.t_transfer = time.time()
-        self._rewrap()
         rec.members, rec.rank = members, rank
         return rec
 
@@ -244,6 +301,7 @@ class InProcess:
                 "small": {k: v.state_dict() for k, v in self.small.items()},
                 "rng": rng.capture(),
                 "step": members.step,
+                "session": self.session_state() if self.session_state is not None else {},
             }
         received, moved = transfer.broadcast_state(state, src=members.source, rank=self.rank)
         if self.rank != members.source:
@@ -256,9 +314,10 @@ class InProcess:
                     self.small[k].load_state_dict(sd)
             if held != members.step:   # behind: the source's random streams go on
                 rng.restore(received["rng"])
+            self.received_session = dict(received.get("session") or {})
         return moved
 
-    def _rewrap(self) -> None:
+    def rewrap(self) -> None:
         """Rebuilds each DDP wrapper in place on the new default group, with the guard's hook."""
         from runtime.worker import ddp as ddp_build
 
@@ -270,10 +329,16 @@ class InProcess:
                 ddp_build.fix_bucket_layout(m)
 
 
-    def close(self) -> None:
-        """Stops the fault watch (the Session's end)."""
+    def close(self, finished: bool = False) -> None:
+        """Stops the fault watch (the Session's end); rank 0 of a finished job tells waiting
+        joiners (hot spares) that they are not needed."""
         if self._watch is not None:
             self._watch.stop(join=True)
+        if finished and self.rank == 0:
+            try:
+                self.store.set(proto.DONE, "1")
+            except Exception as e:   # noqa: BLE001 - the store may be gone at the very end
+                log.warning("cannot tell waiting joiners that the job finished: %s", e)
 
     def record(self, job_dir: Any, allocation: int, rec: Recovered, *, old_rank: int,
                old_world: int, held: int, dirty: bool) -> None:
