@@ -624,9 +624,8 @@ class Session:
                 self._checkpointer.schedule = got["schedule"]
         self._ensure_sink(resume_step=self.step, run_id=None)
         asked, taken = self._joined_at
-        self.event("inproc_join", step=self.step, world_size=self.world_size, rank=self.rank,
-                   gen=self._inproc.gen, wait_s=round(taken - asked, 3),
-                   transfer_s=round(time.time() - t0, 3), bytes=moved)
+        self._inproc.record_join(self.job_dir, self.env.allocation, t_asked=asked, t_taken=taken,
+                                 t_received=time.time(), bytes_moved=moved)
         log.warning("in-process join: received step %d from rank %d (%d bytes, %.3f s); no "
                     "checkpoint read", self.step, self._inproc.joined.source, moved, time.time() - t0)
         return self.step

@@ -10,6 +10,11 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
   status in ``/proc/PID/stat``) and, when one dies, **announces it in the store at once**
   (``dead/UID`` and ``fault/G`` of :mod:`hpc.contract.inprocess`): the survivors everywhere
   leave their step in milliseconds, and the re-form does not wait for the dead one;
+- it **restarts the dead worker as a joiner** (``HPC_INPROC_JOIN=1``, the same command and
+  environment torch gave it, bounded by ``--max-restarts``): before announcing the death it
+  promises the replacement in the store (``replace/UID``), so the survivors' re-form waits for
+  the joiner and the world keeps its size; the joiner receives the state from the survivors'
+  memory (:mod:`runtime.worker.inprocess`). Only the dead worker is started again;
 - while any local worker lives, the group is healthy to torch (no restart, no kill), and a node
   waiting to join does not restart anyone either;
 - when every local worker has ended: all that did not die finished, so the node finished; if
@@ -20,7 +25,10 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -45,6 +53,14 @@ def proc_exit(pid: int) -> int | None:
     return int(fields[-1]) if len(fields) >= 50 else 0
 
 
+REPLACE_WAIT_S = 120.0   # how long the survivors' re-form waits for a promised replacement
+
+
+def popen_status(code: int) -> int:
+    """A ``Popen.returncode`` (negative: a signal) in ``waitpid`` form."""
+    return -code if code < 0 else code << 8
+
+
 def describe_exit(status: int) -> str:
     """``waitpid`` status in words: ``signal 9`` or ``exit code 1``."""
     return f"signal {status & 0x7F}" if status & 0x7F else f"exit code {status >> 8}"
@@ -59,6 +75,7 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
         store_address: ``host:port`` of the rendezvous store the workers use.
         events: Where to record (``runtime.events.EventLog``), or None.
     """
+    from torch.distributed.elastic.agent.server import local_elastic_agent as torch_agent
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.launcher import api as launcher_api
 
@@ -69,14 +86,52 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
         _gone: dict[int, int]
         _hpc_store: Any = None   # (torch's agent has its own _store: the round's prefixed one)
 
+        def _start_workers(self, worker_group: Any) -> Any:
+            """torch's start, keeping each local rank's command and environment (a joiner
+            that replaces a dead worker is started with them)."""
+            started = torch_agent.start_processes
+            launches: dict[str, Any] = {}
+
+            def keep(**kwargs: Any) -> Any:
+                launches.update(kwargs)
+                return started(**kwargs)
+            torch_agent.start_processes = keep
+            try:
+                pids = super()._start_workers(worker_group)
+            finally:
+                torch_agent.start_processes = started
+            self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set())
+            self.__dict__.setdefault("_replaced", 0)
+            return pids
+
         def _monitor_workers(self, worker_group: Any) -> Any:
             gone = self.__dict__.setdefault("_gone", {})
+            joiners: dict[int, subprocess.Popen] = self.__dict__.setdefault("_joiners", {})
+            seen = self.__dict__.setdefault("_seen", set())
             workers = {w.local_rank: w for w in worker_group.workers}
-            status = {lr: proc_exit(w.id) for lr, w in workers.items() if w.id is not None}
+            status: dict[int, int | None] = {}
+            pids: dict[int, int] = {}
+            for lr, w in workers.items():
+                if lr in joiners:   # this local rank's process now is a joiner we started
+                    code = joiners[lr].poll()
+                    status[lr], pids[lr] = (None if code is None else popen_status(code)), joiners[lr].pid
+                elif w.id is not None:
+                    status[lr], pids[lr] = proc_exit(w.id), w.id
             for lr, code in status.items():
-                if code is not None and code != 0 and lr not in gone:
+                if code is None or code == 0 or pids[lr] in seen:
+                    continue
+                seen.add(pids[lr])
+                replace = self._may_replace(worker_group)
+                self._announce(worker_group, workers[lr], code, pid=pids[lr], replace=replace)
+                if replace and self._start_joiner(worker_group, lr):
+                    status[lr] = None
+                else:
                     gone[lr] = code
-                    self._announce(worker_group, workers[lr], code)
+            if joiners and not gone:   # torch's view of the replaced workers is stale: ours
+                if any(code is None for code in status.values()):
+                    return RunResult(state=WorkerState.HEALTHY)
+                return RunResult(state=WorkerState.SUCCEEDED,
+                                 return_values={w.global_rank: None for w in workers.values()})
             alive = [lr for lr, code in status.items() if code is None]
             if gone and alive:
                 return RunResult(state=WorkerState.HEALTHY)
@@ -91,6 +146,40 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                 gone.clear()
             return super()._monitor_workers(worker_group)
 
+        def _may_replace(self, worker_group: Any) -> bool:
+            return self.__dict__.get("_replaced", 0) < worker_group.spec.max_restarts
+
+        def _start_joiner(self, worker_group: Any, lr: int) -> bool:
+            """Starts local rank ``lr`` again as a joiner; False when it cannot."""
+            launch = self.__dict__.get("_launch") or {}
+            try:
+                argv = [launch["entrypoint"], *launch["args"][lr]]
+                env = {**os.environ, **launch["envs"][lr], proto.JOIN_ENV: "1"}
+            except (KeyError, TypeError) as e:
+                log.warning("in-process recovery: cannot restart local rank %d as a joiner (%s)", lr, e)
+                return False
+            pcontext = getattr(self, "_pcontext", None)
+            out = _append(getattr(pcontext, "stdouts", {}).get(lr))
+            err = _append(getattr(pcontext, "stderrs", {}).get(lr)) or out
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
+            self.__dict__["_replaced"] = self.__dict__.get("_replaced", 0) + 1
+            self.__dict__["_joiners"][lr] = proc
+            log.warning("in-process recovery: local rank %d started again as a joiner (pid %d, "
+                        "restart %d of %d); the others go on", lr, proc.pid,
+                        self.__dict__["_replaced"], worker_group.spec.max_restarts)
+            if events is not None:
+                events.emit("inproc_replace", local_rank=lr, pid=proc.pid,
+                            restart=self.__dict__["_replaced"])
+            return True
+
+        def _stop_workers(self, worker_group: Any) -> None:
+            _end(self.__dict__.get("_joiners", {}))
+            super()._stop_workers(worker_group)
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            _end(self.__dict__.get("_joiners", {}))
+            super()._shutdown(*args, **kwargs)
+
         def _restart_workers(self, worker_group: Any) -> None:
             if getattr(worker_group, "state", None) == WorkerState.HEALTHY:
                 log.info("in-process recovery: a node waits to join; the running workers are "
@@ -99,12 +188,13 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             self.__dict__["_gone"] = {}
             super()._restart_workers(worker_group)
 
-        def _announce(self, worker_group: Any, worker: Any, code: int) -> None:
+        def _announce(self, worker_group: Any, worker: Any, code: int, *, pid: int,
+                      replace: bool = False) -> None:
             t = time.time()
             space = proto.namespace(worker_group.master_addr, worker_group.master_port)
-            who = proto.uid(host, worker.id)
-            why = f"launcher on {host}: worker {worker.id} (rank {worker.global_rank}) died, " \
-                  f"{describe_exit(code)}"
+            who = proto.uid(host, pid)
+            why = f"launcher on {host}: worker {pid} (local rank {worker.local_rank}) died, " \
+                  f"{describe_exit(code)}" + ("; a joiner replaces it" if replace else "")
             try:
                 import torch.distributed as dist
                 if self._hpc_store is None:
@@ -112,6 +202,8 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                     self._hpc_store = dist.TCPStore(h, int(p), is_master=False,
                                                 timeout=timedelta(seconds=10), wait_for_workers=False)
                 store = dist.PrefixStore(space, self._hpc_store)   # the workers' view
+                if replace:   # before the death: the re-form then waits for the joiner
+                    store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
                 store.set(proto.dead(who), why)
                 gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
                 store.set(proto.fault(gen), why)
@@ -121,14 +213,43 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             log.warning("in-process recovery: %s; announced (generation %d), the others go on", why, gen)
             log.info("in-process recovery: announced under %s", space)
             if events is not None:
-                events.emit("inproc_detect", t=t, pid=worker.id, rank=worker.global_rank,
-                            exit=describe_exit(code), gen=gen)
+                events.emit("inproc_detect", t=t, pid=pid, rank=worker.global_rank,
+                            exit=describe_exit(code), gen=gen, replace=replace)
 
     launcher_api.LocalElasticAgent = InProcessAgent
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = base
+
+
+def _append(path: Any) -> Any:
+    """The file at ``path`` opened for appending (a joiner writes where its worker did), or None."""
+    if not path:
+        return None
+    try:
+        return open(path, "ab")   # noqa: SIM115 - the child keeps it; closed with this process
+    except OSError:
+        return None
+
+
+def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Ends the joiners this launcher started (their own sessions: the whole group)."""
+    live = [p for p in joiners.values() if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.time() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def for_spec(recovery: str, store_address: str, events: Any = None) -> Any:

@@ -357,6 +357,19 @@ class InProcess:
             bytes=rec.bytes_moved)
 
 
+    def record_join(self, job_dir: Any, allocation: int, *, t_asked: float, t_taken: float,
+                    t_received: float, bytes_moved: int) -> None:
+        """A joiner records its join in ``events.jsonl`` (``inproc_join``: asked, taken in,
+        state received; the goodput ledger's and ``hpc report``'s)."""
+        m = self.joined
+        assert m is not None
+        EventLog(job_dir, allocation=allocation, rank=self.rank, sync_every_s=0).emit(
+            "inproc_join", t=t_received, pid=os.getpid(), host=self.host, gen=m.gen,
+            world_size=m.world_size, step=m.step, source=m.source, t_asked=round(t_asked, 4),
+            t_taken=round(t_taken, 4), wait_s=round(t_taken - t_asked, 3),
+            receive_s=round(t_received - t_taken, 3), bytes=bytes_moved)
+
+
 def _module(m: Any) -> torch.nn.Module:
     return getattr(m, "module", m)
 

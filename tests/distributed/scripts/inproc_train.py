@@ -3,8 +3,8 @@
 Each rank appends one JSON line per step body it runs to ``OUT/steps-<pid>.jsonl`` (step, rank,
 world size, the global batch's first index and size) and, at the end, writes
 ``OUT/result-<pid>.json``: its pid, final step, a digest of its weights, the sampler state and
-every file it opened under the checkpoint directory while it recovered (a Python audit hook:
-the recovery must read no checkpoint).
+every file it opened under the checkpoint directory while it recovered or, a joiner, restored
+(a Python audit hook: the recovery must read no checkpoint).
 """
 
 import argparse
@@ -62,7 +62,9 @@ with Session(seed=0, log_every=5) as s:
     model = s.wrap(Net())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ResumableSampler(len(X), global_batch=args.global_batch, seed=3)
+    recovering[0] = os.environ.get("HPC_INPROC_JOIN") == "1"   # a joiner's restore is its recovery
     start = s.restore(model=model, optim=opt, sampler=sampler)
+    recovering[0] = False
     orig = s._recover
 
     def watched(*a, **k):   # instrumentation: files opened while recovering
