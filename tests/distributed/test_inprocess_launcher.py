@@ -1,7 +1,8 @@
 """``hpc run --recovery inprocess``: the launcher announces a dead worker and restarts nobody.
 
 The real launcher and torch's elastic agent on this machine (3 workers, gloo). A worker is
-SIGKILLed mid-run: the launcher sees its child die and announces it in the rendezvous store,
+SIGKILLed mid-run (with --max-restarts 0: no joiner replaces it, test_inprocess_join.py does
+that): the launcher sees its child die and announces it in the rendezvous store,
 so the survivors re-form at once (the join window is set to 60 s here: without the
 announcement the re-form would wait for it), torch's agent restarts none of them, and the job
 finishes at world 2 with the survivors' processes.
@@ -30,7 +31,7 @@ def test_the_launcher_announces_a_dead_worker_and_restarts_no_survivor(tmp_path:
     out.mkdir()
     env = dict(os.environ, HPC_INPROC_WINDOW_S="60", WANDB_MODE="disabled", PYTHONPATH=str(REPO))
     run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "3",
-                            "--recovery", "inprocess", "--job-dir", str(job), "--", "--out", str(out),
+                            "--recovery", "inprocess", "--max-restarts", "0", "--job-dir", str(job), "--", "--out", str(out),
                             "--steps", "20"], env=env, cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240

@@ -62,3 +62,28 @@ def test_the_jobspec_refuses_an_unknown_recovery_naming_the_flag():
     assert JobSpec(script="train.py", recovery="inprocess").recovery == "inprocess"
     with pytest.raises(SpecError, match="restart, inprocess"):
         JobSpec(script="train.py", recovery="fast")
+
+
+def test_a_promised_replacement_is_waited_for_until_it_joins_or_its_time_runs_out():
+    # n2/20 died and its launcher promised a joiner until t=120: the world keeps its size.
+    promised = {OLD[2]: 120.0}
+    d = close_decision(OLD, OLD[:2], dead=[OLD[2]], promised=promised, joiners=0, now=5.0, opened=0.0,
+                       window_s=3)
+    assert not d.close and d.waiting_for == (f"replacement of {OLD[2]}",)
+    assert close_decision(OLD, OLD[:2], dead=[OLD[2]], promised=promised, joiners=1, now=5.0,
+                          opened=0.0, window_s=3).close
+    assert close_decision(OLD, OLD[:2], dead=[OLD[2]], promised=promised, joiners=0, now=121.0,
+                          opened=0.0, window_s=3).close   # it never came: shrink
+    # A promise is only for a member announced dead (no waiting on a stale key).
+    assert close_decision(OLD, OLD, promised=promised, now=5.0, opened=0.0, window_s=3).close
+
+
+def test_joiners_fill_the_world_up_to_its_largest_size_in_join_order_the_dead_skipped():
+    js = [Arrival("s/1", proto.JOINER_RANK, -1), Arrival("s/2", proto.JOINER_RANK + 1, -1),
+          Arrival("s/3", proto.JOINER_RANK + 2, -1)]
+    assert proto.admit(js, members=2, max_world=3) == (js[0],)   # a hot spare stays a spare
+    assert proto.admit(js, members=2, max_world=4, dead=["s/1"]) == (js[1], js[2])
+    assert proto.admit(js, members=4, max_world=4) == ()
+    m = plan_members(2, [Arrival("n1/10", 0, 7), *proto.admit(js, members=1, max_world=2)],
+                     old=("n1/10",), reason="joined")
+    assert m.uids == ("n1/10", "s/1") and m.source == 0 and m.step == 7
