@@ -70,6 +70,7 @@ class StepGuard:
         self._fault = _parse_fault(os.environ.get(proto.FAULT_ENV, ""))
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
+        self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation
 
     # -- the step's start and end ------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -153,11 +154,14 @@ class StepGuard:
         # step is marked failed (a peer announced the fault: :class:`FaultWatch`).
         mine: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            if self.error is not None:
+            if self.error is not None:   # no callback: gloo may finish it whenever it likes
                 return _done(tensor)
             self._pending[id(mine)] = (mine, tensor)
+            self._inflight[id(work)] = gen
 
         def finished(f: torch.futures.Future) -> None:
+            with self._lock:
+                self._inflight.pop(id(work), None)
             try:
                 f.value()
             except Exception as e:   # noqa: BLE001
@@ -170,6 +174,25 @@ class StepGuard:
 
         work.add_done_callback(finished)
         return mine
+
+    def in_flight(self, *, before_gen: int | None = None) -> int:
+        """How many of this guard's gloo operations have not finished (of generations before
+        ``before_gen``, or all)."""
+        with self._lock:
+            return sum(1 for g in self._inflight.values() if before_gen is None or g < before_gen)
+
+    def drain(self, timeout_s: float, *, before_gen: int | None = None, poll_s: float = 0.01) -> int:
+        """Waits up to ``timeout_s`` for the gloo operations of generations before
+        ``before_gen`` (or all) to finish; returns how many are still running.
+
+        An operation still running when the interpreter exits finishes on gloo's thread
+        during finalization, and its Python callback then ends the process
+        (:mod:`runtime.worker.inprocess.sockets`).
+        """
+        deadline = time.monotonic() + timeout_s
+        while (left := self.in_flight(before_gen=before_gen)) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return left
 
     def guard_optimizer(self, optim: torch.optim.Optimizer) -> None:
         """Wraps ``optim.step``: it does nothing on a failed step."""

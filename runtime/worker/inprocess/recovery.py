@@ -6,9 +6,10 @@ that outlives the workers; after a failed step (:mod:`runtime.worker.inprocess.g
 collective at a step boundary the Session calls :meth:`InProcess.recover`, which runs:
 
 1. **abort**: announce the fault in the store, unregister every process group of the old
-   generation and drop it on a daemon thread (gloo's destructor waits for its in-flight
-   operations, which end at their bound; it closes the sockets, so peers still waiting on
-   this rank fail at once instead of at their timeout);
+   generation (kept referenced, never destroyed) and break the training group's connections
+   (:mod:`runtime.worker.inprocess.sockets`): its operation still in flight, if any, ends now
+   instead of at its bound or at a peer's exit, and peers still waiting on this rank in the
+   old group fail at once;
 2. **re-form**: arrive at the next generation and learn its members, ranks and the step to go
    on from (:mod:`runtime.worker.inprocess.membership`);
 3. **group**: a new gloo group of the new world under the generation's prefix;
@@ -46,12 +47,13 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import transfer
+from runtime.worker.inprocess import sockets, transfer
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
 from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
+DRAIN_S = 10.0   # how long the Session's end waits for abandoned operations to finish
 
 
 def connect(address: str, timeout_s: float = 60.0) -> Any:
@@ -116,6 +118,7 @@ class InProcess:
         self.small: dict[str, Any] = {}
         self._events: Any = None
         self._watch: FaultWatch | None = None
+        self._devices = sockets.Captured()   # the training group's gloo device (its connections)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
@@ -199,8 +202,9 @@ class InProcess:
 
     def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
         prefixed = dist.PrefixStore(proto.pg_prefix(gen), self.store)
-        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
-                                timeout=self.timeout)
+        with sockets.capture() as self._devices:
+            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
+                                    timeout=self.timeout)
 
     def attach(self, state: Mapping[str, Any]) -> None:
         """Takes the registered state: DDP models get the guard's hook, optimizers its wrap,
@@ -271,12 +275,15 @@ class InProcess:
         return rec
 
     def _abort(self, extra: list[Any]) -> None:
-        """Unregisters every group of the old generation and keeps it, never destroyed.
+        """Unregisters every group of the old generation, keeps it, and breaks the training
+        group's connections.
 
-        Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without breaking an
-        operation), and destroying a group whose peers closed their sockets can throw from a
-        destructor (``std::terminate``). So the old groups stay referenced here; their
-        operations end at their bound. The cost is a few sockets and threads per recovery.
+        Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without ending an
+        operation). The old groups stay referenced here (never destroyed: a destructor waits
+        for operations in flight). The training group's connections are shut down, so its
+        operation in flight (the released all-reduce) ends now, with its Python callback, and
+        not on gloo's thread during the interpreter's exit, which ended the process
+        (:mod:`runtime.worker.inprocess.sockets`). The cost is a few threads per recovery.
         """
         old: list[Any] = list(extra)
         for m in self.models:
@@ -290,6 +297,8 @@ class InProcess:
             except Exception as e:   # noqa: BLE001 - a broken group may fail its own shutdown
                 log.warning("unregistering the old process group: %s", e)
         _OLD_GROUPS.append(old)
+        broken = sockets.break_connections(self._devices)
+        log.info("in-process recovery: the old training group's %d connection(s) shut down", broken)
 
     def _transfer(self, members: Members, *, held: int) -> int:
         """Every member loads the source's state (the source sends)."""
@@ -330,10 +339,15 @@ class InProcess:
 
 
     def close(self, finished: bool = False) -> None:
-        """Stops the fault watch (the Session's end); rank 0 of a finished job tells waiting
-        joiners (hot spares) that they are not needed."""
+        """Stops the fault watch and waits for the old generations' operations to finish
+        (the Session's end: none may finish during the interpreter's exit); rank 0 of a
+        finished job tells waiting joiners (hot spares) that they are not needed."""
         if self._watch is not None:
             self._watch.stop(join=True)
+        left = self.guard.drain(DRAIN_S, before_gen=self.gen)
+        if left:
+            log.warning("in-process recovery: %d all-reduce(s) of an old generation still running "
+                        "after %.0fs; gloo may end this process at exit", left, DRAIN_S)
         if finished and self.rank == 0:
             try:
                 self.store.set(proto.DONE, "1")
