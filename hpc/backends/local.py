@@ -253,6 +253,10 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         code = 128 - code
     outcomes = [o for o in jobdir.read_outcomes(job_dir) if o.allocation == allocation]
     last = outcomes[-1] if outcomes else None   # never an earlier allocation's
+    if last is not None:
+        # The recorded outcome is the job's: a launcher killed on the way (a lost node a spare
+        # replaced) must not turn a finished job into exit 137.
+        code = last.exit_code
     if interrupts[0]:
         _say(_interrupted(job_dir, spec, interrupts[0], last, code, time.monotonic() - started))
         _say(f"hpc run: resume with: {resume}")

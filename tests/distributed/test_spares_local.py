@@ -92,6 +92,8 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_wo
     assert result["weights_sha256"] == expected["weights_sha256"], "not the numerics of the same world"
     outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
     assert outcome["kind"] == "finished" and outcome["hangs"] == [], outcome
+    # The job finished: hpc run says so (0), not the killed launcher's 137.
+    assert run.returncode == 0, out[-3000:]
     status = subprocess.run([sys.executable, "-m", "hpc", "status", str(job)], cwd=REPO,
                             capture_output=True, text=True, env={**os.environ, "HPC_HOME": str(tmp_path)})
     assert f"(node rank {spare}) joined" in status.stdout, status.stdout + status.stderr
