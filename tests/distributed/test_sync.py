@@ -175,10 +175,12 @@ class Unavailable(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(180)
 def test_real_wandb_sync_against_a_failing_server_ends_in_a_clear_error(job: Path, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """wandb's own `wandb sync` runs for real; the server answers 503 to everything."""
+    """wandb's own `wandb sync` runs for real; the server answers 503 to everything (wandb
+    retries it until the attempt's timeout: 8 s each, enough for a usage error to show)."""
     from hpc import sync
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
@@ -189,13 +191,13 @@ def test_real_wandb_sync_against_a_failing_server_ends_in_a_clear_error(job: Pat
             monkeypatch.setenv(key, value)
         monkeypatch.delenv("WANDB_MODE")
         with pytest.raises(HpcError) as e:
-            sync.sync(job, attempts=2, timeout_s=15, settle_s=0, out=lambda s: None)
+            sync.sync(job, attempts=2, timeout_s=8, settle_s=0, out=lambda s: None)
     finally:
         server.shutdown()
     said = str(e.value)
     assert "option" not in said, said                  # wandb ran the sync, not a usage error
     assert "did not upload after 2 attempt(s)" in said and "0 folder(s) before it" in said, said
-    assert "wandb sync did not finish in 15 s" in said or "wandb sync failed" in said, said
+    assert "wandb sync did not finish in 8 s" in said or "wandb sync failed" in said, said
     assert not (job / "wandb_synced.json").exists()
 
 

@@ -68,26 +68,22 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return result(job)
 
 
-def test_same_seed_same_weights(baseline: dict, tmp_path: Path):
-    job = tmp_path / "again"
-    code, out = finish(start(job))
-    assert code == 0, out
-    again = result(job)
-    assert again["weights_sha256"] == baseline["weights_sha256"]
-    assert again["sample_order_sha256"] == baseline["sample_order_sha256"]
-    assert again["final_step"] == 40
-    assert (job / "checkpoints" / "step-000040" / "manifest.json").exists()
-
-
-def test_inherited_wandb_service_is_not_used(tmp_path: Path):
-    """A job started from a process that used wandb inherits WANDB_SERVICE (wandb exports it):
-    rank 0 must start its own service, not log into the starter's (gone here)."""
+def test_same_seed_same_weights_and_an_inherited_wandb_service_is_not_used(baseline: dict, tmp_path: Path):
+    """The same job again (without the baseline's step sleep) ends with the same weights and
+    samples. And (one job for both, to keep CI short) a job started from a process that used
+    wandb inherits WANDB_SERVICE (wandb exports it): rank 0 must start its own service, not log
+    into the starter's (gone here)."""
     from wandb.sdk.lib.service.service_token import UnixServiceToken
 
     gone = UnixServiceToken(parent_pid=os.getpid(), path=str(tmp_path / "gone.sock")).env_value
     job = tmp_path / "job"
     code, out = finish(start(job, env={**os.environ, "WANDB_SERVICE": gone}))
     assert code == 0, out
+    again = result(job)
+    assert again["weights_sha256"] == baseline["weights_sha256"]
+    assert again["sample_order_sha256"] == baseline["sample_order_sha256"]
+    assert again["final_step"] == 40
+    assert (job / "checkpoints" / "step-000040" / "manifest.json").exists()
     assert not (job / "metrics.jsonl").exists(), "W&B failed and fell back to JSONL"
     run = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip())
     assert max(run.steps) == 40
