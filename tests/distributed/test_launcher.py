@@ -344,6 +344,7 @@ def test_killed_hpc_run_leaves_no_process_and_the_job_resumes(tmp_path: Path):
         kill_leftovers(marker)
 
 
+@pytest.mark.waits
 def test_killed_hpc_run_stops_workers_that_ignore_the_warning(tmp_path: Path):
     """Nobody is left to press Ctrl-C twice: the launcher stops them after the grace period."""
     from runtime.launch.lifeline import GRACE_S
@@ -420,6 +421,7 @@ def test_full_disk_before_start_is_refused(small_disk: Path):
     assert not (job / "jobspec.json").exists()
 
 
+@pytest.mark.waits
 @pytest.mark.timeout(240)
 def test_workers_hung_in_their_sigterm_handler_are_killed_and_the_stop_recorded(tmp_path: Path):
     """A SIGTERM handler that hangs (a collective inside it that the other rank never joins, as

@@ -27,7 +27,7 @@ from runtime.liveness.watchdog import output_beats
 from tests.conftest import REPO
 from tests.wandb_offline import read_run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.waits]   # CI runs these in a lane of their own
 PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
 
 

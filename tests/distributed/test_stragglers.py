@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REPO
 from tests.wandb_offline import read_run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.waits]   # CI runs these in a lane of their own
 
 
 def test_slowed_node_is_reported_as_the_straggler_and_nothing_restarts(tmp_path: Path) -> None:
