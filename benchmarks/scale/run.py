@@ -46,6 +46,7 @@ from runtime.liveness.peers import BEAT_S, LOST_AFTER_S
 from runtime.liveness.watchdog import POLL_S
 
 ROOT = Path(__file__).resolve().parents[2]
+RESOLVER = "timeout:1 attempts:1"   # glibc resolver options for the store's peers (see simulate)
 FIGURES = ("join_s", "detect_s", "elect_s", "store_req_per_s", "fs_ops_per_node_per_s", "report_s")
 
 SERVER = """
@@ -77,7 +78,8 @@ def _go(ctl: Path, name: str, **data: object) -> None:
 
 def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
              join_timeout_s: float = 300.0, history_allocs: int = 20,
-             work: Path | None = None, skip_liveness: str = "", skip_join: str = "") -> dict:
+             work: Path | None = None, skip_liveness: str = "", skip_join: str = "",
+             beacons_per_thread: int = 1) -> dict:
     """Measures one N; returns its row (figures, their context, and notes on any null).
 
     ``skip_liveness``: a reason not to run the join, load and detection phases (then their
@@ -87,20 +89,28 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
     job_dir, ctl = tmp / "job", tmp / "ctl"
     job_dir.mkdir()
     ctl.mkdir()
-    row: dict = {"nodes": n, "ranks": n * 8, "load_before": load(), "notes": {}}
-    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    row: dict = {"nodes": n, "ranks": n * 8, "load_before": load(), "notes": {},
+                 "beacons_per_thread": beacons_per_thread}
+    # As the launcher sets it (runtime.launch.plan): torch 2.13's elastic restarts need it.
+    # RES_OPTIONS: torch's TCPStore resolves every peer's address (reverse DNS, on the server's
+    # loop thread too) when it connects; this sandbox's resolver stalls 5 s on some queries
+    # under load (256 connects from 16 threads: 45.6 s with 26 timeouts by default, 1.1 s with
+    # a 1-s resolver timeout). See docs/scale.md.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "TORCH_CPP_LOG_LEVEL": "ERROR", "RES_OPTIONS": os.environ.get("RES_OPTIONS", RESOLVER)}
+    row["resolver"] = env["RES_OPTIONS"]
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True, env=env)
     port = int(server.stdout.readline())
     endpoint = f"127.0.0.1:{port}"
     victim = n - 1
     per = max(1, -(-(n - 1) // procs))
     spans = [(f, min(per, n - 1 - f)) for f in range(0, n - 1, per)] + [(victim, 1)]
-    # As the launcher sets it (runtime.launch.plan): torch 2.13's elastic restarts need it.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "TORCH_CPP_LOG_LEVEL": "ERROR"}
     hosts = [subprocess.Popen([sys.executable, "-m", "benchmarks.scale.nodes", "--first", str(f),
                                "--count", str(c), "--nodes", str(n), "--endpoint", endpoint,
                                "--job-dir", str(job_dir), "--ctl", str(ctl),
                                "--join-timeout", str(join_timeout_s),
+                               "--beacons-per-thread", str(beacons_per_thread),
+                               *(["--no-join"] if skip_join else []),
                                *(["--skip-liveness"] if skip_liveness else [])], env=env, cwd=ROOT)
              for f, c in spans]
     pids = [h.pid for h in hosts]
@@ -281,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-join-from", type=int, default=1 << 30,
                    help="from this N on, skip only the c10d join (with --skip-join)")
     p.add_argument("--skip-join", default="", help="the reason recorded for skipping the join")
+    p.add_argument("--beacons-per-thread", type=int, default=1,
+                   help="nodes whose beacons one driver thread steps (1: a thread each, as launchers)")
     p.add_argument("--elect-only", action="store_true",
                    help="measure the election again and update those figures in --out")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
@@ -307,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.nodes:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
         row = simulate(n, procs=a.procs, window_s=a.window, join_timeout_s=a.join_timeout,
-                       skip_liveness=skip, skip_join=a.skip_join if n >= a.skip_join_from else "")
+                       skip_liveness=skip, skip_join=a.skip_join if n >= a.skip_join_from else "",
+                       beacons_per_thread=a.beacons_per_thread)
         print(json.dumps({k: row.get(k) for k in (*FIGURES, "load_window")}), flush=True)
         rows.append(row)
         rows.sort(key=lambda r: r["nodes"])

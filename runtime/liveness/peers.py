@@ -257,14 +257,20 @@ class PeerBeacon:
 
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
-            try:
-                if self._store is None:
-                    self._prepared.clear()
-                    self._store = self._connect()
-                self.beat(self._store)
-            except Exception as e:  # unreachable store: the tracker's clock says for how long
-                log.debug("peer beacon: %s", e)
-                self._store = None
+            self.step()
+
+    def step(self) -> None:
+        """One beat of the thread: (re)connects when needed, then :meth:`beat`. Public so that
+        the scale harness (benchmarks/scale) can drive many nodes' beacons from a few threads
+        with this very code."""
+        try:
+            if self._store is None:
+                self._prepared.clear()
+                self._store = self._connect()
+            self.beat(self._store)
+        except Exception as e:  # unreachable store: the tracker's clock says for how long
+            log.debug("peer beacon: %s", e)
+            self._store = None
 
     def beat(self, store) -> None:  # noqa: ANN001 (torch type)
         """One beat: add to the counter, read the summary and the group key, send this node's
