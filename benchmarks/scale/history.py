@@ -81,8 +81,10 @@ def write(job_dir: Path, nodes: int, allocations: int = 20) -> int:
     return lines
 
 
-def _timed(argv: list[str], env: dict) -> tuple[float, float, int, str]:
-    """(seconds, peak RSS in MB, exit status, last line of stderr) of one command."""
+def _timed(argv: list[str], env: dict) -> tuple[float, float, int, str, float]:
+    """(seconds, peak RSS in MB, exit status, last line of stderr, CPU seconds) of one command.
+    The CPU seconds do not grow with the machine's load; the wall time does (at load 10 on
+    2 cores a process gets about a fifth of a core)."""
     started = time.perf_counter()
     with open(os.devnull, "w") as out, subprocess.Popen(argv, env=env, stdout=out,
                                                          stderr=subprocess.PIPE, text=True) as p:
@@ -90,7 +92,8 @@ def _timed(argv: list[str], env: dict) -> tuple[float, float, int, str]:
         took = time.perf_counter() - started
         p.returncode = os.waitstatus_to_exitcode(status)
         err = p.stderr.read() if p.stderr else ""
-    return took, usage.ru_maxrss / 1024, p.returncode, (err.strip().splitlines() or [""])[-1]
+    return (took, usage.ru_maxrss / 1024, p.returncode, (err.strip().splitlines() or [""])[-1],
+            usage.ru_utime + usage.ru_stime)
 
 
 def measure(nodes: int, *, allocations: int = 20, work: Path) -> dict:
@@ -99,15 +102,22 @@ def measure(nodes: int, *, allocations: int = 20, work: Path) -> dict:
     started = time.perf_counter()
     lines = write(job_dir, nodes, allocations)
     write_s = time.perf_counter() - started
-    env = {**os.environ, "HPC_HOME": str(Path(work) / "hpc-home")}
-    hpc = [sys.executable, "-m", "hpc"]
-    status_s, status_mb, status_rc, status_err = _timed([*hpc, "status", str(job_dir)], env)
-    report_s, report_mb, report_rc, report_err = _timed([*hpc, "report", str(job_dir)], env)
     row = {"events_lines": lines, "events_mb": round((job_dir / "events.jsonl").stat().st_size / 2**20, 2),
-           "history_write_s": round(write_s, 2),
-           "status_s": round(status_s, 3) if status_rc == 0 else None,
+           "history_write_s": round(write_s, 2), **time_commands(job_dir, Path(work) / "hpc-home")}
+    return row
+
+
+def time_commands(job_dir: Path, hpc_home: Path) -> dict:
+    """``hpc status`` and ``hpc report`` on ``job_dir``: wall and CPU seconds, peak memory."""
+    env = {**os.environ, "HPC_HOME": str(hpc_home)}
+    hpc = [sys.executable, "-m", "hpc"]
+    status_s, status_mb, status_rc, status_err, status_cpu = _timed([*hpc, "status", str(job_dir)], env)
+    report_s, report_mb, report_rc, report_err, report_cpu = _timed([*hpc, "report", str(job_dir)], env)
+    row = {"status_s": round(status_s, 3) if status_rc == 0 else None,
+           "status_cpu_s": round(status_cpu, 2),
            "status_rss_mb": round(status_mb, 1),
            "report_s": round(report_s, 3) if report_rc == 0 else None,
+           "report_cpu_s": round(report_cpu, 2),
            "report_rss_mb": round(report_mb, 1)}
     notes = {}
     if status_rc != 0:

@@ -54,10 +54,12 @@ class FsCounter:
 
 
 class CountingStore:
-    """A ``TCPStore`` client whose every call is counted (one call, one request)."""
+    """A ``TCPStore`` client whose every call is counted (one call, one request); with a
+    ``payload`` counter, the bytes of its ``str``/``bytes`` arguments and results too (the
+    keys and values it sends and receives, framing aside)."""
 
-    def __init__(self, store: Any, counter: list[int]) -> None:
-        self._store, self._counter = store, counter
+    def __init__(self, store: Any, counter: list[int], payload: list[int] | None = None) -> None:
+        self._store, self._counter, self._payload = store, counter, payload
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -66,8 +68,19 @@ class CountingStore:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._counter[0] += 1
-            return attr(*args, **kwargs)
+            out = attr(*args, **kwargs)
+            if self._payload is not None:
+                self._payload[0] += sum(_size(x) for x in (*args, *kwargs.values(), out))
+            return out
         return call
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(x) for x in value)
+    return 0
 
 
 def cpu_s(pid: int) -> float:

@@ -119,6 +119,7 @@ class Host:
         self.ctl, self.job_dir = Path(a.ctl), Path(a.job_dir)
         self.fs = FsCounter(self.job_dir)
         self.rdzv_requests = [0]
+        self.rdzv_bytes = [0]
         self.beacon_requests = [0]
         self.handlers: dict[int, Any] = {}
         self.beacons: dict[int, CountedBeacon] = {}
@@ -129,17 +130,20 @@ class Host:
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         conf = dict(rdzv_conf(self.a.nodes), join_timeout=int(join_timeout_s))
+        if self.a.keep_alive:   # an experiment: another keep-alive interval than the launcher's
+            conf["keep_alive_interval"] = self.a.keep_alive
         for r in self.ranks:
             params = RendezvousParameters("c10d", self.a.endpoint, RUN_ID, self.a.nodes, self.a.nodes,
                                           local_addr=host_name(r), is_host=False, **conf)
             h = get_rendezvous_handler(params)
             backend = h._state_holder._backend   # count its requests (torch's private name)
-            backend._store = CountingStore(backend._store, self.rdzv_requests)
+            backend._store = CountingStore(backend._store, self.rdzv_requests, self.rdzv_bytes)
             self.handlers[r] = h
 
     def join(self) -> dict:
         done: dict[int, float] = {}
         errors: list[str] = []
+        cpu0 = sum(os.times()[:2])
 
         def one(r: int) -> None:
             try:
@@ -153,7 +157,8 @@ class Host:
             t.start()
         for t in threads:
             t.join()
-        return {"done": done, "errors": errors[:5], "rdzv_requests": self.rdzv_requests[0]}
+        return {"done": done, "errors": errors[:5], "rdzv_requests": self.rdzv_requests[0],
+                "rdzv_bytes": self.rdzv_bytes[0], "cpu_s": sum(os.times()[:2]) - cpu0}
 
     # --- keepalive, load window and detection --------------------------------------------
     def start_beacons(self) -> None:
@@ -289,6 +294,9 @@ class Host:
             decided[r] = (time.time(), e.epoch.index if e.epoch else None,
                           e.epoch.host if e.epoch else None, len(e.epoch.members) if e.epoch else 0)
 
+        if self.a.no_election:
+            wait_for(ctl, "elect")
+            return {"decided": {}, "fs_ops": 0}
         threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in self.ranks if r != 0]
         for t in threads:
             t.start()
@@ -314,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout", type=float, default=600.0)
     p.add_argument("--skip-liveness", action="store_true", help="no join, keepalive, detection")
     p.add_argument("--no-join", action="store_true", help="no rendezvous handlers (join skipped)")
+    p.add_argument("--no-election", action="store_true", help="the election phase is skipped")
+    p.add_argument("--keep-alive", type=float, default=0.0,
+                   help="the rendezvous keep_alive_interval (s) instead of rdzv_conf's")
     p.add_argument("--beacons-per-thread", type=int, default=1,
                    help="nodes whose beacons one driver thread steps (1: each its own thread)")
     a = p.parse_args(argv)

@@ -41,6 +41,7 @@ from pathlib import Path
 from benchmarks.scale import history
 from benchmarks.scale.fit import exponent
 from benchmarks.scale.meter import cpu_s, load
+from runtime.launch.main import rdzv_conf
 from runtime.liveness import groups
 from runtime.liveness.peers import BEAT_S, LOST_AFTER_S
 from runtime.liveness.watchdog import POLL_S
@@ -79,7 +80,7 @@ def _go(ctl: Path, name: str, **data: object) -> None:
 def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
              join_timeout_s: float = 300.0, history_allocs: int = 20,
              work: Path | None = None, skip_liveness: str = "", skip_join: str = "",
-             beacons_per_thread: int = 1) -> dict:
+             beacons_per_thread: int = 1, join_only: bool = False, keep_alive_s: float = 0.0) -> dict:
     """Measures one N; returns its row (figures, their context, and notes on any null).
 
     ``skip_liveness``: a reason not to run the join, load and detection phases (then their
@@ -90,7 +91,8 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
     job_dir.mkdir()
     ctl.mkdir()
     row: dict = {"nodes": n, "ranks": n * 8, "load_before": load(), "notes": {},
-                 "beacons_per_thread": beacons_per_thread}
+                 "beacons_per_thread": beacons_per_thread,
+                 "rdzv_keep_alive_s": keep_alive_s or rdzv_conf(n)["keep_alive_interval"]}
     # As the launcher sets it (runtime.launch.plan): torch 2.13's elastic restarts need it.
     # RES_OPTIONS: torch's TCPStore resolves every peer's address (reverse DNS, on the server's
     # loop thread too) when it connects; this sandbox's resolver stalls 5 s on some queries
@@ -111,6 +113,8 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
                                "--join-timeout", str(join_timeout_s),
                                "--beacons-per-thread", str(beacons_per_thread),
                                *(["--no-join"] if skip_join else []),
+                               *(["--no-election"] if join_only else []),
+                               *(["--keep-alive", str(keep_alive_s)] if keep_alive_s else []),
                                *(["--skip-liveness"] if skip_liveness else [])], env=env, cwd=ROOT)
              for f, c in spans]
     pids = [h.pid for h in hosts]
@@ -125,9 +129,17 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
             for k in ("join_s", "store_req_per_s", "detect_s"):
                 row[k] = None
                 row["notes"][k] = f"not run: {skip_liveness}"
+        elif join_only:   # the join alone (torch's c10d rendezvous), then every phase skipped
+            _join(row, n, ctl, pids, server, join_timeout_s)
+            for phase, answer_name, extra in (("load", "load", {"skip": True}),
+                                              ("records", "records", {"ticks": 0}),
+                                              ("elect", "elect", {"skip": True})):
+                _go(ctl, phase, **extra)
+                _collect(ctl, answer_name, pids, 120)
         else:
             _liveness(row, n, ctl, pids, hosts, server, window_s, join_timeout_s, skip_join)
-        _records_and_election(row, n, ctl, pids, ticks)
+        if not join_only:
+            _records_and_election(row, n, ctl, pids, ticks)
     finally:
         for h in hosts:
             try:
@@ -143,36 +155,47 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
         server.kill()
         server.wait()
     if history_allocs:
+        row["report_load"] = load()
         row.update(history.measure(n, allocations=history_allocs, work=tmp))
     row["load_after"] = load()
     return row
+
+
+def _join(row: dict, n: int, ctl: Path, pids: list[int], server: subprocess.Popen,
+          join_timeout_s: float) -> None:
+    """Phase 1: every agent joins torch's c10d rendezvous from a common start."""
+    t_join = time.time() + 1.0
+    c0 = cpu_s(server.pid)
+    _go(ctl, "join", t=t_join)
+    joined = _collect(ctl, "joined", pids, join_timeout_s + 120)
+    if joined is None:
+        raise RuntimeError(f"the agents neither joined nor gave up in {join_timeout_s + 120:.0f} s")
+    done = [t for j in joined for t in j["done"].values()]
+    errors = [e for j in joined for e in j["errors"]]
+    row["join_s"] = round(max(done) - t_join, 3) if len(done) == n else None
+    row["joined"] = len(done)
+    if row["join_s"] is None:
+        row["notes"]["join_s"] = (f"{n - len(done)} of {n} agents did not join within the "
+                                  f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
+    row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
+    row["join_rdzv_mb"] = round(sum(j.get("rdzv_bytes", 0) for j in joined) / 1e6, 1)
+    # The agents' processes' CPU over the join (they do nothing else then): the client side.
+    row["join_client_cpu_s"] = round(sum(j.get("cpu_s", 0.0) for j in joined), 1)
+    row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
+    row["join_load"] = load()
 
 
 def _liveness(row: dict, n: int, ctl: Path, pids: list[int], hosts: list, server: subprocess.Popen,
               window_s: float, join_timeout_s: float, skip_join: str = "") -> None:
     """Phases 1-3: join, the load window, the silent node's detection."""
     victim = n - 1
-    t_join = time.time() + 1.0
-    c0 = cpu_s(server.pid)
     if skip_join:
         _go(ctl, "join", skip=True)
         _collect(ctl, "joined", pids, 60)
         row["join_s"] = None
         row["notes"]["join_s"] = f"not run: {skip_join}"
     else:
-        _go(ctl, "join", t=t_join)
-        joined = _collect(ctl, "joined", pids, join_timeout_s + 120)
-        if joined is None:
-            raise RuntimeError(f"the agents neither joined nor gave up in {join_timeout_s + 120:.0f} s")
-        done = [t for j in joined for t in j["done"].values()]
-        errors = [e for j in joined for e in j["errors"]]
-        row["join_s"] = round(max(done) - t_join, 3) if len(done) == n else None
-        row["joined"] = len(done)
-        if row["join_s"] is None:
-            row["notes"]["join_s"] = (f"{n - len(done)} of {n} agents did not join within the "
-                                      f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
-        row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
-        row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
+        _join(row, n, ctl, pids, server, join_timeout_s)
     # The beacons start; the window opens once every one of them (the victim's too) has beaten
     # and read its peers: a node that never reached the store is tracked by nobody. Its first
     # connection can take seconds on this loaded machine (seen: 5 s, the victim's only try
@@ -232,6 +255,7 @@ def _records_and_election(row: dict, n: int, ctl: Path, pids: list[int], ticks: 
         row["fs_ops_per_node_per_s"] = None
         row["notes"]["fs_ops_per_node_per_s"] = "the record ticks did not finish in 1800 s"
     # Succession: node 0 lost; everyone else elects.
+    row["elect_load"] = load()
     t_elect = time.time() + 1.0
     _go(ctl, "elect", t=t_elect)
     elected = _collect(ctl, "elect", pids, 300)
@@ -293,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-join", default="", help="the reason recorded for skipping the join")
     p.add_argument("--beacons-per-thread", type=int, default=1,
                    help="nodes whose beacons one driver thread steps (1: a thread each, as launchers)")
+    p.add_argument("--rdzv-keep-alive", type=float, default=0.0,
+                   help="an experiment: the rendezvous keep-alive interval (s) instead of the launcher's")
+    p.add_argument("--join-only", action="store_true",
+                   help="measure the c10d join again and update those figures in --out")
     p.add_argument("--elect-only", action="store_true",
                    help="measure the election again and update those figures in --out")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
@@ -303,6 +331,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.merge and out.exists():
         old = json.loads(out.read_text())["figures"]
         rows = [r for k, r in old.items() if int(k) not in a.nodes]
+    if a.join_only:     # the c10d join again, into the rows already recorded
+        rows = list(json.loads(out.read_text())["figures"].values())
+        for n in a.nodes:
+            row = simulate(n, procs=a.procs, ticks=0, history_allocs=0, join_timeout_s=a.join_timeout,
+                           join_only=True, keep_alive_s=a.rdzv_keep_alive)
+            old = next((r for r in rows if r["nodes"] == n), None)
+            if old is None:   # a join-only row (another N than the table's)
+                old = {"nodes": n, "ranks": n * 8, "notes": {}}
+                rows.append(old)
+                rows.sort(key=lambda r: r["nodes"])
+            old["notes"].pop("join_s", None)
+            for k in ("join_s", "joined", "join_rdzv_requests", "join_rdzv_mb", "join_client_cpu_s",
+                      "join_server_cpu_s", "join_load", "resolver", "rdzv_keep_alive_s"):
+                old[k] = row.get(k)
+            if "join_s" in row["notes"]:
+                old["notes"]["join_s"] = row["notes"]["join_s"]
+            print(json.dumps({k: row.get(k) for k in ("nodes", "rdzv_keep_alive_s", "join_s", "joined", "join_rdzv_requests",
+                                                      "join_rdzv_mb", "join_client_cpu_s",
+                                                      "join_server_cpu_s", "join_load")}), flush=True)
+            out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
+        return 0
     if a.elect_only:    # the election again, into the rows already recorded
         rows = list(json.loads(out.read_text())["figures"].values())
         for n in a.nodes:

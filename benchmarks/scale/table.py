@@ -18,12 +18,13 @@ COLUMNS = (("join_s", "join s"), ("detect_s", "detect s"), ("elect_s", "elect s"
 
 def render(summary: dict) -> str:
     rows = sorted(summary["figures"].values(), key=lambda r: r["nodes"])
-    head = "| N | " + " | ".join(t for _, t in COLUMNS) + " | load (1 min) |"
+    head = "| N | " + " | ".join(t for _, t in COLUMNS) + " | load (1 min): join / liveness / elect / report |"
     out = [head, "|" + "---|" * (len(COLUMNS) + 2)]
     for r in rows:
         cells = ["-" if r.get(k) is None else f"{r[k]:g}" for k, _ in COLUMNS]
-        ld = r.get("load_window") or r.get("load_before") or {}
-        out.append(f"| {r['nodes']} | " + " | ".join(cells) + f" | {ld.get('load1', '-')} |")
+        loads = " / ".join(str((r.get(k) or {}).get("load1", "-"))
+                           for k in ("join_load", "load_window", "elect_load", "report_load"))
+        out.append(f"| {r['nodes']} | " + " | ".join(cells) + f" | {loads} |")
     exps = summary.get("exponents", {})
     out.append("| exponent | " + " | ".join("-" if exps.get(k) is None else f"{exps[k]:+.2f}"
                                             for k, _ in COLUMNS) + " | |")
