@@ -54,6 +54,7 @@ def proc_exit(pid: int) -> int | None:
 
 
 REPLACE_WAIT_S = 120.0   # how long the survivors' re-form waits for a promised replacement
+EXIT_BARRIER_S = 20.0    # torch's exit barrier in this mode (its default 300 s)
 
 
 def popen_status(code: int) -> int:
@@ -85,6 +86,12 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
     class InProcessAgent(base):  # type: ignore[misc, valid-type]
         _gone: dict[int, int]
         _hpc_store: Any = None   # (torch's agent has its own _store: the round's prefixed one)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # A lost node never comes to torch's exit barrier (its replacement, a spare, runs
+            # no agent): the others would wait its 300 s at the end.
+            self._exit_barrier_timeout = min(self._exit_barrier_timeout, EXIT_BARRIER_S)
 
         def _start_workers(self, worker_group: Any) -> Any:
             """torch's start, keeping each local rank's command and environment (a joiner

@@ -47,7 +47,8 @@ from runtime.launch.network import NetworkError, detect
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
-from runtime.launch import health, inprocess_agent, spares
+from hpc.contract import inprocess as proto_inproc
+from runtime.launch import health, inprocess_agent, inprocess_spare, spares
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -195,12 +196,14 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     job_env.JobEnvironment(rdzv_epoch=epoch).export(os.environ)
     # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
-    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint,
-                                        EventLog(plan.job_dir, allocation=plan.allocation,
-                                                 node_rank=plan.node_rank, sync_every_s=0)
-                                        if spec.recovery == "inprocess" else None)
+    inproc_events = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank,
+                             sync_every_s=0) if spec.recovery == "inprocess" else None
+    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events)
     if spec.recovery == "inprocess":
-        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint))
+        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint),
+                          **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
+    if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
+        return inprocess_spare.run_spare(plan, inproc_events)   # joiners, no torch agent
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     logs_specs = _logs_specs(plan, tee)
 

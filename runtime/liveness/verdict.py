@@ -52,6 +52,7 @@ OWN_COLLECTIVE_FRAMES = ("runtime/preemption.py", "runtime/worker/metrics.py")
 WORKER_FRAME = "runtime/worker/start.py"   # the bottom of every worker's main thread
 TOP_FRAMES = 4
 QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
+IN_PROCESS_PHASES = ("recover", "join")   # the Session's phases of an in-process recovery
 PEER_REPORT_S = 10.0   # extra wait before blaming another node, while other nodes watch too
 # Kinds of stall (HangEvent.kind): which evidence decided it.
 FROZEN, LOST, BUSY, USER, COLLECTIVE, QUIET = "frozen", "lost", "busy", "user", "collective", "quiet"
@@ -161,7 +162,10 @@ def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = Non
         A hard stall (``kind`` FROZEN or LOST), no stall, or a candidate (``stalled`` with
         no kind yet) for :func:`weigh`.
     """
-    if lost_peers and ranks and min(r.age_s for r in ranks) >= QUIET_S:
+    # A rank recovering in-process (or joining) from that very loss is not stuck on it: its
+    # phase's budget applies (--recovery inprocess, runtime.worker.inprocess).
+    recovering = any(r.beat.phase in IN_PROCESS_PHASES and not r.stopped for r in ranks)
+    if lost_peers and ranks and not recovering and min(r.age_s for r in ranks) >= QUIET_S:
         name, silent = max(lost_peers.items(), key=lambda kv: kv[1])
         quiet = min(r.age_s for r in ranks)
         return Verdict(True, tuple(ranks), None,

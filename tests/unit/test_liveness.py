@@ -375,6 +375,15 @@ def test_a_lost_peer_with_a_quiet_node_is_a_stall_in_any_phase():
     assert not judge(busy, lost_peers={"node3": 11.0}).stalled, "a rank here still progresses"
 
 
+def test_a_rank_recovering_in_process_from_a_lost_peer_is_not_killed_for_it():
+    # --recovery inprocess: the survivor re-forms with a spare's joiner (phase "recover") and
+    # waits in a collective for it while the lost node stays silent; its budget applies.
+    recovering = assess([beat(0, 0.0, phase="recover", budget_s=300.0)], {}, 8.0, POLICY)
+    assert not judge(recovering, lost_peers={"node3": 11.0}).stalled
+    stopped = assess([beat(0, 0.0, phase="recover", budget_s=300.0)], {beat(0, 0.0).pid: True}, 8.0, POLICY)
+    assert judge(stopped, lost_peers={"node3": 11.0}).stalled, "a stopped process recovers nothing"
+
+
 def test_the_outcome_is_hang_only_when_the_watchdogs_kill_ended_the_allocation(tmp_path: Path):
     from runtime.liveness.watchdog import Watchdog
 

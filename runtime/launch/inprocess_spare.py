@@ -1,0 +1,116 @@
+"""A hot spare under ``--recovery inprocess``: its launcher starts joiners, not torch's agent.
+
+With ``--recovery restart`` a spare node's launcher runs torch's agent, which waits on the c10d
+rendezvous's redundancy list and is let in by a restart of every worker
+(:mod:`runtime.launch.spares`). In in-process mode nobody restarts the members, so that door
+never opens. Here the nodes beyond the job's largest size (node rank ``>= MAX``) are the
+spares, by rank: their launchers do not join torch's rendezvous at all. Each starts its
+``--nproc-per-node`` workers at once as *joiners* (``HPC_INPROC_JOIN=1``): they import torch,
+build nothing yet and wait in the store (``join/N``, :mod:`hpc.contract.inprocess`). When a
+member node is lost, the survivors' re-form takes them in (up to the job's largest world), the
+member holding the newest step broadcasts the state, and the world has its size again with no
+checkpoint read. The launcher then records ``workers_started`` (the spare's join in the
+goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
+launcher does, and ends with them. A job that finishes first releases the joiners (``done``):
+they exit 0, not needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from hpc.contract import inprocess as proto
+from runtime.ending import outcome
+from runtime.launch import inprocess_agent
+
+log = logging.getLogger("hpc.launch")
+POLL_S = 0.5
+
+
+def is_spare(recovery: str, spare_nodes: int, node_rank: int, max_nodes: int) -> bool:
+    """Whether this node is an in-process hot spare (pure): the nodes past ``MAX`` are."""
+    return recovery == proto.INPROCESS and spare_nodes > 0 and node_rank >= max_nodes
+
+
+def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, nproc: int,
+               node_rank: int) -> dict[str, str]:
+    """A spare's worker environment (pure): no rank of its own, the store, the join flag. No
+    ``MASTER_PORT``: the running round's namespace is read from the store (``current``)."""
+    env = {k: v for k, v in base.items() if k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(inprocess_agent.worker_env(store_address))
+    env.update({proto.JOIN_ENV: "1", "MASTER_ADDR": store_address.rpartition(":")[0], "RANK": "0",
+                "WORLD_SIZE": "1", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": str(node_rank), "TORCHELASTIC_RESTART_COUNT": "0"})
+    return env
+
+
+def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
+    """Starts this spare node's joiners and watches them until they end.
+
+    Args:
+        plan: The node's :class:`runtime.launch.plan.LaunchPlan`.
+        events: The launcher's ``EventLog``.
+    """
+    import torch.distributed as dist
+
+    started = time.time()
+    nproc = plan.spec.nproc_per_node
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    for lr in range(nproc):
+        env = joiner_env(dict(os.environ), plan.rdzv_endpoint, local_rank=lr, nproc=nproc,
+                         node_rank=plan.node_rank)
+        out = open(plan.log_dir / f"spare-node{plan.node_rank}-local{lr}.log", "ab")   # noqa: SIM115
+        procs.append(subprocess.Popen([sys.executable, *plan.argv], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    log.info("in-process hot spare: %d joiner(s) started (pids %s); they wait for a lost node",
+             nproc, ", ".join(str(p.pid) for p in procs))
+    host, _, port = plan.rdzv_endpoint.rpartition(":")
+    raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30),
+                        wait_for_workers=False)
+    me = __import__("socket").gethostname()
+    uids = {proto.uid(me, p.pid) for p in procs}
+    joined, announced = False, set()
+    store = None
+    while any(p.poll() is None for p in procs):
+        try:
+            if store is None and raw.check([proto.ROOT + proto.CURRENT]):
+                store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
+            if store is not None and not joined and _taken_in(store, uids):
+                joined = True
+                events.emit("workers_started", nodes=None, spare=True, inproc=True)
+                log.warning("in-process hot spare: taken in (a node was lost); training")
+            for p in procs:
+                if p.poll() not in (None, 0) and p.pid not in announced and store is not None:
+                    announced.add(p.pid)
+                    why = f"launcher on {me}: worker {p.pid} died, " \
+                          f"{inprocess_agent.describe_exit(inprocess_agent.popen_status(p.returncode))}"
+                    store.set(proto.dead(proto.uid(me, p.pid)), why)
+                    if joined:
+                        gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
+                        store.set(proto.fault(gen), why)
+        except Exception as e:   # noqa: BLE001 - the store host is gone: the workers end by themselves
+            log.debug("in-process hot spare: store: %s", e)
+        time.sleep(POLL_S)
+    codes = tuple(p.returncode for p in procs)
+    if all(c == 0 for c in codes):
+        if not joined:
+            log.info("hot spare not needed: the job ended while this node waited")
+        return outcome.AgentEnd("succeeded", "", started, ended=time.time())
+    return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
+                            exit_codes=tuple(c for c in codes if c), ended=time.time())
+
+
+def _taken_in(store: Any, uids: set[str]) -> bool:
+    if not store.check([proto.GENERATION]):
+        return False
+    gen = int(store.get(proto.GENERATION))
+    if not store.check([proto.members(gen)]):
+        return False
+    return bool(uids & set(proto.decode_members(store.get(proto.members(gen))).uids))

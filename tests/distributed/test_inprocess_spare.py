@@ -1,0 +1,93 @@
+"""A hot spare joins in-process: ``hpc run --nodes 2 --spare-nodes 1 --recovery inprocess``.
+
+Three launchers on this machine; node rank 2 is the spare: its launcher runs no torch agent,
+its worker starts at once as a joiner and waits in the store. Node rank 1 is lost (its
+launcher and its worker SIGKILLed, as a crash ends them): the survivor's re-form takes the
+spare's worker in, the survivor broadcasts the state, and the world is 2 again. The outcome a
+user cares about: the survivor is the same process, nothing was read from a checkpoint, the
+weights and sample order are bit-equal to the uninterrupted 2-node run (run beside it), and
+the spare's join is in the goodput ledger's events (``workers_started`` of node rank 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_spares_local import launcher_pid, launchers
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
+STEPS = 20
+
+
+def hpc_run(out: Path, job: Path, *extra: str) -> subprocess.Popen[str]:
+    out.mkdir()
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5")
+    return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2", *extra,
+                             "--nproc-per-node", "1", "--recovery", "inprocess", "--job-dir", str(job),
+                             "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.2"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def lines(out: Path) -> dict[int, list[dict]]:
+    return {int(f.stem.split("-")[1]): [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            for f in out.glob("steps-*.jsonl")}
+
+
+def test_a_spare_takes_a_lost_nodes_place_in_process_with_the_same_worlds_weights(tmp_path: Path):
+    t0 = time.time()
+    plain = hpc_run(tmp_path / "plain out", tmp_path / "plain job")   # the uninterrupted 2-node run
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, "--spare-nodes", "1")
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            ran = lines(out)
+            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+            if victim is not None:
+                break
+            time.sleep(0.05)
+        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: launcher and worker
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        text, _ = run.communicate(timeout=300)
+        plain_text, _ = plain.communicate(timeout=300)
+    finally:
+        for p in (run, plain):
+            if p.poll() is None:
+                p.kill()
+    # (hpc run's own exit reports the killed launcher; the job's outcome is node 0's)
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == STEPS, (outcome, text[-5000:])
+    assert plain.returncode == 0, plain_text[-3000:]
+    results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
+    [spare] = set(results) - {survivor}
+    assert survivor in results, "the survivor was restarted"
+    assert {r["step"] for r in results.values()} == {STEPS} and {r["world"] for r in results.values()} == {2}
+    expected = json.loads(next((tmp_path / "plain out").glob("result-*.json")).read_text())
+    assert {r["weights"] for r in results.values()} == {expected["weights"]}, "not the same world's weights"
+    assert {json.dumps(r["sampler"], sort_keys=True) for r in results.values()} == \
+        {json.dumps(expected["sampler"], sort_keys=True)}
+    ckpt = str(job / "checkpoints")
+    for r in results.values():
+        assert not [f for f in r["opened_while_recovering"] if f.startswith(ckpt)], r
+    assert 2 in launchers(job)[0], f"the spare's join is not in the ledger's events: {launchers(job)}"
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    [join] = [e for e in events if e["ev"] == "inproc_join"]
+    assert join["pid"] == spare and join["world_size"] == 2
+    first = lines(out)[spare][0]["t"]
+    print(f"node lost -> spare's first step {first - killed_at:.2f} s (asked -> taken in "
+          f"{join['wait_s']:.2f} s, taken in -> state {join['receive_s']:.2f} s); test {time.time() - t0:.0f} s, "
+          f"load {os.getloadavg()[0]:.1f}")
