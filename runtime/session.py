@@ -393,6 +393,21 @@ class Session:
                 "last_save_step": ckpt._last_save_step if ckpt is not None else None,
                 "schedule": ckpt.schedule if ckpt is not None else None}
 
+    def _leave_in_process(self, what: str) -> None:
+        """Falls back to the restart path for state in-process recovery cannot carry yet
+        (sharded: no peer copy of a lost rank's shards), and says so in the log."""
+        assert self._inproc is not None
+        if self._inproc.joining:
+            raise RuntimeError(f"this worker joins an in-process job, but the job has {what}, which "
+                               "in-process recovery does not carry yet; use --recovery restart")
+        if self.is_rank0:
+            log.warning("in-process recovery of %s is not built yet (peer copies of shards, issue "
+                        "26): this job recovers by restart (--recovery restart behaviour)", what)
+        self._inproc.close()
+        self._inproc = None
+        if self._watcher is not None:
+            self._watcher.flag = None   # no joiner is admitted without in-process recovery
+
     def _step_bound_s(self) -> float:
         """The bound of one training all-reduce now: the stall watch's deadline of a step."""
         policy = (policy_for(self.spec.liveness) if self.spec is not None else None) or StallPolicy()
@@ -498,6 +513,9 @@ class Session:
         self._pace = None
         if fsdp or self.mesh is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            if self._inproc is not None:
+                self._leave_in_process("an FSDP2 model (s.wrap(fsdp=True)) or a mesh")
 
             mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

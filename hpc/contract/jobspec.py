@@ -502,6 +502,15 @@ class JobSpec:
                             f"most {values.MAX_NODES})", pick("--spare-nodes 1", "spare_nodes=1"))
         mesh.check_nodes(self.parallel, nodes=self.nodes, nproc_per_node=self.nproc_per_node,
                          cli=spec_terms.in_cli_terms())
+        if self.recovery == inprocess.INPROCESS and not self.parallel.trivial:
+            dims = ", ".join(f"{name(k)} {getattr(self, k)}" for k in ("tp", "pp", "dp_replicate", "dp_shard")
+                             if getattr(self, k) != getattr(JobSpec, k))
+            raise SpecError(name("recovery"), self.recovery,
+                            f"restart with a device mesh ({dims}): in-process recovery covers plain "
+                            "data parallel (DDP) only; a mesh's sharded state has no peer copy yet",
+                            pick("--recovery restart", 'recovery="restart"'),
+                            "Or drop the mesh flags to keep " + pick("--recovery inprocess",
+                                                                     'recovery="inprocess"'))
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
             raise SpecError(name("signal_lead_s"), self.signal_lead_s,
                             f"shorter than the time limit ({name('time_limit_s')}: "

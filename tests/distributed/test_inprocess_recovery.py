@@ -136,3 +136,21 @@ def test_a_fault_between_reduction_and_optimizer_step_leaves_every_rank_on_one_s
     events = [json.loads(x) for x in (tmp_path / "job" / "events.jsonl").read_text().splitlines()]
     rec = [e for e in events if e["ev"] == "inproc_recovery"]
     assert len(rec) == 1 and rec[0]["step"] == 9 and rec[0]["world_size"] == 3, rec
+
+
+def test_an_fsdp2_model_falls_back_to_restart_and_says_so(tmp_path: Path):
+    # Sharded state has no peer copy yet: the Session leaves in-process mode when the model is
+    # sharded (before: the worker raised in s.restore and the job never trained).
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1", HPC_RECOVERY="inprocess", HPC_INPROC_STORE=f"127.0.0.1:{store.port}",
+               HPC_JOB_DIR=str(tmp_path / "job"), WANDB_MODE="disabled", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "inproc_fsdp.py")], env=env,
+                       capture_output=True, text=True, timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text
+    assert "INPROC=off" in text and "TRAINED" in text, text
+    assert "in-process recovery of an FSDP2 model" in text and "recovers by restart" in text, text

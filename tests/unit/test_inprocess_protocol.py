@@ -64,6 +64,36 @@ def test_the_jobspec_refuses_an_unknown_recovery_naming_the_flag():
         JobSpec(script="train.py", recovery="fast")
 
 
+@pytest.mark.parametrize("mesh", [("--tp", "2"), ("--pp", "2"), ("--dp-replicate", "2"), ("--dp-shard", "2")])
+def test_a_mesh_job_with_inprocess_recovery_is_refused_naming_the_flag_and_the_way_out(mesh):
+    # In-process recovery carries DDP state only: a mesh's shards have no peer copy, so the
+    # combination is refused at validation instead of failing in the workers.
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "hpc", "render", "examples/train_gpt.py", "--nproc-per-node",
+                        "2", *mesh, "--recovery", "inprocess"], capture_output=True, text=True,
+                       timeout=60, cwd=repo)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--recovery 'inprocess' is invalid" in r.stderr and " ".join(mesh) in r.stderr, r.stderr
+    assert "--recovery restart" in r.stderr and "plain data parallel (DDP)" in r.stderr, r.stderr
+    ok = subprocess.run([sys.executable, "-m", "hpc", "render", "examples/train_gpt.py", "--nproc-per-node",
+                         "2", *mesh, "--recovery", "restart"], capture_output=True, text=True,
+                        timeout=60, cwd=repo)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_the_python_api_refuses_a_mesh_with_inprocess_recovery_in_its_terms():
+    from hpc.contract.jobspec import JobSpec
+
+    with pytest.raises(SpecError, match=r"recovery 'inprocess' is invalid: restart with a device mesh \(tp 2\)"):
+        JobSpec(script="train.py", nproc_per_node=2, tp=2, recovery="inprocess")
+    assert JobSpec(script="train.py", nproc_per_node=2, tp=2).recovery == "restart"
+
+
 def test_a_promised_replacement_is_waited_for_until_it_joins_or_its_time_runs_out():
     # n2/20 died and its launcher promised a joiner until t=120: the world keeps its size.
     promised = {OLD[2]: 120.0}

@@ -1,0 +1,18 @@
+"""A Session script with an FSDP2 model under ``HPC_RECOVERY=inprocess`` (tests): in-process
+recovery does not carry sharded state yet, so the Session must fall back to the restart path
+and say so, and the job must train. Prints ``INPROC=<on|off>`` after wrapping."""
+
+import torch
+
+from runtime.session import Session
+
+with Session(seed=0) as s:
+    model = s.wrap(torch.nn.Linear(4, 2), fsdp=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = s.restore(model=model, optim=opt)
+    print("INPROC=" + ("on" if s._inproc is not None else "off"), flush=True)
+    for step in s.steps(start, 3):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+print("TRAINED", flush=True)
