@@ -33,7 +33,7 @@ from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
 from hpc.index import JobRecord, current_cluster, read_index, resolve
 from hpc.local_clock import LocalClock, read_local_clock
-from hpc.report import spares
+from hpc.report import inproc, spares
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
@@ -253,6 +253,10 @@ def running_notes(job_dir: Path) -> str:
     stalls = [h for h in records.read(paths.hangs, _note) if h.get("allocation", -1) >= first_open]
     if stalls:
         notes.append(f"{len(stalls)} stall(s) recovered so far, last on {stalls[-1].get('node')}")
+    if paths.events.exists():   # recoveries that kept the workers (--recovery inprocess)
+        recovered = inproc.note(read_events(job_dir), allocation=first_open)
+        if recovered:
+            notes.append(recovered)
     return "; ".join(notes)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: `hpc --help` imports this module for add_parser only.
     from hpc.index import resolve
-    from hpc.report import plot
+    from hpc.contract.events import read_events
+    from hpc.report import inproc, plot
     from hpc.report.load import load
     from hpc.report.table import format_table, to_json
 
@@ -47,8 +49,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"hpc report: no events in {job_dir} yet (events.jsonl appears when the job starts)",
               file=sys.stderr)
         return 1
+    story = inproc.story(read_events(job_dir))
     table = format_table(ledger, str(job_dir))
-    sys.stdout.write(to_json(ledger) if args.json else table)
+    if story:   # recoveries that kept the workers: the ledger's restarts do not show them
+        table += "\n  in-process recoveries:\n" + "".join(f"    {line}\n" for line in story)
+    if args.json:
+        data = json.loads(to_json(ledger))
+        data["inproc"] = story
+        sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(table)
     for flag, path in (("--png", args.png), ("--html", args.html)):
         if not path:
             continue
