@@ -297,7 +297,7 @@ def summarize(rows: list[dict]) -> dict:
     ns = [r["nodes"] for r in rows]
     extra = ("store_server_cpu", "beacon_req_per_s", "beacon_demand_req_per_s",
              "rdzv_keepalive_req_per_s", "elect_fs_ops_per_node", "status_s", "report_rss_mb",
-             "events_lines", "join_rdzv_requests")
+             "events_lines", "join_rdzv_requests", "report_cpu_s", "status_cpu_s")
     return {"figures": {str(r["nodes"]): r for r in rows},
             "exponents": {k: exponent(ns, [r.get(k) for r in rows]) for k in (*FIGURES, *extra)}}
 

@@ -13,7 +13,8 @@ COLUMNS = (("join_s", "join s"), ("detect_s", "detect s"), ("elect_s", "elect s"
            ("store_req_per_s", "store req/s"), ("beacon_demand_req_per_s", "beacon demand req/s"),
            ("store_server_cpu", "store CPU (cores)"), ("fs_ops_per_node_per_s", "fs ops/node/s"),
            ("elect_fs_ops_per_node", "elect fs ops/node"), ("events_lines", "event lines"),
-           ("status_s", "status s"), ("report_s", "report s"), ("report_rss_mb", "report MB"))
+           ("status_s", "status s"), ("report_s", "report s"), ("report_cpu_s", "report CPU s"),
+           ("report_rss_mb", "report MB"))
 
 
 def render(summary: dict) -> str:
