@@ -175,8 +175,10 @@ class Session:
 
         import numpy as np
 
-        self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
-                                    restart=self.restart_count, world_size=self.world_size)
+        # A joiner holds no rank yet: it records from its join on, as the rank it is given.
+        if os.environ.get(proto.JOIN_ENV, "") != "1":
+            self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
+                                        restart=self.restart_count, world_size=self.world_size)
         # The node's stall watchdog reads this from now on (phase start-up, a long budget).
         self._beat = writer_for(self.env.job.heartbeat_dir, rank=self.rank,
                                 local_rank=self.env.local_rank, restart=self.restart_count)
@@ -381,6 +383,8 @@ class Session:
         rank, world = self._inproc.rank, self._inproc.world_size
         self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+        self._rec = SessionRecorder(self.job_dir, rank=rank, allocation=self.env.allocation,
+                                    restart=self.restart_count, world_size=world)
         self._joined_at = (t0, time.time())
         log.warning("in-process join: taken in as rank %d of %d in generation %d after %.2f s",
                     rank, world, members.gen, time.time() - t0)
