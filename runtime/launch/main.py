@@ -48,7 +48,7 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import health, inprocess_agent, inprocess_spare, spares
+from runtime.launch import health, inprocess_agent, inprocess_spare, quorum, spares
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -142,6 +142,8 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         plan = _plan_for_epoch(plan, epoch, me)   # restarted, or joining later: the current host
     epochs: list[str] = []
     pending = None
+    if lost_epoch is None:
+        _slow_join_for_tests(plan)
     if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
         pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
     while True:
@@ -156,6 +158,16 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
     end.extra["epochs"] = epochs
     lost_batch_host = bool(order) and order[0] not in epoch.members
     return outcome.finish(plan, forwarder, end, batch_host_lost=lost_batch_host)
+
+
+def _slow_join_for_tests(plan: LaunchPlan) -> None:
+    """``HPC_TEST_SLOW_JOIN=N:SECONDS`` (``--env``): node rank N's launcher joins the
+    rendezvous SECONDS late, a node slow to start (tests: the host must wait for it)."""
+    raw = os.environ.get("HPC_TEST_SLOW_JOIN", "")
+    rank, _, seconds = raw.partition(":")
+    if rank.isdigit() and int(rank) == plan.node_rank and plan.allocation == 0:
+        log.warning("HPC_TEST_SLOW_JOIN: joining the rendezvous %ss late", seconds)
+        time.sleep(float(seconds))
 
 
 def _disk_full(plan: LaunchPlan) -> str | None:
@@ -232,6 +244,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     if fence is not None:
         fence.relaunch = lambda: not forwarder.received
         fence.start()
+    below_min = quorum.start(plan) if fence is not None and plan.is_rdzv_host else None
     started = time.time()
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
@@ -274,6 +287,10 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
+    if below_min is not None:
+        below_min.stop()
+        if below_min.short is not None and not (fence is not None and fence.acted):
+            result, reason = "rendezvous", below_min.short   # a node failure: requeue
     return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes, ended=ended)
 
 
