@@ -104,17 +104,9 @@ class Bench:
         wait(gone, 60, f"job {job_id} to end")
 
 
-def worker_pids(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-    pids = []
-    for pid in out:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"runtime.worker" in cmd:
-            pids.append(int(pid))
-    return pids
+def worker_pids(sc, node: str) -> list[int]:
+    """Our workers on ``node`` (tests/cluster/slurm_cluster.py finds them)."""
+    return sc.node_processes(node, lambda argv: b"runtime.worker" in argv)
 
 
 def node_fault(b: Bench, sc, cluster, res: dict[str, float], fault, node: str, key: str,
@@ -143,7 +135,7 @@ def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
     wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
     before = progress(job)["step"]
     t = time.time()
-    os.kill(worker_pids("hpc-node2")[0], signal.SIGSTOP)
+    os.kill(worker_pids(sc, "node2")[0], signal.SIGSTOP)
     wait(lambda: resumed(job),
          180, "training after the frozen worker's restart")
     res["worker_freeze_to_resume_s"] = time.time() - t
@@ -205,7 +197,7 @@ def main() -> None:
         wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
         before = progress(job)["step"]
         t = time.time()
-        os.kill(worker_pids("hpc-node2")[0], signal.SIGKILL)
+        os.kill(worker_pids(sc, "node2")[0], signal.SIGKILL)
         wait(lambda: resumed(job),
              180, "training after the worker restart")
         res["worker_crash_to_resume_s"] = time.time() - t

@@ -195,6 +195,21 @@ def _netns_pids(node: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
 
 
+def node_processes(node: str, match) -> list[int]:
+    """PIDs (sorted) of the processes in ``node``'s namespace whose command line matches:
+    ``match(argv)`` with argv the ``/proc/PID/cmdline`` fields as bytes (e.g. a job's workers,
+    for the benchmarks' and tests' faults on one process)."""
+    pids = []
+    for pid in _netns_pids(node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if match(argv):
+            pids.append(pid)
+    return sorted(pids)
+
+
 def _link_exists(name: str) -> bool:
     return _run(["ip", "link", "show", name], check=False).returncode == 0
 
