@@ -87,6 +87,16 @@ class Config:
     margin: int = 15
     timeout_s: float = 900.0
     pg_timeout_s: float = 120.0
+    # Every worker of every contender and of the references: the thread count changes the
+    # float sums (an uninterrupted baseline at 1 and 2 threads ends with other weights), and
+    # torchrun sets 1 thread with several processes per node (the local references) but not
+    # with one (the cluster's runs): unset, the comparison was not like-for-like.
+    threads: int = 1
+    # The baseline script fixes DDP's gradient-bucket layout before its first step (opt-in,
+    # ``train_plain.py --fixed-buckets``): plain DDP re-lays its buckets out after the first
+    # step of every process, so a resumed run at 3+ ranks rounds its first step's sums
+    # otherwise than the uninterrupted run. Off: the script as users write it.
+    baseline_fixed_buckets: bool = False
 
 
 # --------------------------------------------------------------------------- contenders
@@ -140,16 +150,24 @@ class Baseline(Contender):
 
     def submit(self, env, job, cfg):
         job.mkdir(parents=True, exist_ok=True)
-        args = (f"--steps {cfg.steps} --save-every {cfg.save_every} --step-sleep {cfg.step_sleep} "
-                f"--global-batch {GLOBAL_BATCH} --micro-batch {MICRO} --pg-timeout-s {cfg.pg_timeout_s}")
+        args = " ".join(self.args(cfg) + ["--step-sleep", str(cfg.step_sleep),
+                                          "--pg-timeout-s", str(cfg.pg_timeout_s)])
         benv = {**env, "PLAIN_PYTHON": sys.executable, "PLAIN_TRAIN": str(PLAIN), "PLAIN_OUT": str(job),
-                "PLAIN_NNODES": "2:3", "PLAIN_NPROC": "1", "PLAIN_ARGS": args}
+                "PLAIN_NNODES": "2:3", "PLAIN_NPROC": "1", "PLAIN_ARGS": args,
+                "OMP_NUM_THREADS": str(cfg.threads)}
         r = subprocess.run(["sbatch", "--parsable", "-N", "2-3", "-p", "debug", "-o",
                             str(job / "slurm-%j.out"), str(SBATCH)], env=benv, capture_output=True,
                            text=True, check=True)
         job_id = r.stdout.strip().split(";")[0]
         (job / "slurm_job_id").write_text(job_id + "\n")
         return job_id
+
+    @staticmethod
+    def args(cfg: Config) -> list[str]:
+        """train_plain.py's arguments, the same for the runs and the reference."""
+        return ["--steps", str(cfg.steps), "--save-every", str(cfg.save_every), "--global-batch",
+                str(GLOBAL_BATCH), "--micro-batch", str(MICRO),
+                *(["--fixed-buckets"] if cfg.baseline_fixed_buckets else [])]
 
     def records(self, job: Path) -> list[dict]:
         try:
@@ -188,10 +206,9 @@ class Baseline(Contender):
     def reference(self, world, cfg, out):
         out.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(world), str(PLAIN), "--out", str(out),
-                        "--steps", str(cfg.steps), "--save-every", str(cfg.save_every),
-                        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO)],
-                       check=True, capture_output=True, cwd=REPO, timeout=600)
+                        "--nproc-per-node", str(world), str(PLAIN), "--out", str(out), *self.args(cfg)],
+                       check=True, capture_output=True, cwd=REPO, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": str(cfg.threads)})
         return json.loads((out / "result.json").read_text())["weights_sha256"]
 
 
@@ -213,7 +230,8 @@ class Ours(Contender):
         r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nodes", self.nodes,
                             "--nproc-per-node", "1", "--job-dir", str(job), "--partition", "debug",
                             "--checkpoint-every-steps", str(cfg.save_every), "--max-restarts", "3",
-                            "--env", "HPC_PROGRESS_EVERY_S=0", *self.extra, "--", "--preset", "tiny",
+                            "--env", "HPC_PROGRESS_EVERY_S=0", "--env", f"OMP_NUM_THREADS={cfg.threads}",
+                            *self.extra, "--", "--preset", "tiny",
                             "--max-steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
                             "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO)],
                            env=env, capture_output=True, text=True, cwd=REPO)
@@ -249,7 +267,8 @@ class Ours(Contender):
 
     def reference(self, world, cfg, out):
         subprocess.run([sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", str(world),
-                        "--nproc-per-node", "1", "--job-dir", str(out), "--", "--preset", "tiny",
+                        "--nproc-per-node", "1", "--job-dir", str(out), "--env",
+                        f"OMP_NUM_THREADS={cfg.threads}", "--", "--preset", "tiny",
                         "--max-steps", str(cfg.steps), "--global-batch", str(GLOBAL_BATCH),
                         "--micro-batch", str(MICRO)], check=True, capture_output=True, cwd=REPO,
                        timeout=600)
@@ -297,19 +316,6 @@ class Injector:
                              capture_output=True, text=True).stdout.strip()
         return expand_hostlist(out) if out and out != "(null)" else []
 
-    def workers(self, node: str, contender: Contender) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.sc.netns_name(node)], capture_output=True,
-                             text=True).stdout.split()
-        pids = []
-        for pid in out:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if contender.is_worker(cmd):
-                pids.append(int(pid))
-        return sorted(pids)
-
     def inject(self, kind: str, contender: Contender, job: Path, job_id: str) -> str:
         """Injects ``kind``; returns what was hit (for the record)."""
         nodes = self.job_nodes(job_id)
@@ -322,7 +328,7 @@ class Injector:
             return f"high-priority job {r.stdout.strip()} on {','.join(nodes)} {r.stderr.strip()}"
         if kind in ("worker_kill", "freeze"):
             for node in others + [host]:
-                pids = self.workers(node, contender)
+                pids = self.sc.node_processes(node, contender.is_worker)
                 if pids:
                     pid = self.rng.choice(pids)
                     os.kill(pid, signal.SIGKILL if kind == "worker_kill" else signal.SIGSTOP)
@@ -428,6 +434,7 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
         "categories": ledger.categories, "lost_steps": ledger.lost_steps,
         "allocations": len(ledger.allocations), "worlds_seen": worlds, "final_world": world,
         "weights_sha256": (result or {}).get("weights_sha256"), "load_1m": cm.spread(loads),
+        "threads": (result or {}).get("threads"),
         "repairs": inj.log, "trace": trace,
     }
     print(f"  [{contender.name} seed {seed}] done in {record['wall_s']:.0f} s: finished {finished}, "
@@ -505,6 +512,13 @@ def main() -> None:
     p.add_argument("--min-gap", type=int, default=Config.min_gap)
     p.add_argument("--margin", type=int, default=Config.margin)
     p.add_argument("--timeout-s", type=float, default=Config.timeout_s, help="per run")
+    p.add_argument("--threads", type=int, default=Config.threads,
+                   help="OMP_NUM_THREADS of every worker, runs and references alike")
+    p.add_argument("--baseline-fixed-buckets", action="store_true",
+                   help="the baseline fixes DDP's bucket layout (train_plain.py --fixed-buckets)")
+    p.add_argument("--background-references", action="store_true",
+                   help="make the uninterrupted references beside the runs (quicker; they load the "
+                        "machine the runs measure)")
     p.add_argument("--json", default="")
     p.add_argument("--md", default="", help="write the results table here")
     p.add_argument("--png-dir", default="", help="draw the first seed's ledger of each contender here")
@@ -530,7 +544,8 @@ def main() -> None:
         contenders.append(c)
     cfg = Config(steps=args.steps, save_every=args.save_every, step_sleep=args.step_sleep,
                  kinds=tuple(args.faults.split(",")), min_gap=args.min_gap, margin=args.margin,
-                 timeout_s=args.timeout_s)
+                 timeout_s=args.timeout_s, threads=args.threads,
+                 baseline_fixed_buckets=args.baseline_fixed_buckets)
     sc = load_cluster_module()
     cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", str(sc.DEFAULT_STATE_DIR))), 3)
     with open(CLUSTER_LOCK, "a") as lock:
@@ -542,6 +557,7 @@ def main() -> None:
             env = {**cluster.env, "HPC_HOME": str(root / "hpc-home"), "WANDB_MODE": "offline"}
             out = run_campaign(contenders, args.seeds, cfg, env, sc, cluster, root,
                                Path(args.png_dir) if args.png_dir else None,
+                               background_references=args.background_references,
                                partial=Path(args.json + ".partial") if args.json else None)
     out["skipped"] = skipped
     write(out, args.json, args.md)

@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--pg-timeout-s", type=float, default=120.0,
                    help="process-group timeout (torch's gloo default is 30 minutes)")
+    p.add_argument("--fixed-buckets", action="store_true",
+                   help="fix DDP's gradient-bucket layout before the first step (off: plain DDP, which "
+                        "re-lays its buckets out after the first step of every process, so a resumed "
+                        "run at 3+ ranks sums its first step in another order than an uninterrupted one)")
     return p.parse_args(argv)
 
 
@@ -100,6 +104,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     data = ex.Blocks(ex.load_text(data_bytes), cfg.block_size)
     model = DDP(ex.GPT(cfg))
+    if args.fixed_buckets:   # what runtime/worker/ddp.py does for the Session's DDP
+        model.reducer._push_all_rebuilt_params()
+        model._has_rebuilt_buckets = bool(model.reducer._rebuild_buckets())
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, ex.lr_lambda(max(1, args.steps // 10), args.steps))
 
@@ -147,7 +154,8 @@ def main() -> None:
             h.update(name.encode())
             h.update(sd[name].detach().float().contiguous().numpy().tobytes())
         (out / "result.json").write_text(json.dumps(
-            {"final_step": args.steps, "weights_sha256": h.hexdigest(), "world_size": world}) + "\n")
+            {"final_step": args.steps, "weights_sha256": h.hexdigest(), "world_size": world,
+             "threads": torch.get_num_threads(), "fixed_buckets": args.fixed_buckets}) + "\n")
         log(out, {"ev": "end", "t": time.time(), "step": args.steps, **ids})
     dist.destroy_process_group()
 
