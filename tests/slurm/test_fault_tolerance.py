@@ -197,23 +197,37 @@ def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_p
     assert_same_as_baseline(job, baseline)
 
 
-def test_node_crash_survivors_continue_at_smaller_world(env, slurm_cluster, tmp_path, elastic_baseline):
-    baseline = elastic_baseline
+def test_node_crash_tp2_x_dp2_survivors_continue_at_dp1_x_tp2(env, slurm_cluster, tmp_path, elastic_baseline):
+    """TP 2 x DP 2 on 2 nodes x 2 processes (a TP pair per node, ``--nodes 1:2``); the second
+    node crashes. The survivors go on without a requeue at DP 1 x TP 2 (only the data-parallel
+    width follows the nodes; TP is kept), resume from the last checkpoint (saved at the other
+    mesh) with the same global batch (accumulation doubles), and finish at the final step with
+    the samples of an uninterrupted plain-DDP run at world 4 (same seed and global batch): no
+    sample twice, none lost. The crashed node is kept out of later allocations."""
     job = tmp_path / "nodeloss"
-    job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "3",
+    job_id = submit(env, job, "--nodes", "1:2", "--tp", "2", "--max-restarts", "3",
                     train=("--step-sleep", "0.3", *ELASTIC))
-    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
-    assert progress(job)["world_size"] == 6, "the job should start on all 3 idle nodes"
-    slurm_cluster.crash("node3")
+    wait_until(lambda: latest_step(job) >= 4, 240, "training to checkpoint step 4")
+    assert progress(job)["world_size"] == 4, "the job should start on 2 nodes"
+    q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], env=env, capture_output=True, text=True)
+    nodes = expand_hostlist(q.stdout.strip())
+    assert len(nodes) == 2, q.stdout + q.stderr
+    lost = nodes[-1]                                # not the rendezvous host
+    slurm_cluster.crash(lost)
     wait_done(env, job_id, job)
-    result = assert_same_as_baseline(job, baseline, weights=False)
-    assert result["world_size"] == 4, "the survivors (2 nodes x 2) finished the job"
-    assert outcomes(job)[-1]["kind"] == "finished"
+    result = assert_same_as_baseline(job, elastic_baseline, weights=False)   # final step, cursor exact
+    assert result["world_size"] == 2 and result["mesh"] == "tp 2", result
+    assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
     assert restarts(env, job_id) in (0, -1), "the job was not requeued: the survivors went on"
-    # The crashed node is kept out of the job's next allocations (runtime/exclusions.py).
+    logs = "".join(f.read_text(errors="replace") for f in sorted(job.glob("logs/alloc-*/restart-*/rank-0.log")))
+    assert "world 4 (dp_shard 2 x tp 2), global batch 24 = 2 x 2 x 6 accumulation" in logs, logs[-3000:]
+    after = [x for x in logs.splitlines() if "world 2 (tp 2), global batch 24 = 1 x 2 x 12 accumulation" in x]
+    assert after, logs[-3000:]
+    resumed = int(after[0].split("start step ")[1].split()[0])
+    assert resumed >= 4 and resumed % 2 == 0, after    # from a checkpoint of the dp 2 x tp 2 mesh
     excluded = [json.loads(x) for x in (job / "exclusions.jsonl").read_text().splitlines()]
-    assert ("node3", "lost") in {(e["node"], e["kind"]) for e in excluded}, excluded
-    assert "node3 (lost" in " ".join(outcomes(job)[-1]["excluded"]), outcomes(job)
+    assert (lost, "lost") in {(e["node"], e["kind"]) for e in excluded}, excluded
+    assert f"{lost} (lost" in " ".join(outcomes(job)[-1]["excluded"]), outcomes(job)
 
 
 def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
