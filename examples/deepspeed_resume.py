@@ -19,7 +19,8 @@ What it takes from hpc-elastic (docs/own-script.md), all through environment var
 
 On CPU, DeepSpeed's own optimizers (``"optimizer": {"type": "AdamW"}`` in the config) are C++
 ops it compiles on first use (a toolchain and ninja; minutes); a torch optimizer passed to
-``deepspeed.initialize`` needs none, and ZeRO 2 and 3 partition it all the same. The data of
+``deepspeed.initialize`` needs none, and ZeRO 2 and 3 partition it all the same (the default;
+``--optimizer deepspeed`` takes the config's AdamW: FusedAdam on GPUs, tests/gpu). The data of
 step ``k`` is a pure function of ``(k, rank)``, so a resumed run sees exactly the batches an
 uninterrupted one would.
 """
@@ -73,6 +74,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="samples per rank and step")
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--optimizer", choices=("torch", "deepspeed"), default="torch",
+                   help="torch's AdamW passed in (no compile), or DeepSpeed's own AdamW from the "
+                        "config (FusedAdam on GPUs, cpu_adam on CPU: C++ ops compiled on first use)")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -86,11 +90,15 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                 torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.zero}, "zero_allow_untested_optimizer": True,
               "gradient_clipping": 1.0, "steps_per_print": 10**9}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, config=config)
+    if args.optimizer == "deepspeed":
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, config=config)
 
     step = 0
     if os.environ.get("HPC_RESUMED") == "1" and (ckpt_dir / "latest").exists():
@@ -124,7 +132,7 @@ def main() -> None:
     digest = weights_digest(engine)
     if rank == 0:
         result = {"steps": step, "loss": final.item() / world, "weights_sha256": digest,
-                  "zero": args.zero, "world_size": world}
+                  "zero": args.zero, "world_size": world, "optimizer": type(engine.basic_optimizer).__name__}
         job_dir = Path(os.environ.get("HPC_JOB_DIR", "."))
         (job_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"deepspeed_resume: done {step} steps, loss {result['loss']:.6f}, weights {digest[:16]}",

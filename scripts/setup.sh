@@ -15,3 +15,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -c "import torch, hpc, runtime; assert torch.__version__.startswith('2.13'), torch.__version__"
   touch "$stamp"
 fi
+# DeepSpeed on CPU JIT-compiles its shared-memory op (deepspeed_shm_comm) at its first
+# init_distributed (232-330 s on 2 loaded cores). torch's default cache, ~/.cache/torch_extensions,
+# is shared by every checkout on the machine and a build from another venv's path is rebuilt, so
+# the tests use this venv's own (tests/conftest.py sets TORCH_EXTENSIONS_DIR) and it is built
+# here, once, rather than inside a test's deadline.
+if [ ! -e .venv/torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ]; then
+  TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions" .venv/bin/python -c "from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder('ShareMemCommBuilder')
+b is None or b.load()" >/dev/null 2>&1 || echo "setup: DeepSpeed's CPU op did not build (the first test using DeepSpeed will build it)"
+fi

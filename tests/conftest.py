@@ -13,6 +13,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
+# DeepSpeed's CPU op (deepspeed_shm_comm) is JIT-compiled into torch's extension cache; the
+# default one (~/.cache/torch_extensions) is shared by every checkout on the machine and a build
+# from another venv's path is rebuilt (minutes, inside some test's deadline). This venv's own,
+# which scripts/setup.sh fills; subprocesses and Slurm jobs (--export=ALL) inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
 # Paths users really have: spaces, quotes, shell metacharacters. Every test that puts a path
 # into a script or a command runs with these too.
 HOSTILE_NAMES = ["plain", "with space", "quote's \"dq\"", "semi;colon $HOME `x`"]
