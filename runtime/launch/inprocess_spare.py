@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -74,7 +75,7 @@ def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
     host, _, port = plan.rdzv_endpoint.rpartition(":")
     raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30),
                         wait_for_workers=False)
-    me = __import__("socket").gethostname()
+    me = socket.gethostname()
     uids = {proto.uid(me, p.pid) for p in procs}
     joined, announced = False, set()
     store = None
