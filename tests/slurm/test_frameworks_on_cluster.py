@@ -1,4 +1,5 @@
-"""Lightning and Accelerate scripts, unchanged, under `hpc submit` on the real cluster (issue 15).
+"""Lightning, Accelerate, HF Trainer and DeepSpeed scripts, unchanged, under `hpc submit` on the
+real cluster (issues 15, 28, 30).
 
 The scripts are the examples users copy (examples/lightning_resume.py, accelerate_resume.py):
 their own checkpoints in ``HPC_CHECKPOINT_DIR``, resume on ``HPC_RESUMED=1``, save and exit 75
@@ -169,3 +170,60 @@ def test_preempted_hf_trainer_job_resumes_at_its_saved_step_in_one_wandb_run(env
     expected = result_of(reference, tmp_path / "reference")
     assert submitted["steps"] == expected["steps"] == STEPS
     assert submitted["weights"] == expected["weights"]
+
+
+DEEPSPEED = REPO / "examples" / "deepspeed_resume.py"
+
+
+def test_preempted_deepspeed_zero3_job_resumes_bit_equal_to_hpc_run(env, slurm_cluster, tmp_path):
+    """DeepSpeed ZeRO 3 (torchrun-launched, torch AdamW, gloo) on 2 nodes x 1 process, preempted
+    by a real higher-priority job (issue 28): it saves its partitions on the warning, exits 75,
+    is requeued once by Slurm, loads DeepSpeed's ``latest`` tag and ends with exactly the weights
+    and loss of an uninterrupted `hpc run` at the same world size."""
+    args = ("--zero", "3", "--steps", str(STEPS), "--ckpt-every", "4")
+    job = tmp_path / "deepspeed"
+    r = hpc(env, "submit", str(DEEPSPEED), "--nodes", "2", "--nproc-per-node", "1", "--partition", "debug",
+            "--job-dir", str(job), "--", *args, "--step-sleep", "0.3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = (job / "slurm_job_id").read_text().strip()
+    ref = tmp_path / "reference"   # threads as on the cluster's one-worker nodes (see above)
+    reference = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(DEEPSPEED), "--nproc-per-node", "2",
+                                  "--job-dir", str(ref), "--", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # On CPU, deepspeed.init_distributed JIT-compiles its shared-memory op (deepspeed_shm_comm)
+    # into ~/.cache/torch_extensions once per machine and venv: seen 232 s at load 20 on 2 cores.
+    wait_until(lambda: (job / "checkpoints" / "latest").exists(), 420, "DeepSpeed's first checkpoint (step 4)")
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
+                           "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
+                          capture_output=True, text=True)
+    assert high.returncode == 0, high.stderr
+    wait_until(lambda: outcomes(job), 90, "allocation 0's outcome")
+    wait_done(env, job_id, job)
+
+    assert [(o["allocation"], o["kind"]) for o in outcomes(job)] == [(0, "preempted"), (1, "finished")], \
+        outcomes(job)
+    # The script saves on the warning within a second, then sys.exit(75); the interpreter's
+    # teardown of torch and DeepSpeed took 7-15 s on these loaded 2-core nodes (torch with gloo
+    # alone: 6 s), past hpc's SIGTERM 7 s into the cluster's 10-s GraceTime. Both ways the
+    # checkpoint of the warning's step is whole and the stop is the preemption, requeued.
+    why = outcomes(job)[0]["reason"]
+    assert "the script stopped for it (exit 75)" in why or "did not stop by themselves" in why, why
+    print(f"allocation 0: {why}")
+    assert restarts(env, job_id) in (1, -1), "requeued more than once"
+    first, second = rank0_log(job, 0), rank0_log(job, 1)
+    assert "deepspeed_resume: world 2, ZeRO 3, fresh start" in first, first[-3000:]
+    [line] = [x for x in first.splitlines() if "deepspeed_resume: warning at step" in x]
+    stopped = int(line.split("warning at step ")[1].split(":")[0])
+    assert 4 <= stopped < STEPS, line
+    assert (job / "checkpoints" / f"step-{stopped:06d}").is_dir()
+    assert f"deepspeed_resume: world 2, ZeRO 3, resumed at step {stopped}" in second, second[-3000:]
+    print(f"allocation 0 saved at step {stopped} on the warning; allocation 1 resumed there")
+
+    submitted = json.loads((job / "result.json").read_text())
+    out, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out[-4000:]
+    expected = json.loads((ref / "result.json").read_text())
+    assert submitted["steps"] == expected["steps"] == STEPS
+    assert submitted["world_size"] == expected["world_size"] == 2
+    assert submitted["weights_sha256"] == expected["weights_sha256"], (submitted, expected)
+    assert submitted["loss"] == expected["loss"]
