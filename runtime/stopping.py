@@ -47,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -290,7 +290,8 @@ def enforce_in(notice: StopNotice, now: float) -> float | None:
 
 
 def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
-                  exit_codes: tuple[int, ...] = ()) -> tuple[str, str]:
+                  exit_codes: tuple[int, ...] = (),
+                  intent: Mapping[str, Any] | None = None) -> tuple[str, str]:
     """The outcome of an allocation whose workers failed after a stop began (pure).
 
     Workers of a script that ignores the warning die of the SIGTERM that follows it: that is
@@ -298,11 +299,21 @@ def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
     saved on the warning and exited with ``STOPPED_EXIT`` (75, "not done yet"), whichever rank
     torch's agent saw end first (the others may be stopped by the agent or lose their peers);
     an exit status 0 means the work is done, and stays ``finished``.
+
+    ``intent`` is rank 0's exit intent for this allocation (``EXIT_INTENT``), written once the
+    script saved for the stop and before it exits: evidence that it did stop for it even when
+    its interpreter's teardown (torch, gloo, DeepSpeed: 6-15 s under load, measured) outlived
+    the grace and the launcher's SIGTERM ended it first.
     """
     if notice is None or kind != "app_error":
         return kind, reason
+    said = f"{notice.signal} ({notice.kind}): the script stopped for it"
     if STOPPED_EXIT in exit_codes:
-        return notice.kind, f"{notice.signal} ({notice.kind}): the script stopped for it (exit {STOPPED_EXIT})"
+        return notice.kind, f"{said} (exit {STOPPED_EXIT})"
+    if intent is not None and intent.get("kind") == notice.kind:
+        saved = intent.get("step")
+        return notice.kind, (f"{said} (saved step {saved}; its exit was cut short: {reason})" if reason
+                             else f"{said} (saved step {saved}; its exit was cut short)")
     said = f"{notice.signal} ({notice.kind}): the workers did not stop by themselves"
     return notice.kind, f"{said}; {reason}" if reason else said
 

@@ -309,7 +309,9 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     if end.watchdog is not None:
         kind, reason, hangs = end.watchdog.amend(kind, reason)   # "hang" when a stall ended it
     kind, reason = stopping.amend_outcome(kind, reason, forwarder.stop and forwarder.stop.notice,
-                                          exit_codes=end.exit_codes)
+                                          exit_codes=end.exit_codes,
+                                          intent=intent if intent and intent.get("allocation") == plan.allocation
+                                          else None)
     code = EXIT_CODES[kind]
     if intent and kind != "finished":
         reason = reason or str(intent.get("reason", ""))

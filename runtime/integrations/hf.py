@@ -29,6 +29,7 @@ that the Trainer never saves over it again.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -40,6 +41,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from hpc.contract import jobdir
 from hpc.contract.environment import JobEnvironment
 from runtime.preemption import DEFAULT_GRACE_S, PreemptionWatcher, StopRequest
 
@@ -105,6 +107,7 @@ class HPCCallback(TrainerCallback):
         signals = (name,) if name not in ("", "SIGTERM", "SIGINT") and hasattr(signal, name) else ()
         self.exit_on_stop = exit_on_stop
         self.stop: StopRequest | None = None
+        self._job = job
         self._watcher = PreemptionWatcher(
             signals, None, job_end_time=job.job_end_time,
             lead_s=job.warning_lead_s if job.warning_lead_s is not None else 120.0,
@@ -113,6 +116,23 @@ class HPCCallback(TrainerCallback):
         # Installed now, before the Trainer's first step; a warning that reached this worker
         # earlier (while it imported torch) comes from HPC_PENDING_WARNING.
         self._watcher.install(env)
+
+    def _record_intent(self, step: int) -> None:
+        """Rank 0 records that it saved ``step`` for the stop, before the slow interpreter exit.
+
+        The launcher's outcome then names the stop even if torch's teardown outlives the
+        grace and its SIGTERM ends the worker first (:func:`runtime.stopping.amend_outcome`).
+        """
+        if os.environ.get("RANK", "0") != "0" or not self._job.job_dir or self.stop is None:
+            return
+        reason = (f"{self.stop.signal_name} ({self.stop.kind}); the Trainer saved "
+                  f"checkpoint-{step}; saved step {step}")
+        try:
+            jobdir.write_atomic(Path(self._job.job_dir) / jobdir.EXIT_INTENT, json.dumps({
+                "allocation": self._job.allocation, "kind": self.stop.kind, "step": step,
+                "reason": reason, "time": time.time()}))
+        except OSError as e:   # the outcome then says less; the save itself is done
+            log.warning("cannot record the stop's exit intent: %s", e)
 
     @property
     def stopped(self) -> bool:
@@ -147,6 +167,7 @@ class HPCCallback(TrainerCallback):
         self._watcher.drain()
         self._watcher.uninstall()
         if self.stop is not None:
+            self._record_intent(state.global_step)
             _say(f"saved at step {state.global_step}; exiting {STOPPED_EXIT} so that the job "
                  "goes on from it")
             if self.exit_on_stop:

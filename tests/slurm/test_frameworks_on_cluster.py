@@ -151,7 +151,9 @@ def test_preempted_hf_trainer_job_resumes_at_its_saved_step_in_one_wandb_run(env
     assert [(o["allocation"], o["kind"]) for o in outcomes(job)] == [(0, "preempted"), (1, "finished")], \
         outcomes(job)
     why = outcomes(job)[0]["reason"]
-    assert "the script stopped for it (exit 75)" in why, why    # it saved and exited for the warning
+    # It saved and exited for the warning: exit 75, or (its interpreter's teardown outliving the
+    # grace under load, seen in CI of 3dc5ca1) the exit intent it wrote once saved.
+    assert "the script stopped for it (exit 75)" in why or "the script stopped for it (saved step" in why, why
     assert restarts(env, job_id) in (1, -1), "requeued more than once"
     first, second = rank0_log(job, 0), rank0_log(job, 1)
     [line] = [x for x in first.splitlines() if "[hpc] SIGUSR2 (preempted) at step" in x]

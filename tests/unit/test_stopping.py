@@ -110,6 +110,25 @@ def test_a_script_that_stopped_for_the_warning_exits_75_and_is_the_stop() -> Non
     assert stopping.amend_outcome("finished", "", n) == ("finished", "")
 
 
+def test_a_script_that_saved_for_the_stop_but_exited_too_slowly_is_still_the_stop() -> None:
+    """CI of 3dc5ca1: a Trainer saved for the warning, exited 75, but torch's teardown outlived
+    the grace and the launcher's SIGTERM ended it (-15): rank 0's exit intent says it stopped."""
+    n = stopping.StopNotice(0, "preempted", "SIGUSR2", 1.0, 11.0)
+    intent = {"allocation": 0, "kind": "preempted", "step": 7, "reason": "x", "time": 5.0}
+    kind, reason = stopping.amend_outcome("app_error", "rank 0 exited with -15", n, exit_codes=(-15,),
+                                          intent=intent)
+    assert kind == "preempted"
+    assert reason == ("SIGUSR2 (preempted): the script stopped for it (saved step 7; its exit was "
+                      "cut short: rank 0 exited with -15)")
+    # An intent of another kind (a mesh that cannot form) is no evidence of this stop.
+    other = {**intent, "kind": "node_failure"}
+    _, reason = stopping.amend_outcome("app_error", "rank 0 exited with -15", n, intent=other)
+    assert "did not stop by themselves" in reason
+    # Without an intent the workers that died of the SIGTERM did not stop by themselves.
+    _, reason = stopping.amend_outcome("app_error", "rank 0 exited with -15", n)
+    assert "did not stop by themselves" in reason
+
+
 def test_contract_variables_round_trip_and_zero_is_written() -> None:
     env = JobEnvironment(job_dir="/j", checkpoint_dir="/j/checkpoints", resumed=False,
                          requeue_count=0, restart_count=0, warning_lead_s=120.0,
