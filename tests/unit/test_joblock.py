@@ -109,19 +109,26 @@ def test_a_submission_that_never_got_a_job_id_is_stale(tmp_path: Path) -> None:
     joblock.acquire(tmp_path, "hpc submit", slurm_active=lambda job: True).release()
 
 
+# The winner holds the lock until every other taker has been answered: a taker that starts
+# late (a loaded machine; seen in the unit tier at load 20+) would otherwise find the winner
+# gone and rightly break its stale lock. Two winners still fail: each waits for 5 refusals.
 RACE = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from hpc.contract import joblock
 start = float(sys.argv[2])
+answers = Path(sys.argv[3])
 time.sleep(max(0.0, start - time.time()))
 try:
     joblock.acquire(Path(sys.argv[1]), "hpc run")
 except joblock.JobDirInUse:
     print("refused")
+    (answers / f"refused-{os.getpid()}").touch()
 else:
     print("won")
-    time.sleep(1.5)          # hold it while the others look
+    end = time.time() + 60
+    while len(list(answers.iterdir())) < 5 and time.time() < end:
+        time.sleep(0.05)     # hold it while the others look
 """
 
 
@@ -130,9 +137,11 @@ def test_parallel_takers_exactly_one_wins(tmp_path: Path, stale: bool) -> None:
     if stale:
         plant(tmp_path, replace(joblock.me("hpc run"), pid=dead_pid(), start_ticks=None))
     start = time.time() + 1.5
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(start)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
-    results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    answers = tmp_path.parent / f"{tmp_path.name}-answers"
+    answers.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(start), str(answers)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    results = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
     assert results == ["refused"] * 5 + ["won"], results
 
 
