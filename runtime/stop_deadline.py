@@ -53,6 +53,9 @@ UNANSWERED = "unanswered"  # no usable answer in time (the reason follows): the 
 
 STOP_KINDS = ("preempted", "time_limit")
 
+SIGNALING_STATES = ("SIGNALING", "SI")
+"""Slurm's job state while a signal to it is pending: the job still runs."""
+
 
 @dataclass(frozen=True)
 class StopNotice:
@@ -125,7 +128,11 @@ def slurm_stop(info: JobInfo, now: float, *, lead_s: float,
         restarts: This allocation's ``SLURM_RESTART_COUNT``: a record of a later run (the
             job was already requeued) says nothing about this one.
     """
-    if info.state not in (JobState.RUNNING, JobState.SUSPENDED):
+    # SIGNALING: Slurm is delivering a signal to the job (its warning), which still runs and
+    # whose record is this run's (seen on the test cluster in CI of 32c4e0b, answering the
+    # preemption's own warning). Completing or requeued records tell nothing.
+    signaling = (info.raw_state or "").upper() in SIGNALING_STATES
+    if info.state not in (JobState.RUNNING, JobState.SUSPENDED) and not signaling:
         return None, f"the job is {info.raw_state or info.state.name} already"
     if restarts is not None and info.restarts != restarts:
         return None, f"the record is of run {info.restarts}, this is run {restarts}"

@@ -45,6 +45,18 @@ def test_a_warning_within_the_lead_of_the_end_is_the_time_limit_else_slurm_does_
     assert far.kind is None and far.deadline == end
 
 
+def test_a_job_slurm_is_still_signaling_is_read_as_running() -> None:
+    """CI of 32c4e0b: asked on the warning, Slurm answered JobState=SIGNALING (the warning
+    itself still being delivered); the launcher took it for an ended job and planned on its
+    assumption instead of Slurm's deadline."""
+    text = (FIXTURES / "scontrol_show_job_preempt_grace.txt").read_text()
+    signaling = parse_show_job(text.replace("JobState=RUNNING", "JobState=SIGNALING"))
+    assert signaling.raw_state == "SIGNALING"
+    found, why = stop_deadline.slurm_stop(signaling, PREEMPT_T + 1, lead_s=120, restarts=0)
+    assert why == "" and found is not None
+    assert (found.kind, found.deadline) == ("preempted", PREEMPT_T + 10)
+
+
 def test_a_record_of_another_run_or_an_ended_job_says_nothing() -> None:
     gone, why = stop_deadline.slurm_stop(REQUEUED, PREEMPT_T + 11, lead_s=120, restarts=0)
     assert gone is None and "COMPLETING" in why
