@@ -45,8 +45,13 @@ def test_short_campaign_both_finish_equal_weights_ours_loses_no_steps(slurm_clus
     # otherwise than an uninterrupted run, which would hide what this checks: that the
     # baseline resumed at the right step with the right data (the full campaign runs the
     # plain script and records that its weights differ, and why).
-    cfg = campaign.Config(steps=30, save_every=10, step_sleep=0.1, kinds=("preempt", "preempt"),
-                          min_gap=10, margin=8, timeout_s=420, threads=1, baseline_fixed_buckets=True)
+    # A fault is seen up to 14 steps after its scheduled step (the progress file's lag) and
+    # lands ~1 s later (sbatch, Slurm's preemption): up to ~20 steps at ~7 steps/s. In CI of
+    # 32c4e0b, at 30 steps with faults near 10 and 20, the second was seen at step 30 of 30 and
+    # found nothing to stop. 80 steps with faults at 25-35 and 45-55 leave 25 steps after the
+    # latest for it to land (at 60 steps one was seen at 53), for ~7 s more training a run.
+    cfg = campaign.Config(steps=80, save_every=10, step_sleep=0.1, kinds=("preempt", "preempt"),
+                          min_gap=20, margin=25, timeout_s=420, threads=1, baseline_fixed_buckets=True)
     env = {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
     contenders = [campaign.CONTENDERS["baseline"], campaign.CONTENDERS["restart"]]
     out = campaign.run_campaign(contenders, [1], cfg, env, campaign.load_cluster_module(),
