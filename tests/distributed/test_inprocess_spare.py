@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_inprocess_join import lines
 from tests.distributed.test_spares_local import launcher_pid, launchers
 
 pytestmark = pytest.mark.distributed
@@ -37,11 +38,6 @@ def hpc_run(out: Path, job: Path, *extra: str) -> subprocess.Popen[str]:
                              "--nproc-per-node", "1", "--recovery", "inprocess", "--job-dir", str(job),
                              "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.2"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def lines(out: Path) -> dict[int, list[dict]]:
-    return {int(f.stem.split("-")[1]): [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-            for f in out.glob("steps-*.jsonl")}
 
 
 def test_a_spare_takes_a_lost_nodes_place_in_process_with_the_same_worlds_weights(tmp_path: Path):
