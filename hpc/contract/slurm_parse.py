@@ -71,7 +71,10 @@ _STATE_TABLE: Mapping[str, JobState] = {
     "REQUEUE_FED": JobState.REQUEUED, "RF": JobState.REQUEUED,
     "RESV_DEL_HOLD": JobState.PENDING, "RD": JobState.PENDING,
     "STOPPED": JobState.SUSPENDED, "ST": JobState.SUSPENDED,
-    "SIGNALING": JobState.COMPLETING, "SI": JobState.COMPLETING,
+    # SIGNALING: Slurm is delivering a signal (a preemption's or time limit's warning, a
+    # ``scancel --signal``) to a job that still runs; a user's cancel reads CANCELLED or
+    # COMPLETING instead. Read as COMPLETING, a preemption looked like a cancel.
+    "SIGNALING": JobState.RUNNING, "SI": JobState.RUNNING,
     "STAGE_OUT": JobState.COMPLETING, "SO": JobState.COMPLETING,
     "SPECIAL_EXIT": JobState.FAILED, "SE": JobState.FAILED,
     "REVOKED": JobState.CANCELLED, "RV": JobState.CANCELLED,

@@ -273,23 +273,30 @@ def others_went_on(progress: Mapping[str, Any] | None, allocation: int, now: flo
             f"world {progress.get('world_size')}, {max(0.0, now - when):.1f}s ago)")
 
 
-def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
-    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart.
+def cancelled_from(state: JobState, requeue_claimed: bool) -> bool:
+    """Whether a job in ``state`` was cancelled by its user (pure).
 
     After ``scancel`` the job is CANCELLED, and while its processes (this launcher among
     them) are still ending, ``scontrol`` shows it as COMPLETING. A preempted job that saved in
-    its grace time, or one warned of its time limit, is still RUNNING when we ask, unless
-    another node of ours has already requeued it (its claim file says so): then COMPLETING is
-    that requeue's doing, not a user's.
+    its grace time, or one warned of its time limit, is still RUNNING when we ask (SIGNALING,
+    while Slurm still delivers the warning, reads as RUNNING), unless another node of ours
+    has already requeued it (``requeue_claimed``): then COMPLETING is that requeue's doing,
+    not a user's.
     """
+    if state == JobState.COMPLETING:
+        return not requeue_claimed
+    return state == JobState.CANCELLED
+
+
+def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
+    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart
+    (:func:`cancelled_from`). Unreadable state counts as a preemption."""
     try:
         state = SlurmClient(retry_total_s=20).show_job(job_id).state
-        if state == JobState.COMPLETING:
-            return not jobdir.claim_path(job_dir, allocation, "requeue").exists()
-        return state == JobState.CANCELLED
     except SlurmError as e:
         log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
         return False
+    return cancelled_from(state, jobdir.claim_path(job_dir, allocation, "requeue").exists())
 
 
 def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,

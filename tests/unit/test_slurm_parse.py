@@ -82,6 +82,7 @@ def test_timestamps_and_exit_codes() -> None:
     ("REQUEUE_HOLD", JobState.REQUEUE_HOLD), ("REQUEUE_FED", JobState.REQUEUED),
     ("SPECIAL_EXIT", JobState.FAILED), ("STOPPED", JobState.SUSPENDED),
     ("completing", JobState.COMPLETING), ("NEW_STATE_2030", JobState.UNKNOWN),
+    ("SIGNALING", JobState.RUNNING), ("SI", JobState.RUNNING),
 ])
 def test_job_state_table(text: str, state: JobState) -> None:
     assert parse_job_state(text) is state

@@ -220,3 +220,21 @@ def test_the_launcher_does_not_forward_the_warning_to_its_own_slurm_query(tmp_pa
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["query"] == "answered", r.stdout + r.stderr
+
+
+def test_a_preemption_read_while_slurm_still_signals_is_not_a_users_cancel() -> None:
+    """A SIGTERM-only preemption asked about while Slurm still delivers it (JobState=SIGNALING)
+    was read as COMPLETING, which without a requeue claim means a user's ``scancel``: the
+    preempted job would have been recorded cancelled and not requeued."""
+    from runtime.ending.outcome import cancelled_from
+
+    text = (FIXTURES / "scontrol_show_job_preempt_grace.txt").read_text()
+    signaling = parse_show_job(text.replace("JobState=RUNNING", "JobState=SIGNALING"))
+    assert not cancelled_from(signaling.state, requeue_claimed=False)
+    assert not cancelled_from(IN_GRACE.state, requeue_claimed=False)
+    # The other side: a user's scancel (COMPLETING while ending, then CANCELLED) still is one.
+    completing = parse_show_job(text.replace("JobState=RUNNING", "JobState=COMPLETING"))
+    assert cancelled_from(completing.state, requeue_claimed=False)
+    assert not cancelled_from(completing.state, requeue_claimed=True)    # our own requeue
+    cancelled = parse_show_job(text.replace("JobState=RUNNING", "JobState=CANCELLED"))
+    assert cancelled_from(cancelled.state, requeue_claimed=False)
