@@ -21,7 +21,8 @@ JOB_DIR=/scratch/me/jobs/gpt-1
 PYTHON=/opt/venv/bin/python
 ALLOCATION="${SLURM_RESTART_COUNT:-0}"
 
-# The c10d rendezvous runs on the allocation's first node (every node computes the same).
+# The c10d rendezvous runs on the allocation's first node. HPC_RDZV_HOST is its one source:
+# srun's tasks inherit it and the launchers read it (runtime.env.rendezvous_host).
 HPC_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export HPC_RDZV_HOST
 export HPC_JOB_DIR="$JOB_DIR"
@@ -39,7 +40,7 @@ trap 'echo "hpc: batch shell got SIGUSR2; waiting for the workers" >&2' USR2
 eval "$("$PYTHON" -m runtime.exclusions --job-dir "$JOB_DIR" || true)"
 
 srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_NODES" \
-    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
+    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" &
 SRUN_PID=$!
 # A trapped signal interrupts `wait`; keep waiting until srun itself is gone, then collect
 # its status (bash remembers it even when the interrupted wait already reaped it).

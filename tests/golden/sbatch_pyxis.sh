@@ -22,7 +22,8 @@ JOB_DIR=/scratch/me/jobs/gpt-1
 PYTHON=/opt/venv/bin/python
 ALLOCATION="${SLURM_RESTART_COUNT:-0}"
 
-# The c10d rendezvous runs on the allocation's first node (every node computes the same).
+# The c10d rendezvous runs on the allocation's first node. HPC_RDZV_HOST is its one source:
+# srun's tasks inherit it and the launchers read it (runtime.env.rendezvous_host).
 HPC_RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export HPC_RDZV_HOST
 export HPC_JOB_DIR="$JOB_DIR"
@@ -65,7 +66,7 @@ srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes="$SLURM_JOB_NUM_
     --container-image='nvcr.io#nvidia/pytorch:24.05-py3' \
     --container-mounts=/scratch/me/jobs/gpt-1:/scratch/me/jobs/gpt-1,/ckpt/gpt-1:/ckpt/gpt-1,/home/me:/home/me,/datasets:/data:ro \
     bash -c "$HPC_NODE_SETUP" hpc-setup \
-    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" --rdzv-host "$HPC_RDZV_HOST" &
+    "$PYTHON" -m runtime.launch --job-dir "$JOB_DIR" &
 SRUN_PID=$!
 # A trapped signal interrupts `wait`; keep waiting until srun itself is gone, then collect
 # its status (bash remembers it even when the interrupted wait already reaped it).

@@ -199,3 +199,19 @@ def test_secret_in_script_args_refused_without_printing_it() -> None:
     with pytest.raises(SpecError) as e:
         check_no_secrets(JobSpec(**{**BASE, "script_args": ("--key", KEY)}), environ={"WANDB_API_KEY": KEY})
     assert "$WANDB_API_KEY" in str(e.value) and "Export" in str(e.value) and KEY not in str(e.value)
+
+
+@pytest.mark.parametrize("extra", [{}, {"nodes": (2, 3)}, {"container_image": "/i/pytorch.sif"}])
+def test_the_rendezvous_host_has_one_source_in_the_batch_script(extra: dict) -> None:
+    """The batch shell exports HPC_RDZV_HOST (the first node) and the launchers read it; the
+    launcher command line no longer repeats it as ``--rdzv-host`` (two sources that could
+    disagree: whichever a later edit changed, the other would win in the launcher)."""
+    from runtime.env import rendezvous_host
+
+    text = render_sbatch(JobSpec(**{**BASE, **extra}))
+    assert "--rdzv-host" not in text
+    assert text.count("HPC_RDZV_HOST=") == 1 and "export HPC_RDZV_HOST\n" in text
+    launcher = [ln for ln in text.splitlines() if "-m runtime.launch" in ln]
+    assert len(launcher) == 1
+    env = {"HPC_RDZV_HOST": "node1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]"}
+    assert rendezvous_host(env) == "node1"
