@@ -8,6 +8,8 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
 ``alloc_start``        launcher   each node: ``node_rank``, ``slurm_job_id``
 ``node_ready``         launcher   the node passed its health check and joins (``spare_nodes``: the
                                  job's hot spares; a node that waits while others train is one)
+``rdzv_join``          launcher   the node's agent joins the rendezvous of ``epoch`` (the host names
+                                 the nodes without one when its round times out)
 ``agent_rendezvous``   launcher   the elastic agent's rendezvous round ``[t0, t]``
 ``workers_started``    launcher   the agent started (or restarted) its workers
 ``workers_ended``      launcher   the agent's last workers ended (``state``: SUCCEEDED, FAILED...)

@@ -404,6 +404,11 @@ class JobSpec:
     rdzv_port: int = _int_opt(0, "TCP port (1 to 65535) of the c10d rendezvous on the first node "
                               "(0: 29400 + the Slurm job id mod 1000, so jobs sharing a node "
                               "differ; a free port locally).", 0, MAX_PORT, "--rdzv-port 29400")
+    rdzv_timeout_s: int = _int_opt(600, "Seconds the rendezvous waits for MIN nodes to join "
+                                   "(each round: the start, and after a node is lost) before it "
+                                   "fails (10 to 86400); raise it when nodes start slowly (a "
+                                   "container pull, a slow file system).", 10, 86400,
+                                   "--rdzv-timeout 1200", metavar="SECONDS")
     stall_timeout: str = _opt("auto", "Stall watch: a rank that makes no progress this long has its "
                               "stacks dumped and its node's workers restarted. auto: max(20 s, "
                               "10 x the recent p99 step time), with own budgets for start-up, "
@@ -676,7 +681,7 @@ def flag_name(name: str) -> str:
 
 # Flags whose name is not simply the field name (units live in field names, not flags).
 FLAG_ALIASES = {"time_limit_s": "time", "signal_lead_s": "signal-lead",
-                "busy_timeout_s": "busy-timeout"}
+                "busy_timeout_s": "busy-timeout", "rdzv_timeout_s": "rdzv-timeout"}
 # How the fields that are not flags are named in errors (as the CLI's usage names them).
 _CHECK_FLAGS = {"script": "SCRIPT", "script_args": "SCRIPT_ARGS"}
 

@@ -35,6 +35,7 @@ from typing import Any
 from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
+from hpc.contract.events import read_events
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
@@ -48,7 +49,7 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import health, inprocess_agent, inprocess_spare, quorum, spares
+from runtime.launch import health, inprocess_agent, inprocess_spare, quorum, rdzv_failure, spares
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -66,8 +67,9 @@ RDZV_CONF: dict[str, Any] = {
 
 
 
-def rdzv_conf(max_nodes: int) -> dict[str, Any]:
-    """:data:`RDZV_CONF` for a job of up to ``max_nodes`` nodes (pure).
+def rdzv_conf(max_nodes: int, join_timeout_s: int = RDZV_CONF["join_timeout"]) -> dict[str, Any]:
+    """:data:`RDZV_CONF` for a job of up to ``max_nodes`` nodes (pure); ``join_timeout_s`` is
+    the job's ``--rdzv-timeout``.
 
     torch's c10d rendezvous keeps its whole state (O(N)) in one key, rewritten by every node at
     each keep-alive and retried by compare-and-set at each join: the joins and keep-alives cost
@@ -75,7 +77,7 @@ def rdzv_conf(max_nodes: int) -> dict[str, Any]:
     nodes the keep-alive slows to N/200 s, the join may take 0.1 s per node beyond 600 s, and
     the last call waits N/100 s for late joiners; up to 200 nodes it is :data:`RDZV_CONF`.
     """
-    return dict(RDZV_CONF, join_timeout=int(RDZV_CONF["join_timeout"] + 0.1 * max_nodes),
+    return dict(RDZV_CONF, join_timeout=int(join_timeout_s + 0.1 * max_nodes),
                 keep_alive_interval=max(RDZV_CONF["keep_alive_interval"], round(max_nodes / 200)),
                 last_call_timeout=max(RDZV_CONF["last_call_timeout"], round(max_nodes / 100)))
 
@@ -194,6 +196,13 @@ def _futile(plan: LaunchPlan, result: Any) -> str | None:
     return outcome.permanent_failure(getattr(result, "failures", None) or {})
 
 
+def _node_names(plan: LaunchPlan) -> list[str]:
+    """The allocation's nodes by node rank: Slurm's host names, else ``node N`` (hpc run)."""
+    slurm = SlurmEnv.from_env(os.environ)
+    hosts = expand_hostlist(slurm.nodelist) if slurm.active else []
+    return hosts or [f"node {i}" for i in range(plan.launchers)]
+
+
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0,
                tee: RankTee | None = None) -> outcome.AgentEnd:
@@ -229,7 +238,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
         run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend="c10d",
-        rdzv_configs=dict(rdzv_conf(plan.nnodes[1]), is_host=plan.is_rdzv_host), max_restarts=spec.max_restarts,
+        rdzv_configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s), is_host=plan.is_rdzv_host),
+        max_restarts=spec.max_restarts,
         monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )
@@ -245,6 +255,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         fence.relaunch = lambda: not forwarder.received
         fence.start()
     below_min = quorum.start(plan) if fence is not None and plan.is_rdzv_host else None
+    joining = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0)
+    joining.emit(rdzv_failure.JOIN_EVENT, epoch=epoch)   # which nodes arrived, if the round times out
+    joining.close()
     started = time.time()
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
@@ -265,11 +278,14 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     except RendezvousError as e:
         result, reason = "rendezvous", f"rendezvous failed: {e}"
         if plan.is_rdzv_host:
-            # The store lives here: failing to reach it is a problem of this node (port in
-            # use, bad address), not a lost peer; requeueing would loop.
+            # The store lives here: not a lost host, a failure to requeue would only repeat.
+            # A timeout names the nodes that did not join; anything else is this node's
+            # problem (port in use, bad address).
             result = "failed"
-            reason = (f"the rendezvous on this node ({plan.rdzv_endpoint}) failed: {e}. Is the "
-                      "port in use by another job? Set --rdzv-port")
+            reason = rdzv_failure.explain(
+                e, endpoint=plan.rdzv_endpoint, timeout_s=rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)
+                ["join_timeout"], min_nodes=plan.nnodes[0], nodes=_node_names(plan),
+                joined=rdzv_failure.joined(read_events(plan.job_dir), plan.allocation, epoch))
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
         if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
             log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)

@@ -456,3 +456,25 @@ def test_workers_hung_in_their_sigterm_handler_are_killed_and_the_stop_recorded(
     assert f"exited with -{int(signal.SIGKILL)}" in record["reason"], record
     for pid in ((job / "ready-0").read_text(), (job / "ready-1").read_text()):
         assert not alive(int(pid)), "a worker outlived the job"
+
+
+def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tmp_path: Path):
+    """hpc run --nodes 2: node 1's launcher joins 90 s late (a node slow to start), the host's
+    rendezvous waits --rdzv-timeout 10 s for it and fails. The recorded reason names node 1,
+    the 10 s and --rdzv-timeout; before, it asked whether the port was in use. (Node 1 would
+    go on knocking at the gone store for minutes: ended once the host has recorded.)"""
+    job, marker = tmp_path / "job", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "1", "--job-dir", str(job),
+           "--nodes", "2", "--rdzv-timeout", "10", "--env", "HPC_TEST_SLOW_JOIN=1:90", "--",
+           "--out", str(job), "--steps", "3"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: outcomes(job), timeout=80, what="the host's outcome")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        kill_leftovers(marker)
+    reason = outcomes(job)[0]["reason"]
+    assert "timed out" in reason and "within 10 s" in reason and "--rdzv-timeout" in reason, reason
+    assert "never joined: node 1 (node rank 1)" in reason and "port in use" not in reason, reason
