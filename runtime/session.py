@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc.contract import components, interval, jobdir
 from hpc.contract import inprocess as proto
@@ -656,6 +657,8 @@ class Session:
         """Saves a checkpoint of the registered state at the current step (all ranks)."""
         assert self._checkpointer is not None, "call restore() before save()"
         with self.phase("save"):
+            if self._inproc is not None:
+                self._inproc.guard.inject_at_save(self.step)
             self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
         self._rec.saved(self._checkpointer, self.step)
 
@@ -729,7 +732,7 @@ class Session:
                     step = self._grow()
                     tick = time.perf_counter()
                     continue
-            except RuntimeError as e:
+            except (RuntimeError, CheckpointException) as e:   # DCP's is a BaseException
                 if self._inproc is None or not _collective_error(e):
                     raise
                 step = self._recover(self.step, f"at the step boundary: {_first_line(e)}", dirty=False)

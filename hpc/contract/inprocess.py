@@ -65,7 +65,7 @@ STORE_ENV = "HPC_INPROC_STORE"      # host:port of the store that outlives the w
 RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --recovery)
 TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
 WINDOW_ENV = "HPC_INPROC_WINDOW_S"  # how long a leader waits for silent members of the old group
-FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail" right before optimizer.step
+FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail" before optimizer.step; "RANK:STEP:save"
 JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generation (no rank of its own)
 MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
 

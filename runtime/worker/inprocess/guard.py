@@ -16,7 +16,8 @@ DDP's gradient all-reduces; :class:`StepGuard` runs them itself (a DDP comm hook
 So after a failed step a rank holds the whole state of the step *before* it, and a rank whose
 step completed holds the state after it; the re-form takes the newest (one step is computed
 twice at most). ``HPC_TEST_INPROC_FAULT=RANK:STEP:kill|fail`` injects a fault right after the
-reduction and before the optimizer step (tests only).
+reduction and before the optimizer step; ``RANK:STEP:save`` makes the rank leave as it starts
+the save after ``STEP`` steps, while its peers enter the save's collectives (tests only).
 """
 
 from __future__ import annotations
@@ -211,11 +212,24 @@ class StepGuard:
         step._hpc_guarded = True   # type: ignore[attr-defined]
         optim.step = step          # type: ignore[method-assign]
 
+    def inject_at_save(self, steps_done: int) -> None:
+        """The ``save`` test fault: this rank leaves the step boundary as its save starts.
+
+        Raises:
+            PeerLost: The fault is set for this rank and ``steps_done``.
+        """
+        if self._fault is None:
+            return
+        rank, step, kind = self._fault
+        if kind == "save" and rank == self.rank and step == steps_done:
+            self._fault = None
+            raise PeerLost("injected fault: left as the save started (its peers are in its collectives)")
+
     def _inject(self) -> None:
         if self._fault is None:
             return
         rank, step, kind = self._fault
-        if rank != self.rank or step != self.step:
+        if kind == "save" or rank != self.rank or step != self.step:
             return
         self._fault = None
         if kind == "kill":
@@ -227,8 +241,8 @@ def _parse_fault(raw: str) -> tuple[int, int, str] | None:
     if not raw:
         return None
     rank, step, kind = raw.split(":")
-    if kind not in ("kill", "fail"):
-        raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill or fail")
+    if kind not in ("kill", "fail", "save"):
+        raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail or save")
     return int(rank), int(step), kind
 
 
@@ -249,11 +263,15 @@ class FaultWatch(threading.Thread):
         gen: The generation watched.
         guard: The guard to fail.
         joins: ``(store) -> bool``: a joiner waits (rank 0), or None.
+        on_fault: ``(gen) -> None``, called after the guard was failed: ends this rank's
+            waits in the generation's other groups (:meth:`InProcess._break_generation`).
     """
 
-    def __init__(self, connect: Any, gen: int, guard: StepGuard, joins: Any = None) -> None:
+    def __init__(self, connect: Any, gen: int, guard: StepGuard, joins: Any = None,
+                 on_fault: Any = None) -> None:
         super().__init__(name="hpc-fault-watch", daemon=True)
         self.connect, self.gen, self.guard, self.joins = connect, gen, guard, joins
+        self.on_fault = on_fault
         self.key = proto.fault(gen)
         self.stopped = threading.Event()
 
@@ -281,6 +299,8 @@ class FaultWatch(threading.Thread):
                 except Exception:   # noqa: BLE001
                     pass
             self.guard.fail(f"fault announced: {why}", gen=self.gen)
+            if self.on_fault is not None:
+                self.on_fault(self.gen)
             return
 
     def stop(self, join: bool = False) -> None:

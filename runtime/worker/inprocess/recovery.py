@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -118,7 +119,8 @@ class InProcess:
         self.small: dict[str, Any] = {}
         self._events: Any = None
         self._watch: FaultWatch | None = None
-        self._devices = sockets.Captured()   # the training group's gloo device (its connections)
+        self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
+        self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
@@ -197,14 +199,26 @@ class InProcess:
             membership = self.membership
             joins = (lambda store: joiners_waiting(store, len(membership.uids), membership.max_world)) \
                 if self.rank == 0 else None
-            self._watch = FaultWatch(self.reconnect, self.gen, self.guard, joins=joins)
+            self._watch = FaultWatch(self.reconnect, self.gen, self.guard, joins=joins,
+                                     on_fault=self._break_generation)
             self._watch.start()
+
+    def _break_generation(self, gen: int) -> None:
+        """A fault of generation ``gen`` was announced (the fault watch's thread): breaks the
+        connections of every group of that generation, so this rank's wait in any of them
+        (a save's gather, a step-boundary agreement, a silent peer's all-reduce) ends now with
+        an error that leads to the re-form, instead of at the group's timeout."""
+        with self._breaking:
+            if self.guard.gen != gen:   # the recovery has begun: its new groups are not to break
+                return
+            n = sockets.break_connections(sockets.devices(self._before))
+        log.info("in-process recovery: fault of generation %d announced: %d connection(s) of its "
+                 "groups shut down", gen, n)
 
     def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
         prefixed = dist.PrefixStore(proto.pg_prefix(gen), self.store)
-        with sockets.capture() as self._devices:
-            dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
-                                    timeout=self.timeout)
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
+                                timeout=self.timeout)
 
     def attach(self, state: Mapping[str, Any]) -> None:
         """Takes the registered state: DDP models get the guard's hook, optimizers its wrap,
@@ -250,9 +264,10 @@ class InProcess:
         if dirty:
             self.guard.rollback()
         old_rank = self.rank
-        if self._watch is not None:
-            self._watch.stop()
-        self.guard.gen = -1   # nothing said about the failed generation counts any more
+        with self._breaking:
+            if self._watch is not None:
+                self._watch.stop()
+            self.guard.gen = -1   # nothing said about the failed generation counts any more
         if not planned:
             self.membership.announce_fault(why)
         self._abort(list(groups))
@@ -275,8 +290,8 @@ class InProcess:
         return rec
 
     def _abort(self, extra: list[Any]) -> None:
-        """Unregisters every group of the old generation, keeps it, and breaks the training
-        group's connections.
+        """Unregisters every group of the old generation, keeps it, and breaks the connections
+        of every group of it (:func:`runtime.worker.inprocess.sockets.devices`).
 
         Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without ending an
         operation). The old groups stay referenced here (never destroyed: a destructor waits
@@ -297,8 +312,8 @@ class InProcess:
             except Exception as e:   # noqa: BLE001 - a broken group may fail its own shutdown
                 log.warning("unregistering the old process group: %s", e)
         _OLD_GROUPS.append(old)
-        broken = sockets.break_connections(self._devices)
-        log.info("in-process recovery: the old training group's %d connection(s) shut down", broken)
+        broken = sockets.break_connections(sockets.devices(self._before))
+        log.info("in-process recovery: the old generation's %d connection(s) shut down", broken)
 
     def _transfer(self, members: Members, *, held: int) -> int:
         """Every member loads the source's state (the source sends)."""

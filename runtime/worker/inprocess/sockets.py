@@ -12,7 +12,7 @@ process: taking the GIL there exits the thread by a forced unwind through gloo's
 exit -6), or creates a thread state on a freed lock (SIGSEGV, exit -11). Seen in 8 of 18 runs
 of the in-process fault test before this module.
 
-So the abandoned group's connections are broken at once, at the recovery, by this process:
+So the abandoned groups' connections are broken at once, at the recovery, by this process:
 each TCP connection of the group is ``shutdown()`` (the file descriptor stays gloo's). Gloo's
 loop reads end-of-file, fails every operation of that connection, and the pending operation
 completes now, with its callback, while the interpreter runs; the peers' ends of the same
@@ -23,7 +23,13 @@ with the group, in which every connection of the group is registered (with the d
 listening socket and a wake-up pipe). :func:`capture` notes the ``epoll`` instances that appear
 while a group is created (in this thread, synchronously); :func:`break_connections` shuts down
 the connected TCP sockets registered in them, read from ``/proc/self/fdinfo``. Only an
-``epoll`` that holds a listening TCP socket (gloo's device) is taken. Linux only; elsewhere
+``epoll`` that holds a listening TCP socket (gloo's device) is taken.
+
+Every group of the failed generation is broken, not only the training group (:func:`devices`):
+a peer may sit in another group's collective when a fault comes (the checkpointer's gather of a
+save, the preemption agreement), and a rank that left for the re-form never answers it. Seen on
+the 3-node cluster: a node crashed at step 11, one survivor had entered the step-12 save's
+gather while the others re-formed, and it waited there for the group's timeout (1860 s). Linux only; elsewhere
 nothing is captured and nothing is broken (the old behaviour).
 """
 
@@ -104,6 +110,17 @@ def capture() -> Iterator[Captured]:
     for fd in sorted(eventpolls() - before):
         if _sockets(fd)[1]:
             got.epolls.append(fd)
+
+
+def devices(since: set[int]) -> Captured:
+    """Every gloo device (an ``epoll`` with a listening TCP socket) of this process whose
+    ``epoll`` is not in ``since``: the groups made after that snapshot, whichever code made
+    them (the Session's, the checkpointer's, DDP's)."""
+    got = Captured()
+    for fd in sorted(eventpolls() - since):
+        if _sockets(fd)[1]:
+            got.epolls.append(fd)
+    return got
 
 
 def break_connections(captured: Captured) -> int:
