@@ -1,42 +1,65 @@
-"""How fast does a job get back to training after each kind of fault? (real test cluster)
+"""How fast does a job get back to training after each kind of fault, restarted or in-process?
 
-On the repo's 3-node Slurm test cluster (root; it is brought up if needed), the example
-trainer (tiny preset, 2 nodes x 2 processes, a checkpoint every 4 steps) is hit by:
+On the repo's 3-node Slurm test cluster (root; brought up if needed, held with the cluster lock
+for the whole run), the example trainer (tiny preset, ~0.2-s steps, a checkpoint every 4
+steps, rank 0's ``progress.json`` written every step) runs as 2 nodes x 2 processes + 1 node
+(``--nodes 2:3 --nproc-per-node 2 --max-restarts 3``: world 6) on each recovery **path**:
 
-- a warning signal (``scancel --signal=USR2``): signal -> all ranks exited with a committed
-  checkpoint;
-- a worker SIGKILL: crash -> the elastic agent restarted the workers and a step completed;
-- a node crash (everything in its namespace killed, ``--nodes 2:3``): crash -> the survivors
-  completed a step at the smaller world size;
-- a requeue (``scontrol requeue``): requeue -> the next allocation completed a step;
-- a worker frozen with SIGSTOP (nothing exits): freeze -> the stall watch dumped the stacks,
-  restarted the workers and a step completed (``--stall-timeout auto``: a 20-s floor);
-- a node's link cut (``ip link set <veth> down``; its processes live on, ``--nodes 2:3``):
-  cut -> the survivors completed a step at the smaller world size;
+- ``restart``: today's path: every worker is restarted and reloads the last checkpoint;
+- ``inprocess``: ``--recovery inprocess`` (issue 26): the survivors keep their processes and
+  take the state from a peer's memory;
 
-and for each it reports seconds and the steps lost (steps done after the last committed
-checkpoint, redone after the resume). The baseline, measured in the same run, is a cold
-start: submit -> first completed step. Ratios say how much of a recovery is more than
-starting from scratch. Times come from rank 0's ``progress.json`` (written every step here).
+and meets one **fault** per job, at step 10 or later (none of them on node1, the rendezvous
+host):
 
-    python benchmarks/recovery.py [--json PATH] [--only liveness]
+- ``worker_kill``: SIGKILL of one worker on node2;
+- ``node_crash``: every process in node3's namespace SIGKILLed (slurmd included);
+- ``link_cut``: node3's link taken down (its processes live on);
+- ``freeze``: SIGSTOP of one worker on node2 (nothing exits, nothing is closed).
+
+Per cell (path x fault): ``resume_s`` (fault -> the first step done after the recovery, at the
+progress record's own time), ``steps_lost`` (steps computed twice: the highest step rank 0 had
+done before the recovery minus the step training went on from), ``pids_kept`` (every worker
+outside the fault's reach is the same process after the recovery), how it recovered (``how``:
+``restart``, ``inprocess``, ``fallback`` -- the in-process path gave up and restarted, with
+the launchers' ``inproc_fallback`` reasons -- or ``timeout``, with what was last seen), whether
+a checkpoint was read after the fault, the in-process phases (``detect_s``, ``after_detect_s``,
+abort/re-form/group/transfer) and the machine's 1-minute load at the fault and at the resume.
+Every cell's job is also a cold start (submit -> first step), the baseline its ratio is to.
+
+Unless ``--no-signal``, a 2-node job first measures the warning signal (``scancel
+--signal=USR2`` -> every rank exited with a committed checkpoint) and the requeue after it
+(-> the next allocation's first step). ``--only succession``: the rendezvous host crashed and
+cut instead (issue 12), as before.
+
+    python benchmarks/recovery.py [--paths restart inprocess] [--faults worker_kill ...]
+        [--no-signal] [--json benchmarks/recovery.json [--merge]] [--only succession]
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import recovery_cells as rc  # noqa: E402
+
 TRAIN = REPO / "examples" / "train_gpt.py"
+CLUSTER_LOCK = Path("/run/hpc-test-cluster.lock")
+FAULT_AT_STEP = 10
 
 
 def _cluster():
@@ -47,11 +70,8 @@ def _cluster():
     return mod
 
 
-def progress(job: Path) -> dict:
-    try:
-        return json.loads((job / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def wait(pred, timeout: float, what: str) -> float:
@@ -60,33 +80,23 @@ def wait(pred, timeout: float, what: str) -> float:
         if pred():
             return time.time()
         time.sleep(0.05)
-    raise SystemExit(f"recovery bench: timed out waiting for {what}")
-
-
-def resumed(job: Path) -> bool:
-    """Rank 0 trains again after a restart of the workers, from a checkpoint (the job started
-    at step 0). Not its restart count: a node whose own workers did not fail restarts them for
-    the membership change, which torch does not count (rank 0's count stays 0)."""
-    p = progress(job)
-    return p.get("start_step", 0) > 0 and p["step"] > p["start_step"]
-
-
-def outcomes(job: Path) -> list[dict]:
-    p = job / "outcomes.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    raise TimeoutError(f"recovery bench: timed out waiting for {what}")
 
 
 class Bench:
-    def __init__(self, env: dict[str, str], root: Path) -> None:
-        self.env, self.root, self.n = env, root, 0
+    """Submits the benchmark's jobs into a temporary ``HPC_HOME`` and cleans up after each."""
+
+    def __init__(self, env: dict[str, str], root: Path, sc: Any, cluster: Any) -> None:
+        self.env, self.root, self.sc, self.cluster, self.n = env, root, sc, cluster, 0
 
     def submit(self, *extra: str, steps: int = 400) -> tuple[str, Path, float]:
         self.n += 1
         job = self.root / f"job{self.n}"
         t0 = time.time()
+        # 0.01 s: every step (0 would mean the default, 2 s: a resume seen up to 2 s late).
         r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nproc-per-node", "2",
                             "--job-dir", str(job), "--checkpoint-every-steps", "4",
-                            "--env", "HPC_PROGRESS_EVERY_S=0", *extra, "--", "--preset", "tiny",
+                            "--env", "HPC_PROGRESS_EVERY_S=0.01", *extra, "--", "--preset", "tiny",
                             "--max-steps", str(steps), "--step-sleep", "0.2",
                             "--global-batch", "24", "--micro-batch", "2"],
                            env=self.env, capture_output=True, text=True, cwd=REPO)
@@ -103,129 +113,159 @@ class Bench:
             return out in ("", "COMPLETED", "CANCELLED")
         wait(gone, 60, f"job {job_id} to end")
 
-
-def worker_pids(sc, node: str) -> list[int]:
-    """Our workers on ``node`` (tests/cluster/slurm_cluster.py finds them)."""
-    return sc.node_processes(node, lambda argv: b"runtime.worker" in argv)
-
-
-def node_fault(b: Bench, sc, cluster, res: dict[str, float], fault, node: str, key: str,
-               timeout: float, *, at_progress: bool = False) -> None:
-    """A 3-node job at step 10, ``fault`` on ``node``, then training on 2 nodes again:
-    ``res[key + "_to_resume_s"]`` and the steps lost. ``at_progress``: stop the clock at the
-    progress record's own time (the record may be read a poll later)."""
-    job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
-    wait(lambda: progress(job).get("step", 0) >= 10 and progress(job).get("world_size") == 6, 180,
-         "step 10 on 3 nodes")
-    before = progress(job)["step"]
-    t = time.time()
-    fault(cluster, node)
-    wait(lambda: progress(job).get("world_size") == 4 and progress(job)["step"] > progress(job)["start_step"]
-         and (not at_progress or progress(job)["time"] > t), timeout, f"training on the survivors ({key})")
-    res[f"{key}_to_resume_s"] = (progress(job)["time"] if at_progress else time.time()) - t
-    res[f"{key}_steps_lost"] = before - progress(job)["start_step"]
-    b.cancel(job_id)
-    sc.restore(cluster)
+    def workers(self, node: str) -> list[int]:
+        """Our workers on ``node``."""
+        return self.sc.node_processes(node, lambda argv: b"runtime.worker" in argv)
 
 
-def stall_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
-    """The two stalls that kill no process (issue 11): a frozen worker, a cut link."""
-    # 5. Worker SIGSTOP -> the stall watch kills the node's workers -> a step completes.
-    job_id, job, _ = b.submit("--nodes", "2", "--max-restarts", "3")
-    wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
-    before = progress(job)["step"]
-    t = time.time()
-    os.kill(worker_pids(sc, "node2")[0], signal.SIGSTOP)
-    wait(lambda: resumed(job),
-         180, "training after the frozen worker's restart")
-    res["worker_freeze_to_resume_s"] = time.time() - t
-    res["worker_freeze_steps_lost"] = before - progress(job)["start_step"]
-    b.cancel(job_id)
-
-    # 6. Link of a non-rendezvous node cut -> the survivors complete a step.
-    node_fault(b, sc, cluster, res, sc.cut, "node3", "node_cut", 300)
+def inject(b: Bench, fault: str) -> tuple[str, int | None]:
+    """Causes ``fault``; returns the node it hit and the worker (None: the whole node)."""
+    if fault in ("worker_kill", "freeze"):
+        pid = b.workers("node2")[0]
+        os.kill(pid, signal.SIGKILL if fault == "worker_kill" else signal.SIGSTOP)
+        return "node2", pid
+    (b.sc.crash if fault == "node_crash" else b.sc.cut)(b.cluster, "node3")
+    return "node3", None
 
 
-def succession_cases(b: Bench, sc, cluster, res: dict[str, float]) -> None:
+def run_cell(b: Bench, path: str, fault: str, timeout: float) -> dict[str, Any]:
+    """One job on ``path`` meets ``fault`` at step 10; the cell's figures (:func:`rc.judge`)."""
+    extra = ["--nodes", "2:3", "--max-restarts", "3"] + (["--recovery", "inprocess"] if path == "inprocess" else [])
+    job_id, job, t_submit = b.submit(*extra)
+    cell: dict[str, Any] = {"path": path, "fault": fault, "slurm_job_id": job_id}
+    try:
+        t1 = wait(lambda: rc.progress(job).get("step", 0) >= 1, 240, "the first step")
+        cell["cold_start_s"] = round(rc.progress(job).get("time", t1) - t_submit, 3)
+        wait(lambda: rc.progress(job).get("step", 0) >= FAULT_AT_STEP
+             and rc.progress(job).get("world_size") == 6, 180, f"step {FAULT_AT_STEP} on 3 nodes")
+        before = {n: b.workers(n) for n in ("node1", "node2", "node3")}
+        at = rc.progress(job)
+        cell["load_1m_at_fault"] = load_1m()
+        t = time.time()
+        node, victim = inject(b, fault)
+        cell.update(fault_node=node, fault_step=at["step"])
+        survivors = {n: set(p) - {victim} for n, p in before.items() if victim is not None or n != node}
+        w = rc.Watch(at["step"], t)
+        end = t + timeout
+        while time.time() < end and not w.done:
+            w.poll(rc.progress(job), rc.events(job))
+            if not w.done:
+                time.sleep(0.05)
+        now = {n: set(b.workers(n)) for n in survivors}
+        cell["load_1m_at_resume"] = load_1m()
+        cell.update(w.result(timeout))
+        cell["pids_kept"] = all(survivors[n] <= now[n] for n in survivors)
+        cell["survivors_restarted"] = sum(len(survivors[n] - now[n]) for n in survivors)
+    except TimeoutError as e:   # the job never got to the fault: a broken cell, said as such
+        cell.update(how="not_measured", reason=str(e))
+    finally:
+        try:
+            b.cancel(job_id)
+        finally:
+            b.sc.restore(b.cluster)
+    return cell
+
+
+def signal_cases(b: Bench, res: dict[str, Any]) -> None:
+    """A warning signal -> every rank exited with a committed checkpoint; then its requeue."""
+    job_id, job, t0 = b.submit("--nodes", "2")
+    try:
+        wait(lambda: rc.progress(job).get("step", 0) >= 1, 240, "first step")
+        res["cold_start_2nodes_s"] = round(rc.progress(job)["time"] - t0, 3)
+        wait(lambda: rc.progress(job).get("step", 0) >= FAULT_AT_STEP, 120, f"step {FAULT_AT_STEP}")
+        load = load_1m()
+        t = time.time()
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=b.env, check=True)
+        wait(lambda: bool(rc.outcomes(job)), 120, "the stop outcome")
+        o = rc.outcomes(job)[-1]
+        res["signal"] = {"signal_to_exit_s": round(o["time"] - t, 3), "steps_lost": o.get("lost_steps") or 0,
+                         "load_1m_at_fault": load}
+        t = o["time"]
+        wait(lambda: rc.progress(job).get("allocation") == 1
+             and rc.progress(job)["step"] > rc.progress(job)["start_step"], 180,
+             "the requeued allocation's first step")
+        res["requeue"] = {"requeue_to_resume_s": round(rc.progress(job)["time"] - t, 3), "steps_lost": 0,
+                          "load_1m_at_resume": load_1m()}
+    finally:
+        b.cancel(job_id)
+
+
+def succession_cases(b: Bench, res: dict[str, Any]) -> None:
     """The rendezvous host lost (issue 12): the survivors elect a new host, same allocation."""
-    for fault, key in ((sc.crash, "rdzv_node_crash"), (sc.cut, "rdzv_node_cut")):
-        node_fault(b, sc, cluster, res, fault, "node1", key, 300, at_progress=True)
+    for fault, key in ((b.sc.crash, "rdzv_node_crash"), (b.sc.cut, "rdzv_node_cut")):
+        job_id, job, _ = b.submit("--nodes", "2:3", "--max-restarts", "3")
+        try:
+            wait(lambda: rc.progress(job).get("step", 0) >= FAULT_AT_STEP
+                 and rc.progress(job).get("world_size") == 6, 180, "step 10 on 3 nodes")
+            before, t = rc.progress(job)["step"], time.time()
+            fault(b.cluster, "node1")
+            wait(lambda: rc.progress(job).get("world_size") == 4 and rc.progress(job)["time"] > t
+                 and rc.progress(job)["step"] > rc.progress(job)["start_step"], 300, key)
+            res[f"{key}_to_resume_s"] = rc.progress(job)["time"] - t
+            res[f"{key}_steps_lost"] = before - rc.progress(job)["start_step"]
+        finally:
+            b.cancel(job_id)
+            b.sc.restore(b.cluster)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--paths", nargs="+", choices=rc.PATHS, default=list(rc.PATHS))
+    p.add_argument("--faults", nargs="+", choices=rc.FAULTS, default=list(rc.FAULTS))
+    p.add_argument("--no-signal", action="store_true", help="skip the warning signal and requeue")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="a cell not back to training this long after its fault is recorded as a timeout")
     p.add_argument("--json", default="")
-    p.add_argument("--only", choices=("all", "liveness", "succession"), default="all",
-                   help="liveness: the cold start, then the worker freeze and the link cut only; "
-                        "succession: the cold start, then the rendezvous node crashed and cut")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the cells of the existing --json file that this run does not measure")
+    p.add_argument("--only", choices=("cells", "succession"), default="cells")
     args = p.parse_args()
     sc = _cluster()
     cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", "/run/hpc-test-cluster")), 3)
-    sc.up(cluster)
-    env = {**os.environ, "SLURM_CONF": str(cluster.state_dir / "etc" / "slurm.conf"),
-           "WANDB_MODE": "offline"}
-    res: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="hpc-recovery-") as tmp:
-        b = Bench({**env, "HPC_HOME": tmp}, Path(tmp))
-
-        # Baseline: cold start, submit -> first completed step.
-        job_id, job, t0 = b.submit("--nodes", "2")
-        res["cold_start_s"] = wait(lambda: progress(job).get("step", 0) >= 1, 180, "first step") - t0
-        if args.only in ("liveness", "succession"):
-            b.cancel(job_id)
-            (stall_cases if args.only == "liveness" else succession_cases)(b, sc, cluster, res)
-            report(res, args.json)
-            return
-
-        # 1. Warning signal -> every rank exited with a committed checkpoint.
-        wait(lambda: progress(job).get("step", 0) >= 10, 120, "step 10")
-        t = time.time()
-        subprocess.run(["scancel", "--signal=USR2", job_id], env=b.env, check=True)
-        wait(lambda: bool(outcomes(job)), 120, "the stop outcome")
-        o = outcomes(job)[-1]
-        res["signal_to_exit_s"] = o["time"] - t
-        res["signal_steps_lost"] = o.get("lost_steps") or 0
-        # 4. The requeue that follows -> the next allocation completes a step.
-        t = o["time"]
-        wait(lambda: progress(job).get("allocation") == 1 and progress(job)["step"] > progress(job)["start_step"],
-             180, "the requeued allocation's first step")
-        res["requeue_to_resume_s"] = time.time() - t
-        b.cancel(job_id)
-
-        # 2. Worker SIGKILL -> agent restarts the workers -> a step completes.
-        job_id, job, _ = b.submit("--nodes", "2", "--max-restarts", "3")
-        wait(lambda: progress(job).get("step", 0) >= 10, 180, "step 10")
-        before = progress(job)["step"]
-        t = time.time()
-        os.kill(worker_pids(sc, "node2")[0], signal.SIGKILL)
-        wait(lambda: resumed(job),
-             180, "training after the worker restart")
-        res["worker_crash_to_resume_s"] = time.time() - t
-        res["worker_crash_steps_lost"] = before - (progress(job)["start_step"])
-        b.cancel(job_id)
-
-        # 3. Node crash (not the rendezvous host) -> the survivors complete a step.
-        node_fault(b, sc, cluster, res, sc.crash, "node3", "node_crash", 180)
-        stall_cases(b, sc, cluster, res)
-        succession_cases(b, sc, cluster, res)
-    report(res, args.json)
+    with open(CLUSTER_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"recovery bench: the test cluster is busy ({CLUSTER_LOCK}); waiting", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        t_up = time.time()
+        (sc.restore if sc.is_healthy(cluster) else sc.up)(cluster)
+        env = {**os.environ, "SLURM_CONF": str(cluster.state_dir / "etc" / "slurm.conf"), "WANDB_MODE": "offline"}
+        run = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": _commit(),
+               "cluster_ready_s": round(time.time() - t_up, 2), "load_1m_before": load_1m(),
+               "machine": f"{os.cpu_count()} CPUs, shared"}
+        res: dict[str, Any] = {}
+        with tempfile.TemporaryDirectory(prefix="hpc-recovery-") as tmp:
+            b = Bench({**env, "HPC_HOME": tmp}, Path(tmp), sc, cluster)
+            if args.only == "succession":
+                succession_cases(b, res)
+                print(json.dumps(res, indent=2))
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"run": run, **res}, indent=2) + "\n")
+                return
+            if not args.no_signal:
+                signal_cases(b, res)
+            cells = []
+            for path in args.paths:
+                for fault in args.faults:
+                    cell = run_cell(b, path, fault, args.timeout_s)
+                    cell["run"] = run["started"]
+                    print(json.dumps(cell), flush=True)
+                    cells.append(cell)
+    run["load_1m_after"] = load_1m()
+    colds = [c["cold_start_s"] for c in cells if "cold_start_s" in c]
+    if colds:
+        run["cold_start_s_median"] = round(statistics.median(colds), 3)
+    out = rc.merge(json.loads(Path(args.json).read_text()) if args.merge and Path(args.json).exists() else {},
+                   run, res, cells)
+    print(rc.table(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
-def report(res: dict[str, float], json_path: str) -> None:
-    cold = res["cold_start_s"]
-    print(f"{'event':<28} | {'seconds':>8} | {'x cold start':>12} | steps lost")
-    print(f"{'cold start (baseline)':<28} | {cold:8.2f} | {1:12.2f} | -")
-    for key, lost in (("signal_to_exit_s", "signal_steps_lost"), ("requeue_to_resume_s", None),
-                      ("worker_crash_to_resume_s", "worker_crash_steps_lost"),
-                      ("node_crash_to_resume_s", "node_crash_steps_lost"),
-                      ("worker_freeze_to_resume_s", "worker_freeze_steps_lost"),
-                      ("node_cut_to_resume_s", "node_cut_steps_lost"),
-                      ("rdzv_node_crash_to_resume_s", "rdzv_node_crash_steps_lost"),
-                      ("rdzv_node_cut_to_resume_s", "rdzv_node_cut_steps_lost")):
-        if key in res:
-            print(f"{key:<28} | {res[key]:8.2f} | {res[key] / cold:12.2f} | {res.get(lost, '-') if lost else 0}")
-    if json_path:
-        Path(json_path).write_text(json.dumps(res, indent=2) + "\n")
+def _commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    return r.stdout.strip()
 
 
 if __name__ == "__main__":
