@@ -91,7 +91,7 @@ class Bench:
 
     def submit(self, *extra: str, steps: int = 400) -> tuple[str, Path, float]:
         self.n += 1
-        job = self.root / f"job{self.n}"
+        job = self.root / f"job{self.n}-{time.strftime('%H%M%S')}"
         t0 = time.time()
         # 0.01 s: every step (0 would mean the default, 2 s: a resume seen up to 2 s late).
         r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nproc-per-node", "2",
@@ -132,7 +132,7 @@ def run_cell(b: Bench, path: str, fault: str, timeout: float) -> dict[str, Any]:
     """One job on ``path`` meets ``fault`` at step 10; the cell's figures (:func:`rc.judge`)."""
     extra = ["--nodes", "2:3", "--max-restarts", "3"] + (["--recovery", "inprocess"] if path == "inprocess" else [])
     job_id, job, t_submit = b.submit(*extra)
-    cell: dict[str, Any] = {"path": path, "fault": fault, "slurm_job_id": job_id}
+    cell: dict[str, Any] = {"path": path, "fault": fault, "slurm_job_id": job_id, "job_dir": job.name}
     try:
         t1 = wait(lambda: rc.progress(job).get("step", 0) >= 1, 240, "the first step")
         cell["cold_start_s"] = round(rc.progress(job).get("time", t1) - t_submit, 3)
@@ -219,6 +219,7 @@ def main() -> None:
     p.add_argument("--merge", action="store_true",
                    help="keep the cells of the existing --json file that this run does not measure")
     p.add_argument("--only", choices=("cells", "succession"), default="cells")
+    p.add_argument("--keep", default="", help="keep the job directories here (default: a temporary one)")
     args = p.parse_args()
     sc = _cluster()
     cluster = sc.Cluster(Path(os.environ.get("HPC_TEST_CLUSTER_DIR", "/run/hpc-test-cluster")), 3)
@@ -236,7 +237,9 @@ def main() -> None:
                "machine": f"{os.cpu_count()} CPUs, shared"}
         res: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="hpc-recovery-") as tmp:
-            b = Bench({**env, "HPC_HOME": tmp}, Path(tmp), sc, cluster)
+            root = Path(args.keep or tmp)
+            root.mkdir(parents=True, exist_ok=True)
+            b = Bench({**env, "HPC_HOME": str(root)}, root, sc, cluster)
             if args.only == "succession":
                 succession_cases(b, res)
                 print(json.dumps(res, indent=2))
