@@ -90,3 +90,13 @@ def test_merge_keeps_cells_not_measured_again_and_names_each_run():
     assert new["restart"]["freeze"]["run"] == "a" and new["inprocess"]["freeze"]["run"] == "b"
     assert new["signal"]["run"] == "a" and [r["started"] for r in new["runs"]] == ["a", "b"]
     assert "| inprocess | freeze |" in table(new)
+
+
+def test_the_verdict_names_each_target_missed():
+    from benchmarks.recovery_cells import verdict
+    ok = {"how": "inprocess", "after_detect_s": 1.5, "resume_s": 1.9, "pids_kept": True, "steps_lost": 1}
+    assert verdict("worker_kill", ok) == "meets"
+    assert verdict("node_crash", {**ok, "after_detect_s": 3.4}) == "misses: after_detect_s 3.40 > 2"
+    assert verdict("freeze", {**ok, "resume_s": 31.3, "pids_kept": False}) == \
+        "misses: resume_s 31.30 > 10, survivors restarted"
+    assert verdict("link_cut", {"how": "timeout", "resume_s": None}) == "misses: timeout"
