@@ -260,6 +260,8 @@ class Session:
         if error is not None:
             self._write_progress(force=True)   # the crash's last step, for outcomes.jsonl
         self._beat.enter("exit")
+        if error is not None and self._checkpointer is not None:
+            self._settle_save_in_flight()
         try:
             if error is None:
                 self._log_row_in_flight()   # after an error a peer may be gone: the row is lost
@@ -280,6 +282,16 @@ class Session:
                 self._inproc.close(finished=error is None)
             self._rec.close(self._checkpointer, error, self.step)
             self._beat.close()
+
+    def _settle_save_in_flight(self) -> None:
+        """After a crash, keeps the async save in flight if it can still finish (bounded, no
+        collective: :meth:`Checkpointer.settle`); else the job resumes from the save before."""
+        try:
+            note = self._checkpointer.settle()
+        except Exception as e:  # noqa: BLE001 - the crash is what the user must see
+            note = f"waiting for the save in flight failed: {e!r}"
+        if note:
+            log.warning("session: after the error: %s", note)
 
     @contextmanager
     def phase(self, name: str, *, budget_s: float | None = None) -> Iterator[None]:

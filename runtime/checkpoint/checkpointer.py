@@ -77,6 +77,8 @@ log = logging.getLogger("hpc.checkpoint")
 ASSUMED_WRITE_BYTES_S = 100e6
 _RNG_KEY = "_rng"
 _FAILED = (Exception, CheckpointException)
+SETTLE_MIN_S = 15.0    # the least a crashed rank waits for its save in flight (Checkpointer.settle)
+SETTLE_MAX_S = 120.0   # the most
 _write_atomic = retry_transient(write_atomic)
 _PLAN_KEYS = itertools.count()  # one plan-cache key per checkpointer, never reused
 
@@ -437,6 +439,51 @@ class Checkpointer:
             flight.done.wait()
         outcome = self._broadcast((flight.error, flight.save_s) if self.rank == 0 else None)
         self._finish(flight.step, outcome[0], outcome[1])
+
+    def settle(self, timeout_s: float | None = None) -> str:
+        """After a crash: waits, bounded and without any collective, for the save in flight.
+
+        :meth:`wait` needs every rank (it broadcasts the outcome); a crashed rank's peers may be
+        gone or may never get there. But an async save runs on its own group, and while the
+        peers live their writer threads go on with it although their training is stuck: if the
+        crashed rank exits at once, the agent ends them all and the save is lost (the job then
+        resumes from the save before). So the crashed rank waits for its own part: its writes
+        and DCP's finish (every rank's files written), and on rank 0 the commit. A dead peer
+        fails DCP's collective as soon as its sockets close; a silent one is waited for at most
+        ``timeout_s`` (then the previous checkpoint stands, as before).
+
+        Args:
+            timeout_s: The longest wait (default: three times the expected save time, from
+                :data:`SETTLE_MIN_S` to :data:`SETTLE_MAX_S`).
+
+        Returns:
+            What became of the save, for the log ("" when none was in flight).
+        """
+        flight = self._inflight
+        if flight is None:
+            return ""
+        if timeout_s is None:
+            timeout_s = min(SETTLE_MAX_S, max(SETTLE_MIN_S, 3 * self.estimated_save_s()))
+        deadline = time.monotonic() + timeout_s
+        what = f"the async save of step {flight.step}"
+        try:
+            flight.future.result(timeout=timeout_s)
+        except _FAILED as e:
+            if not flight.future.done():
+                return f"{what} still runs after {timeout_s:.0f} s: given up (the previous checkpoint stands)"
+            if self.rank != 0:
+                self._inflight = None
+                return f"{what} failed: {_summary(e)}"
+        if self.rank != 0:
+            self._inflight = None
+            return f"{what}: this rank's part is written (rank 0 commits it)"
+        if not flight.done.wait(max(0.0, deadline - time.monotonic())):
+            return f"{what} was not committed within {timeout_s:.0f} s: given up"
+        self._inflight = None
+        if flight.error is not None:
+            return f"{what} failed: {flight.error}"
+        self._latest = flight.step
+        return f"{what} is committed"
 
     def load_latest(self, app_state: Mapping[str, Any]) -> Manifest | None:
         """Loads the newest verified checkpoint into ``app_state`` (resharding as needed).

@@ -25,6 +25,7 @@ import os
 import pickle
 import re
 import signal
+import time
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,8 @@ log = logging.getLogger("hpc.checkpoint")
 
 #: Test hook: ``point`` or ``point@rank``; the process SIGKILLs itself there (see tests).
 KILL_AT_ENV = "HPC_CKPT_TEST_KILL_AT"
+#: Test hook: seconds each rank's shard writes are delayed (a slow file system).
+WRITE_DELAY_ENV = "HPC_CKPT_TEST_WRITE_DELAY_S"
 #: Write-result key prefix under which each rank's file entries travel to rank 0.
 FILES_KEY = "__hpc_files__"
 
@@ -119,6 +122,8 @@ class ChecksummedWriter(FileSystemWriter):
                 stream.flush()
                 os.fsync(stream.fileno())
         kill_point("before_shards", self.rank)
+        if (delay := os.environ.get(WRITE_DELAY_ENV)):   # test hook: a slow file system
+            time.sleep(float(delay))
         with _without_zip_crc32():
             results = super().write_data(plan, planner).value()
         kill_point("after_shards", self.rank)

@@ -135,6 +135,26 @@ def main() -> None:
         ckpt.save(2, {"model": model, "optim": optim, "sampler": sampler}, blocking=mode == "sync")
         ckpt.wait()
         result["survived"] = True
+    elif scenario == "settle":  # arg: kind:dead|silent -- a crash with a save in flight, a bad peer
+        import time
+        from runtime.checkpoint.storage import WRITE_DELAY_ENV
+        _, peer = arg.split(":")
+        model, optim = build(kind, seed=1)
+        train(model, optim, 1)
+        ckpt = Checkpointer(ckpt_dir)
+        ckpt.save(1, {"model": model, "optim": optim, "sampler": sampler}, blocking=True)
+        dist.barrier()
+        if rank == 1:   # dead: killed while it writes; silent: alive, its write never ends
+            os.environ.update({KILL_AT_ENV: "before_shards@1"} if peer == "dead" else {WRITE_DELAY_ENV: "600"})
+        ckpt.save(2, {"model": model, "optim": optim, "sampler": sampler}, blocking=False)
+        if rank == 1:
+            time.sleep(600)
+        started = time.monotonic()
+        result["note"] = ckpt.settle(timeout_s=8.0)   # rank 0 "crashed" with the save in flight
+        result["settle_s"] = time.monotonic() - started
+        result["latest"] = (ckpt_dir / "latest").read_text().strip()
+        (out_dir / f"{scenario}-rank{rank}.json").write_text(json.dumps(result))
+        os._exit(0)   # a silent peer's writer thread is still in DCP's collective
     elif scenario == "diskfull":  # commit a small step 1, then a step 2 bigger than the disk
         model, optim = build(kind, seed=1)
         ckpt = Checkpointer(ckpt_dir, async_save=True)

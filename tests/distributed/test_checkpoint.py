@@ -302,3 +302,33 @@ def test_checkpoint_path_that_is_a_file_is_one_clear_error_on_every_rank(tmp_pat
         assert r["error"] == (f"checkpoint directory {ckpt} exists and is not a directory; move it away or "
                               "choose another checkpoint directory"), r
     assert ckpt.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("peer", ["dead", "silent"])
+def test_a_crashed_rank_waits_for_its_save_in_flight_only_as_long_as_it_can_finish(tmp_path: Path,
+                                                                                   peer: str) -> None:
+    """Checkpointer.settle (a crashed rank's wait for its async save) never hangs on a bad peer:
+    a peer killed mid-write fails the save as soon as its sockets close, a peer that is alive
+    but never finishes is waited for 8 s (the bound given). The previous checkpoint stands.
+    The healthy side (a save that finishes is committed) is test_mesh_training's crash test."""
+    ckpt, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "settle", str(ckpt), str(out), f"ddp:{peer}"],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for r in range(2)]
+    try:
+        log0 = procs[0].communicate(timeout=120)[0].decode(errors="replace")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, log0
+    result = json.loads((out / "settle-rank0.json").read_text())
+    assert result["latest"] == "step-000001", result
+    if peer == "dead":
+        assert "the async save of step 2 failed" in result["note"] and result["settle_s"] < 8, result
+    else:
+        assert "still runs after 8 s: given up" in result["note"] and 7.5 < result["settle_s"] < 20, result

@@ -56,10 +56,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """Rank 0 fails in step 7 once; torch's agent restarts the workers, which resume from the
-    step-5 checkpoint (DTensor shards through DCP)."""
+    step-5 checkpoint (DTensor shards through DCP). Each rank's writes take 2 s (a slow file
+    system): the async save of step 5 is still in flight when rank 0 fails."""
     job = tmp_path_factory.mktemp("mesh") / "crash"
     code, out = run(job, 4, "--fail-at-step", "7", "--fail-once",
-                    hpc_args=("--tp", "2", "--checkpoint-every-steps", "5"))
+                    hpc_args=("--tp", "2", "--checkpoint-every-steps", "5",
+                              "--env", "HPC_CKPT_TEST_WRITE_DELAY_S=2"))
     assert code == 0, out
     return job, out
 
@@ -81,6 +83,16 @@ def test_a_crash_resumes_bit_exact_at_the_same_mesh(reference: Path, crashed: tu
     assert "injected failure at step 7" in out and "start step 5" in out, out
     assert result(job)["weights_sha256"] == result(reference)["weights_sha256"]
     assert result(job)["sample_order_sha256"] == result(reference)["sample_order_sha256"]
+
+
+def test_a_crash_while_an_async_save_is_in_flight_resumes_from_that_save(crashed: tuple[Path, str]) -> None:
+    """The crashed rank waits (bounded) for the save its peers are still writing before it
+    exits, so the restart resumes at step 5, not at step 0. Before the fix it exited at once,
+    the agent ended its peers mid-save and the save was lost (CI of 32c4e0b, pipeline test)."""
+    _, out = crashed
+    assert "injected failure at step 7" in out, out
+    assert "after the error: the async save of step 5 is committed" in out, out
+    assert out.count("start step 0") == 1 and "start step 5" in out, out   # the restart: at 5
 
 
 def test_a_checkpoint_at_dp2_x_tp2_resumes_at_dp1_x_tp2(reference: Path, crashed: tuple[Path, str],
@@ -141,3 +153,4 @@ def test_survivors_that_cannot_form_a_whole_pipeline_end_cleanly_for_a_requeue(t
     kind = classify("succeeded", intent, intent["allocation"])
     assert kind == "node_failure"
     assert decide_requeue(kind, policy="auto", allocation=0, max_requeues=20, under_slurm=True).requeue
+
