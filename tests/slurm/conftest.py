@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import pytest
 
@@ -162,17 +162,22 @@ def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster, tmp_path: Path,
     slurm_cluster.restore()
 
 
-# The uninterrupted runs that chaos tests compare against: computed once per session (each is a
-# 20-s local `hpc run`), shared by every module.
+# The uninterrupted runs that chaos tests compare against: started once per session by the first
+# test that needs one (each is a 20-57 s local `hpc run`, which runs while that test's cluster job
+# does), shared by every module.
 @pytest.fixture(scope="session")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mapping]:
     """2 nodes x 2 processes, tiny preset: final step, weights and sample-order digests."""
-    from tests.slurm.test_fault_tolerance import _baseline
-    return _baseline(tmp_path_factory.mktemp("baseline"))
+    from tests.slurm.test_fault_tolerance import Baseline
+    run = Baseline(tmp_path_factory.mktemp("baseline"))
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="session")
-def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mapping]:
     """As :func:`baseline`, with a global batch that divides at world size 4 and 6."""
-    from tests.slurm.test_fault_tolerance import ELASTIC, _baseline
-    return _baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)
+    from tests.slurm.test_fault_tolerance import ELASTIC, Baseline
+    run = Baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)
+    yield run
+    run.stop()
