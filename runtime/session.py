@@ -466,11 +466,20 @@ class Session:
         extra = [self.cpu_group, getattr(self._watcher, "group", None)]
         if self._checkpointer is not None:
             extra += self._checkpointer.release_groups()
+        from runtime.worker.inprocess.membership import Excluded
         try:
             rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None],
                                        regroup=self._regroup, planned=planned)
-        finally:
+        except Excluded as e:   # its peers went on without it (it was cut off, or frozen): done here
             self._beat.leave()
+            log.warning("in-process recovery: %s; this worker ends, the job goes on without it", e)
+            self._rec.emit("inproc_left_out", reason=str(e)[:300])
+            self._beat.close()
+            raise SystemExit(0) from None
+        except BaseException:
+            self._beat.leave()
+            raise
+        self._beat.leave()
         rank, world = rec.rank, rec.members.world_size
         self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))

@@ -15,6 +15,9 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
   promises the replacement in the store (``replace/UID``), so the survivors' re-form waits for
   the joiner and the world keeps its size; the joiner receives the state from the survivors'
   memory (:mod:`runtime.worker.inprocess`). Only the dead worker is started again;
+- a worker stopped (SIGSTOP) for :data:`~runtime.launch.inprocess_silent.STOPPED_S` is frozen:
+  it is SIGKILLed and then announced and replaced like a dead one
+  (:mod:`runtime.launch.inprocess_silent`, which also announces a lost node's workers);
 - while any local worker lives, the group is healthy to torch (no restart, no kill), and a node
   waiting to join does not restart anyone either;
 - when every local worker has ended: all that did not die finished, so the node finished; if
@@ -36,8 +39,18 @@ from datetime import timedelta
 from typing import Any
 
 from hpc.contract import inprocess as proto
+from runtime.launch import inprocess_silent
 
 log = logging.getLogger("hpc.launch")
+
+
+def proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``T``: stopped), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def proc_exit(pid: int) -> int | None:
@@ -124,12 +137,18 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                     status[lr], pids[lr] = (None if code is None else popen_status(code)), joiners[lr].pid
                 elif w.id is not None:
                     status[lr], pids[lr] = proc_exit(w.id), w.id
+            frozen = self.__dict__.setdefault("_frozen", inprocess_silent.StoppedWorkers())
+            now = time.monotonic()
+            for pid in frozen.frozen({pids[lr]: proc_state(pids[lr]) for lr, code in status.items()
+                                      if code is None}, now):
+                frozen.kill(pid, now)   # its death is announced at the next look (a zombie)
             for lr, code in status.items():
                 if code is None or code == 0 or pids[lr] in seen:
                     continue
                 seen.add(pids[lr])
                 replace = self._may_replace(worker_group)
-                self._announce(worker_group, workers[lr], code, pid=pids[lr], replace=replace)
+                self._announce(worker_group, workers[lr], code, pid=pids[lr], replace=replace,
+                               why=frozen.killed.get(pids[lr], ""))
                 if replace and self._start_joiner(worker_group, lr):
                     status[lr] = None
                 else:
@@ -196,12 +215,12 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             super()._restart_workers(worker_group)
 
         def _announce(self, worker_group: Any, worker: Any, code: int, *, pid: int,
-                      replace: bool = False) -> None:
+                      replace: bool = False, why: str = "") -> None:
             t = time.time()
             space = proto.namespace(worker_group.master_addr, worker_group.master_port)
             who = proto.uid(host, pid)
-            why = f"launcher on {host}: worker {pid} (local rank {worker.local_rank}) died, " \
-                  f"{describe_exit(code)}" + ("; a joiner replaces it" if replace else "")
+            why = f"launcher on {host}: worker {pid} (local rank {worker.local_rank}) " + \
+                  (why or f"died, {describe_exit(code)}") + ("; a joiner replaces it" if replace else "")
             try:
                 import torch.distributed as dist
                 if self._hpc_store is None:

@@ -49,7 +49,8 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import health, inprocess_agent, inprocess_spare, quorum, rdzv_failure, spares
+from runtime.launch import (health, inprocess_agent, inprocess_silent, inprocess_spare, quorum,
+                            rdzv_failure, spares)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -247,6 +248,10 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     watchdog = Watchdog.for_job(plan.job_dir, spec.liveness, allocation=plan.allocation,
                                 node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
                                 run_id=plan.run_id, max_nodes=plan.launchers, local=plan.local)
+    if spec.recovery == "inprocess" and watchdog.beacon is not None:   # a lost node: announced
+        watchdog.on_lost = inprocess_silent.LostNodes(plan.rdzv_endpoint, inproc_events,
+                                                      host=socket.gethostname())
+        watchdog.on_lost_after_s = inprocess_silent.LOST_S
     watchdog.start()
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \

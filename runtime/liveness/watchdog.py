@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract.components import LivenessConfig
@@ -192,6 +193,10 @@ class Watchdog:
         self._cpu: dict[int, tuple[int, float]] = {}   # pid -> (CPU ticks, last time it worked)
         self.beacon = beacon
         self.exclude_nodes = exclude_nodes
+        # --recovery inprocess: a lost peer node is announced (host -> seconds silent) so the
+        # survivors re-form without it, instead of every waiting node's workers being killed.
+        self.on_lost: Any = None
+        self.on_lost_after_s = LOST_AFTER_S
         # The current episode: the ranks' progress, unchanged since the ranks went overdue.
         self._episode: tuple = ()
         self._next_look = 0.0
@@ -300,13 +305,18 @@ class Watchdog:
         if pids and not pids & self._group and self.beacon is not None:
             self.beacon.tracker.new_group()   # a new worker group: judge peers from its start
         self._group = pids or self._group
+        tracker = self.beacon.tracker if self.beacon is not None else None
+        if self.on_lost is not None and tracker is not None:
+            quick = tracker.lost(time.monotonic(), after_s=self.on_lost_after_s)
+            if quick:
+                self.on_lost({tracker.hosts.get(r, ""): s for r, s in quick.items()})
         if not beats:
             return None
         now = time.time() if now is None else now
         ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy,
                        ran=self._worked(pids, now))
-        tracker = self.beacon.tracker if self.beacon is not None else None
-        lost = tracker.lost(time.monotonic()) if tracker is not None else {}
+        # (in-process: a lost peer was announced above; no worker here is killed for it)
+        lost = tracker.lost(time.monotonic()) if tracker is not None and self.on_lost is None else {}
         # The other nodes' progress and busy ranks come folded through the store (the summary
         # of liveness.groups), never from reading their records on the shared filesystem.
         peers_watch = tracker is not None and tracker.store_ok_at is not None

@@ -27,6 +27,8 @@ p.add_argument("--steps", type=int, default=30)
 p.add_argument("--step-sleep", type=float, default=0.05)
 p.add_argument("--global-batch", type=int, default=12)
 p.add_argument("--micro", type=int, default=2)
+p.add_argument("--pause", default="", help="RANK:STEP:SECONDS: that rank works this long at that step "
+               "(healthy and slow, unmarked: an evaluation)")
 args = p.parse_args()
 out = Path(args.out)
 opened: list[str] = []
@@ -88,6 +90,8 @@ with Session(seed=0, log_every=5) as s:
                 loss = nn.functional.mse_loss(model(X[idx]), Y[idx]) / accum
                 loss.backward()
         opt.step()
+        if args.pause and [int(x) for x in args.pause.split(":")[:2]] == [s.rank, step]:
+            time.sleep(float(args.pause.split(":")[2]))
         s.log(loss=loss.item())
         time.sleep(args.step_sleep)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
