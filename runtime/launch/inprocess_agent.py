@@ -22,7 +22,11 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
   waiting to join does not restart anyone either;
 - when every local worker has ended: all that did not die finished, so the node finished; if
   none is left that could (every local worker died), torch's restart path runs, and the log
-  and ``events.jsonl`` say why (``inproc_fallback``).
+  and ``events.jsonl`` say why (``inproc_fallback``);
+- when the dead worker was the last living member of the generation (every member died), no
+  joiner is started and the waiting ones are ended: a joiner is taken in by a member, so it
+  would wait forever; the workers end and torch's restart path (the last checkpoint) runs,
+  with an ``inproc_fallback`` that says so.
 """
 
 from __future__ import annotations
@@ -146,9 +150,13 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                 if code is None or code == 0 or pids[lr] in seen:
                     continue
                 seen.add(pids[lr])
-                replace = self._may_replace(worker_group)
-                self._announce(worker_group, workers[lr], code, pid=pids[lr], replace=replace,
-                               why=frozen.killed.get(pids[lr], ""))
+                replace = self._announce(worker_group, workers[lr], code, pid=pids[lr],
+                                         replace=self._may_replace(worker_group),
+                                         why=frozen.killed.get(pids[lr], ""))
+                if replace is None:   # no member is left: nobody can take a joiner in
+                    gone[lr] = code
+                    _end(joiners)      # (ended, they are announced and counted gone next look)
+                    continue
                 if replace and self._start_joiner(worker_group, lr):
                     status[lr] = None
                 else:
@@ -215,7 +223,9 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             super()._restart_workers(worker_group)
 
         def _announce(self, worker_group: Any, worker: Any, code: int, *, pid: int,
-                      replace: bool = False, why: str = "") -> None:
+                      replace: bool = False, why: str = "") -> bool | None:
+            """Announces a dead worker; returns whether a joiner replaces it (None: no member
+            of the generation is left alive, so none can: torch's restart path)."""
             t = time.time()
             space = proto.namespace(worker_group.master_addr, worker_group.master_port)
             who = proto.uid(host, pid)
@@ -228,19 +238,30 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                     self._hpc_store = dist.TCPStore(h, int(p), is_master=False,
                                                 timeout=timedelta(seconds=10), wait_for_workers=False)
                 store = dist.PrefixStore(space, self._hpc_store)   # the workers' view
+                gen, uids = inprocess_silent.generation(store)
+                left = [u for u in uids if u != who and not store.check([proto.dead(u)])]
+                if uids and not left:
+                    replace = None
                 if replace:   # before the death: the re-form then waits for the joiner
                     store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
                 store.set(proto.dead(who), why)
-                gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
                 store.set(proto.fault(gen), why)
             except Exception as e:   # noqa: BLE001 - the survivors still see their collectives fail
                 log.warning("in-process recovery: cannot announce the dead worker: %s", e)
-                return
+                return False
+            if replace is None:
+                fallback = (f"every member of generation {gen} is dead ({len(uids)}; the last: {why}): "
+                            "no process holds the state in memory, a joiner has no one to take it in "
+                            "from; torch's restart path from the last checkpoint")
+                log.warning("in-process recovery: %s", fallback)
+                if events is not None:
+                    events.emit("inproc_fallback", reason=fallback, gen=gen)
             log.warning("in-process recovery: %s; announced (generation %d), the others go on", why, gen)
             log.info("in-process recovery: announced under %s", space)
             if events is not None:
                 events.emit("inproc_detect", t=t, pid=pid, rank=worker.global_rank,
-                            exit=describe_exit(code), gen=gen, replace=replace)
+                            exit=describe_exit(code), gen=gen, replace=bool(replace))
+            return replace
 
     launcher_api.LocalElasticAgent = InProcessAgent
     try:

@@ -78,6 +78,19 @@ def victims(uids: list[str], host: str) -> list[str]:
     return [u for u in uids if u.rpartition("/")[0] == host]
 
 
+def generation(store: Any) -> tuple[int, list[str]]:
+    """The running generation of a round's store (its namespace) and its members' uids (the
+    starting generation's: its ranks' records; none yet: an empty list)."""
+    gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
+    if store.check([proto.members(gen)]):
+        return gen, list(proto.decode_members(store.get(proto.members(gen))).uids)
+    uids, r = [], 0
+    while store.check([proto.who(gen, r)]):
+        uids.append(store.get(proto.who(gen, r)).decode())
+        r += 1
+    return gen, uids
+
+
 class LostNodes:
     """Announces the workers of a lost node dead in the store, once per node (the watchdog's
     ``on_lost`` under ``--recovery inprocess``).
@@ -124,14 +137,7 @@ class LostNodes:
         if not raw.check([proto.ROOT + proto.CURRENT]):
             return None, 0
         store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
-        gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
-        if store.check([proto.members(gen)]):
-            uids = list(proto.decode_members(store.get(proto.members(gen))).uids)
-        else:   # the starting generation: its ranks' records
-            uids, r = [], 0
-            while store.check([proto.who(gen, r)]):
-                uids.append(store.get(proto.who(gen, r)).decode())
-                r += 1
+        gen, uids = generation(store)
         gone = victims(uids, host)
         t = time.time()
         why = f"node {host} lost: its launcher's beacon stood still {silent:.1f}s (seen from {self.host})"
