@@ -53,6 +53,7 @@ from runtime.parallel import mesh as device_mesh
 from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
+from runtime.worker.inprocess.membership import Excluded
 from runtime.worker.progress import ProgressMeter
 from runtime.stopping import STOP_KINDS
 from runtime.worker.wandb_sink import make_sink, run_metadata
@@ -466,7 +467,6 @@ class Session:
         extra = [self.cpu_group, getattr(self._watcher, "group", None)]
         if self._checkpointer is not None:
             extra += self._checkpointer.release_groups()
-        from runtime.worker.inprocess.membership import Excluded
         try:
             rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None],
                                        regroup=self._regroup, planned=planned)
