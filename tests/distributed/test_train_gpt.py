@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,25 +61,44 @@ def interrupt_after(p: subprocess.Popen, job: Path, seconds: float,
     return finish(p)
 
 
+@dataclass
+class Baseline:
+    """The module's uninterrupted run (its result.json, console output and job directory)."""
+
+    result: dict
+    out: str
+    job: Path
+
+    def __getitem__(self, key: str) -> object:
+        return self.result[key]
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Baseline:
+    """The uninterrupted run every test compares against; with a progress line every 10 steps of
+    0.1 s, so that the console test reads its output instead of training a job of its own."""
     job = tmp_path_factory.mktemp("baseline") / "job"
-    code, out = finish(start(job, 2, "--step-sleep", "0.05"))
+    code, out = finish(start(job, 2, "--log-every", "10", "--step-sleep", "0.1"))
     assert code == 0, out
-    return result(job)
+    return Baseline(result(job), out, job)
 
 
-def test_same_seed_same_weights_and_an_inherited_wandb_service_is_not_used(baseline: dict, tmp_path: Path):
-    """The same job again (without the baseline's step sleep) ends with the same weights and
-    samples. And (one job for both, to keep CI short) a job started from a process that used
-    wandb inherits WANDB_SERVICE (wandb exports it): rank 0 must start its own service, not log
-    into the starter's (gone here)."""
+def test_same_seed_same_weights_and_an_inherited_wandb_service_is_not_used(baseline: Baseline,
+                                                                          tmp_path: Path):
+    """The same job again (with another step sleep than the baseline's) ends with the same
+    weights and samples. And (one job for all three, to keep CI short) a job started from a
+    process that used wandb inherits WANDB_SERVICE (wandb exports it): rank 0 must start its
+    own service, not log into the starter's (gone here); and with --log-every 20 the console
+    has the progress lines of steps 20 and 40 only (20 steps of >= 0.07 s: the one-a-second
+    limit drops none)."""
     from wandb.sdk.lib.service.service_token import UnixServiceToken
 
     gone = UnixServiceToken(parent_pid=os.getpid(), path=str(tmp_path / "gone.sock")).env_value
     job = tmp_path / "job"
-    code, out = finish(start(job, env={**os.environ, "WANDB_SERVICE": gone}))
+    code, out = finish(start(job, 2, "--log-every", "20", "--step-sleep", "0.07",
+                             env={**os.environ, "WANDB_SERVICE": gone}))
     assert code == 0, out
+    assert {20, 40} <= set(progress_lines(out)) and not {10, 30} & set(progress_lines(out)), out
     again = result(job)
     assert again["weights_sha256"] == baseline["weights_sha256"]
     assert again["sample_order_sha256"] == baseline["sample_order_sha256"]
@@ -91,7 +111,7 @@ def test_same_seed_same_weights_and_an_inherited_wandb_service_is_not_used(basel
     assert f"WANDB_SERVICE: {gone!r} -> (unset)" in launcher_logs  # the change is logged
 
 
-def test_three_stops_and_resumes_end_bit_exact(baseline: dict, tmp_path: Path):
+def test_three_stops_and_resumes_end_bit_exact(baseline: Baseline, tmp_path: Path):
     job = tmp_path / "interrupted job"
     stops = []
     for i in range(3):
@@ -113,7 +133,7 @@ def test_three_stops_and_resumes_end_bit_exact(baseline: dict, tmp_path: Path):
     assert sorted(run.steps) == sorted(set(run.steps)) and max(run.steps) == 40
 
 
-def test_world_size_change_consumes_every_sample_once(baseline: dict, tmp_path: Path):
+def test_world_size_change_consumes_every_sample_once(baseline: Baseline, tmp_path: Path):
     job = tmp_path / "elastic"
     code, out = interrupt_after(start(job, 2, "--step-sleep", "0.05"), job, 0.8)
     assert code == 75, out
@@ -141,7 +161,7 @@ def test_fsdp2_trains_and_resumes(tmp_path: Path):
     assert result(job)["weights_sha256"] == result(ref)["weights_sha256"]
 
 
-def test_sigterm_and_repeated_signals_during_saves_resume_exactly(baseline: dict, tmp_path: Path):
+def test_sigterm_and_repeated_signals_during_saves_resume_exactly(baseline: Baseline, tmp_path: Path):
     """A checkpoint every step, so the warnings land in the middle of saves; SIGTERM (a
     preemption without a user signal) then USR2 (twice): no corrupt checkpoint, exact resume."""
     job = tmp_path / "busy"
@@ -189,13 +209,12 @@ def progress_lines(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(0) for m in re.finditer(r"step (\d+)/\d+ \(.*", out)}
 
 
-def test_the_console_follows_log_every_and_agrees_with_the_result(tmp_path: Path):
+def test_the_console_follows_log_every_and_agrees_with_the_result(baseline: Baseline):
     """--log-every N: a progress line every N steps (steps of >= 0.1 s, so the one-a-second
-    limit does not drop any); the last line's loss is the final line's and result.json's;
-    the same command on the finished job dir again does nothing and keeps result.json."""
-    job = tmp_path / "job"
-    code, out = finish(start(job, 2, "--log-every", "10", "--step-sleep", "0.1"))
-    assert code == 0, out
+    limit does not drop any; the baseline's run, --log-every 10); the last line's loss is the
+    final line's and result.json's; the same command on the finished job dir again does nothing
+    and keeps result.json. (--log-every 20: in the same-seed test's run.)"""
+    job, out = baseline.job, baseline.out
     lines = progress_lines(out)
     assert {10, 20, 30, 40} <= set(lines), out
     final = result(job)
@@ -214,8 +233,3 @@ def test_the_console_follows_log_every_and_agrees_with_the_result(tmp_path: Path
     assert code == 0, other
     assert "train_gpt: already finished at step 40" in other
     assert (job / "result.json").read_bytes() == before
-
-    sparse = tmp_path / "sparse"
-    code, out = finish(start(sparse, 2, "--log-every", "20", "--step-sleep", "0.1"))
-    assert code == 0, out
-    assert {20, 40} <= set(progress_lines(out)) and not {10, 30} & set(progress_lines(out)), out
