@@ -144,6 +144,7 @@ def test_own_wandb_init_is_one_run_across_restarts_and_runs(tmp_path: Path):
     assert "WANDB_RUN_ID" in launcher_log and run_id in launcher_log, launcher_log[-2000:]
 
 
+@pytest.mark.waits   # ~25 s, most of it waiting for the time limit 35 s out: CI's clock lane
 @pytest.mark.timeout(180)
 def test_time_limit_warning_ignored_the_launcher_ends_the_workers_before_the_limit(tmp_path: Path):
     """Nobody sends SIGTERM here: the launcher does, 10 s before the (given) time limit."""
