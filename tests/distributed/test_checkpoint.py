@@ -114,10 +114,28 @@ def test_killed_after_rename_is_a_complete_checkpoint(tmp_path: Path) -> None:
     assert (ckpt / "latest").read_text().strip() == "step-000002"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete"])
-def test_corrupt_newest_is_quarantined(tmp_path: Path, damage: str) -> None:
+@pytest.fixture(scope="module")
+def _steps_1_and_2_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two ranks commit steps 1 and 2 (ref.pt in ``out`` is step 1): run once per module (each
+    run is two processes importing torch), damaged by each test in a copy of its own."""
+    base = tmp_path_factory.mktemp("steps-1-and-2")
+    ckpt, out = base / "ck", base / "out"
+    run_ranks(2, "crash", ckpt, out, "ddp:none:sync")
+    return ckpt, out
+
+
+@pytest.fixture
+def steps_1_and_2(_steps_1_and_2_once: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """This test's copy of the committed steps 1 and 2: (checkpoint dir, worker output dir)."""
     ckpt, out = tmp_path / "ck", tmp_path / "out"
-    run_ranks(2, "crash", ckpt, out, "ddp:none:sync")  # commits steps 1 and 2
+    shutil.copytree(_steps_1_and_2_once[0], ckpt, symlinks=True)
+    shutil.copytree(_steps_1_and_2_once[1], out, symlinks=True)
+    return ckpt, out
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete"])
+def test_corrupt_newest_is_quarantined(steps_1_and_2: tuple[Path, Path], damage: str) -> None:
+    ckpt, out = steps_1_and_2                            # steps 1 and 2 committed
     assert "step-000002" in _dirs(ckpt)
     shard = ckpt / "step-000002" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -250,13 +268,13 @@ def _armed(payload: bytes, tmp_path: Path) -> bytes:
     return payload
 
 
-def test_planted_rank_local_pickle_runs_no_code_and_resume_falls_back(tmp_path: Path) -> None:
+def test_planted_rank_local_pickle_runs_no_code_and_resume_falls_back(steps_1_and_2: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
     import io
 
     import torch
 
-    ckpt, out, marker = tmp_path / "ck", tmp_path / "out", tmp_path / "pwned"
-    run_ranks(2, "crash", ckpt, out, "ddp:none:sync")  # commits steps 1 and 2; ref.pt is step 1
+    (ckpt, out), marker = steps_1_and_2, tmp_path / "pwned"   # steps 1 and 2; ref.pt is step 1
     buf = io.BytesIO()
     torch.save({"_rng": _Payload(marker)}, buf)
     _armed(buf.getvalue(), tmp_path)
