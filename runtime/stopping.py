@@ -26,7 +26,9 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   SIGTERM are killed (SIGKILL), as Slurm's ``KillWait`` would: a handler that hangs (Lightning's
   broadcasts from inside its SIGTERM handler; with a peer rank blocked in the step's collective
   the two never match and wait out the 30-minute collective timeout) would otherwise keep the
-  job, and ``hpc run``, from ever ending;
+  job, and ``hpc run``, from ever ending. Unless they show a save progressing (checkpoint bytes
+  growing, a Session in its save phase: :mod:`runtime.launch.save_watch`): a long healthy save
+  is let finish (looked at every :data:`KILL_RECHECK_S`, up to :data:`KILL_MAX_WAIT_S`);
 * workers that then die of the stop are a stopped allocation, not an application error
   (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
   job is requeued.
@@ -66,6 +68,10 @@ log = logging.getLogger("hpc.launch")
 # Without Slurm: seconds from a SIGTERM to the SIGKILL of workers still running (Slurm's
 # default KillWait; the same grace hpc run's lifeline gives, runtime/launch/lifeline.py).
 KILL_AFTER_S = 30.0
+# While the workers show a save progressing (``still_saving``), the kill waits, looking again
+# this often, at most this long after the SIGTERM (the stall watch's budget for a save).
+KILL_RECHECK_S = 5.0
+KILL_MAX_WAIT_S = 1800.0
 
 def notice_path(job_dir: Path, allocation: int) -> Path:
     """Where an allocation's stop notice goes: ``logs/alloc-A/stop.json``."""
@@ -127,6 +133,8 @@ class StopTracker:
         kill_workers: SIGKILLs the workers still running and returns their pids; called
             ``kill_after_s`` after the first SIGTERM (None: Slurm's KillWait escalates).
         kill_after_s: See ``kill_workers``.
+        still_saving: When the kill is due, why the workers are still saving (then it waits
+            :data:`KILL_RECHECK_S` and asks again), or None (kill). None: never wait.
     """
 
     def __init__(self, path: Path, *, allocation: int, job_end_time: float | None,
@@ -134,7 +142,8 @@ class StopTracker:
                  ask_slurm: Callable[[], Any] | None = None, restarts: int | None = None,
                  follow: bool = False, under_slurm: bool = True,
                  kill_workers: Callable[[], list[int]] | None = None,
-                 kill_after_s: float = KILL_AFTER_S) -> None:
+                 kill_after_s: float = KILL_AFTER_S,
+                 still_saving: Callable[[], str | None] | None = None) -> None:
         self.path = Path(path)
         self.under_slurm = under_slurm
         self.allocation = allocation
@@ -144,6 +153,9 @@ class StopTracker:
         self.timer: threading.Timer | None = None
         self.kill_workers, self.kill_after_s = kill_workers, kill_after_s
         self.kill_timer: threading.Timer | None = None
+        self.still_saving = still_saving
+        self._kill_armed_at: float | None = None
+        self._cancelled = False
         self.ask_slurm, self.restarts, self.follow = ask_slurm, restarts, follow
         self.refined = threading.Event()   # set once Slurm's answer (or its absence) is in
         self._lock = threading.RLock()     # the handler (main thread) and the asking thread
@@ -193,12 +205,32 @@ class StopTracker:
         """Starts the countdown to the SIGKILL of the workers (once, at the first SIGTERM)."""
         if self.kill_workers is None or self.kill_timer is not None:
             return
-        self.kill_timer = threading.Timer(self.kill_after_s, self._kill)
-        self.kill_timer.daemon = True
-        self.kill_timer.start()
+        self._kill_armed_at = time.monotonic()
+        self._kill_in(self.kill_after_s)
+
+    def _kill_in(self, delay: float) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self.kill_timer = threading.Timer(delay, self._kill)
+            self.kill_timer.daemon = True
+            self.kill_timer.start()
 
     def _kill(self) -> None:
-        """Kills the workers that outlived the SIGTERM by ``kill_after_s``; never raises."""
+        """Kills the workers that outlived the SIGTERM by ``kill_after_s``, unless they show a
+        save progressing (then looks again later); never raises."""
+        waited = time.monotonic() - (self._kill_armed_at or time.monotonic())
+        if self.still_saving is not None and waited < KILL_MAX_WAIT_S:
+            try:
+                why = self.still_saving()
+            except Exception as e:   # noqa: BLE001 - no evidence: the kill goes on
+                why = None
+                log.warning("could not tell whether the workers are saving (%s)", e)
+            if why:
+                log.warning("the workers outlived the SIGTERM by %.0f s but are still saving (%s): "
+                            "not killed; looking again in %.0f s", waited, why, KILL_RECHECK_S)
+                self._kill_in(KILL_RECHECK_S)
+                return
         try:
             killed = self.kill_workers() if self.kill_workers is not None else []
         except Exception as e:   # noqa: BLE001 - a timer thread; the launcher goes on
@@ -206,8 +238,9 @@ class StopTracker:
             return
         if killed:
             log.error("the workers did not stop within %.0f s of the SIGTERM (a signal handler that "
-                      "hangs, e.g. one running a collective): killed %s (SIGKILL)",
-                      self.kill_after_s, killed)
+                      "hangs, e.g. one running a collective) and showed no save progressing: "
+                      "killed %s (SIGKILL)%s", self.kill_after_s, killed,
+                      f" after {waited:.0f} s in all" if waited > self.kill_after_s + KILL_RECHECK_S else "")
 
     def _refine(self) -> None:
         """Asks Slurm (or waits for the asking node's notice) and plans for the earlier
@@ -253,6 +286,8 @@ class StopTracker:
 
     def cancel(self) -> None:
         """Stops a pending enforcement and kill (the workers ended)."""
+        with self._lock:
+            self._cancelled = True
         for timer in (self.timer, self.kill_timer):
             if timer is not None:
                 timer.cancel()

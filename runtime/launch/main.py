@@ -42,9 +42,10 @@ from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv, rendezvous_host
 from runtime.events import EventLog, LauncherRecorder
-from runtime.liveness.watchdog import Watchdog
+from runtime.liveness.watchdog import Watchdog, heartbeat_dir
 from runtime.launch.lifeline import watch_parent
 from runtime.launch.network import NetworkError, detect
+from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
@@ -623,7 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         follow=asks and node_rank != 0, under_slurm=slurm.active,
         # hpc run: nobody else kills workers that outlive a SIGTERM (under Slurm, KillWait)
         kill_workers=None if slurm.active else
-        functools.partial(kill_workers, os.getpid(), os.getppid() if args.local else None))
+        functools.partial(kill_workers, os.getpid(), os.getppid() if args.local else None),
+        kill_after_s=float(os.environ.get("HPC_TEST_KILL_AFTER_S") or stopping.KILL_AFTER_S),
+        still_saving=None if slurm.active else
+        SaveWatch(Path(spec.resolved_checkpoint_dir), heartbeat_dir(os.getpid())))
     forwarder.install()
     if args.local:
         watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure

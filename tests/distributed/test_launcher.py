@@ -478,3 +478,40 @@ def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tm
     reason = outcomes(job)[0]["reason"]
     assert "timed out" in reason and "within 10 s" in reason and "--rdzv-timeout" in reason, reason
     assert "never joined: node 1 (node rank 1)" in reason and "port in use" not in reason, reason
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["healthy", "stalls"])
+def test_a_long_save_after_the_sigterm_is_let_finish_and_a_stalled_one_killed(tmp_path: Path, stall: bool):
+    """The kill that follows a SIGTERM under hpc run (KILL_AFTER_S; 6 s here through
+    HPC_TEST_KILL_AFTER_S) waits while the worker's save progresses (its checkpoint bytes
+    grow): a 20-s save is let finish and committed. A save that stops progressing half-way is
+    killed within a few looks of the kill time. Before, both were killed at the kill time."""
+    job, ckpt = tmp_path / "job", tmp_path / "ckpt"
+    job.mkdir()
+    script = REPO / "tests" / "distributed" / "scripts" / "slow_save.py"
+    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "1",
+                          "--job-dir", str(job), "--checkpoint-dir", str(ckpt), "--", "--out", str(job),
+                          "--ckpt", str(ckpt), "--save-s", "20", *(["--stall"] if stall else [])],
+                         cwd=REPO, env=dict(os.environ, HPC_TEST_KILL_AFTER_S="6"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (job / "ready").exists(), 150, "the worker waiting")
+        os.kill(p.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = p.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert "SIGTERM: saving for 20 s" in out, out[-3000:]
+    if not stall:
+        assert "saved in" in out and (ckpt / "step-1" / "model.bin").stat().st_size >= 5 * 2**20, out[-3000:]
+        assert "but are still saving (the checkpoint directory changed" in out, out[-3000:]
+        assert "killed" not in out.lower().replace("not killed", ""), out[-3000:]
+        assert took >= 20, took
+    else:
+        assert "save stalls" in out and not (ckpt / "step-1").exists(), out[-3000:]
+        assert "showed no save progressing: killed" in out, out[-3000:]
+        assert took < 10 + 6 + 2 + 3 * 5 + 30, took   # stall at 10 s, then a few looks (load)
+    assert not alive(int((job / "ready").read_text())), "a worker outlived the job"
