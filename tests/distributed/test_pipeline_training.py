@@ -26,11 +26,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_two_stages_resume_bit_exact_after_a_crash(reference: Path, tmp_path: Path) -> None:
     job = tmp_path / "crash"
-    # 1 s a step: the async save of step 5 (0.1 s unloaded) is committed before the crash at 7.
-    # In CI of 32c4e0b, at 28 steps/s under load, it was still in flight and the crash lost it
-    # (the crashed rank does not wait for its save: its peers may be gone).
+    # In CI of 32c4e0b, at 28 steps/s under load, the async save of step 5 was still in flight
+    # at the crash at 7 and was lost; the crashed rank now waits for it (Checkpointer.settle).
     code, out = run(job, 2, "--fail-at-step", "7", "--fail-once", "--pp-schedule", "gpipe",
-                    "--step-sleep", "1.0", hpc_args=("--pp", "2", "--checkpoint-every-steps", "5"))
+                    hpc_args=("--pp", "2", "--checkpoint-every-steps", "5"))
     assert code == 0, out
     assert "injected failure at step 7" in out and "start step 5" in out, out
     # GPipe and 1F1B order the same micro-batches' work differently, not their sums.
