@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
     while True:
         end = pending or _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
-                                    members=len(epoch.members), tee=tee)
+                                    members=len(epoch.members), tee=tee, names=epoch.members)
         pending = None
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
@@ -198,18 +198,12 @@ def _futile(plan: LaunchPlan, result: Any) -> str | None:
     return outcome.permanent_failure(getattr(result, "failures", None) or {})
 
 
-def _node_names(plan: LaunchPlan) -> list[str]:
-    """The allocation's nodes by node rank: Slurm's host names, else ``node N`` (hpc run)."""
-    slurm = SlurmEnv.from_env(os.environ)
-    hosts = expand_hostlist(slurm.nodelist) if slurm.active else []
-    return hosts or [f"node {i}" for i in range(plan.launchers)]
-
-
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0,
-               tee: RankTee | None = None) -> outcome.AgentEnd:
+               tee: RankTee | None = None, names: Sequence[str] = ()) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
-    Slurm, the fence: a newer epoch decided without this node stops its workers."""
+    Slurm, the fence: a newer epoch decided without this node stops its workers. ``names``:
+    the epoch's members by node rank (Slurm's host names; none under hpc run)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -290,7 +284,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result = "failed"
             reason = rdzv_failure.explain(
                 e, endpoint=plan.rdzv_endpoint, timeout_s=rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)
-                ["join_timeout"], min_nodes=plan.nnodes[0], nodes=_node_names(plan),
+                ["join_timeout"], min_nodes=plan.nnodes[0],
+                nodes=list(names) or [f"node {i}" for i in range(plan.launchers)],
                 joined=rdzv_failure.joined(read_events(plan.job_dir), plan.allocation, epoch))
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
         if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
