@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.scale.meter import CountingStore, FsCounter
+from runtime.launch import rendezvous
 from runtime.launch.main import rdzv_conf
 from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
@@ -126,18 +127,31 @@ class Host:
 
     # --- join ---------------------------------------------------------------------------
     def make_handlers(self, join_timeout_s: float) -> None:
+        """Each agent's rendezvous handler, as the launcher makes it
+        (:func:`runtime.launch.rendezvous.choose`: the listed first round for N known nodes),
+        or torch's c10d handler alone with ``--rdzv c10d``; their store clients count."""
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         conf = dict(rdzv_conf(self.a.nodes), join_timeout=int(join_timeout_s))
         if self.a.keep_alive:   # an experiment: another keep-alive interval than the launcher's
             conf["keep_alive_interval"] = self.a.keep_alive
+        rendezvous.register()
         for r in self.ranks:
-            params = RendezvousParameters("c10d", self.a.endpoint, RUN_ID, self.a.nodes, self.a.nodes,
-                                          local_addr=host_name(r), is_host=False, **conf)
+            # The store's server runs apart here: no agent is its host; node 0 decides.
+            choice = rendezvous.choose(node_rank=r, expected=self.a.nodes, min_nodes=self.a.nodes,
+                                       max_nodes=self.a.nodes, spares=0, configs=dict(conf, is_host=False))
+            backend, configs = (choice.backend, dict(choice.configs, decider=r == 0)) \
+                if self.a.rdzv == "launcher" else ("c10d", dict(conf, is_host=False))
+            self.rdzv_backend = backend
+            params = RendezvousParameters(backend, self.a.endpoint, RUN_ID, self.a.nodes, self.a.nodes,
+                                          local_addr=host_name(r), **configs)
             h = get_rendezvous_handler(params)
-            backend = h._state_holder._backend   # count its requests (torch's private name)
-            backend._store = CountingStore(backend._store, self.rdzv_requests, self.rdzv_bytes)
+            inner = h.inner if isinstance(h, rendezvous.ListedFirstRound) else h
+            backend_ = inner._state_holder._backend   # count its requests (torch's private name)
+            backend_._store = CountingStore(backend_._store, self.rdzv_requests, self.rdzv_bytes)
+            if isinstance(h, rendezvous.ListedFirstRound):
+                h.store = CountingStore(h.store, self.rdzv_requests, self.rdzv_bytes)
             self.handlers[r] = h
 
     def join(self) -> dict:
@@ -158,6 +172,7 @@ class Host:
         for t in threads:
             t.join()
         return {"done": done, "errors": errors[:5], "rdzv_requests": self.rdzv_requests[0],
+                "rdzv_backend": getattr(self, "rdzv_backend", None),
                 "rdzv_bytes": self.rdzv_bytes[0], "cpu_s": sum(os.times()[:2]) - cpu0}
 
     # --- keepalive, load window and detection --------------------------------------------
@@ -248,7 +263,7 @@ class Host:
             b.halt()
         for h in self.handlers.values():
             try:
-                h._stop_heartbeats()
+                getattr(h, "inner", h)._stop_heartbeats()
             except Exception:
                 pass
 
@@ -323,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-liveness", action="store_true", help="no join, keepalive, detection")
     p.add_argument("--no-join", action="store_true", help="no rendezvous handlers (join skipped)")
     p.add_argument("--no-election", action="store_true", help="the election phase is skipped")
+    p.add_argument("--rdzv", choices=("launcher", "c10d"), default="launcher",
+                   help="the launcher's rendezvous (listed first round) or torch's c10d alone")
     p.add_argument("--keep-alive", type=float, default=0.0,
                    help="the rendezvous keep_alive_interval (s) instead of rdzv_conf's")
     p.add_argument("--beacons-per-thread", type=int, default=1,

@@ -80,7 +80,8 @@ def _go(ctl: Path, name: str, **data: object) -> None:
 def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
              join_timeout_s: float = 300.0, history_allocs: int = 20,
              work: Path | None = None, skip_liveness: str = "", skip_join: str = "",
-             beacons_per_thread: int = 1, join_only: bool = False, keep_alive_s: float = 0.0) -> dict:
+             beacons_per_thread: int = 1, join_only: bool = False, keep_alive_s: float = 0.0,
+             rdzv: str = "launcher") -> dict:
     """Measures one N; returns its row (figures, their context, and notes on any null).
 
     ``skip_liveness``: a reason not to run the join, load and detection phases (then their
@@ -115,6 +116,7 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
                                *(["--no-join"] if skip_join else []),
                                *(["--no-election"] if join_only else []),
                                *(["--keep-alive", str(keep_alive_s)] if keep_alive_s else []),
+                               "--rdzv", rdzv,
                                *(["--skip-liveness"] if skip_liveness else [])], env=env, cwd=ROOT)
              for f, c in spans]
     pids = [h.pid for h in hosts]
@@ -177,8 +179,11 @@ def _join(row: dict, n: int, ctl: Path, pids: list[int], server: subprocess.Pope
     if row["join_s"] is None:
         row["notes"]["join_s"] = (f"{n - len(done)} of {n} agents did not join within the "
                                   f"rendezvous join_timeout of {join_timeout_s:.0f} s: {errors[:1]}")
+    row["rdzv_backend"] = next((j.get("rdzv_backend") for j in joined if j.get("rdzv_backend")), None)
     row["join_rdzv_requests"] = sum(j["rdzv_requests"] for j in joined)
     row["join_rdzv_mb"] = round(sum(j.get("rdzv_bytes", 0) for j in joined) / 1e6, 1)
+    row["join_rdzv_kb"] = round(sum(j.get("rdzv_bytes", 0) for j in joined) / 1e3, 1)
+    row["join_rdzv_requests_per_node"] = round(row["join_rdzv_requests"] / n, 2)
     # The agents' processes' CPU over the join (they do nothing else then): the client side.
     row["join_client_cpu_s"] = round(sum(j.get("cpu_s", 0.0) for j in joined), 1)
     row["join_server_cpu_s"] = round(cpu_s(server.pid) - c0, 2)
@@ -297,7 +302,7 @@ def summarize(rows: list[dict]) -> dict:
     ns = [r["nodes"] for r in rows]
     extra = ("store_server_cpu", "beacon_req_per_s", "beacon_demand_req_per_s",
              "rdzv_keepalive_req_per_s", "elect_fs_ops_per_node", "status_s", "report_rss_mb",
-             "events_lines", "join_rdzv_requests", "report_cpu_s", "status_cpu_s")
+             "events_lines", "join_rdzv_requests", "join_rdzv_kb", "report_cpu_s", "status_cpu_s")
     return {"figures": {str(r["nodes"]): r for r in rows},
             "exponents": {k: exponent(ns, [r.get(k) for r in rows]) for k in (*FIGURES, *extra)}}
 
@@ -320,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rdzv-keep-alive", type=float, default=0.0,
                    help="an experiment: the rendezvous keep-alive interval (s) instead of the launcher's")
     p.add_argument("--join-only", action="store_true",
-                   help="measure the c10d join again and update those figures in --out")
+                   help="measure the join again and update those figures in --out")
+    p.add_argument("--rdzv", choices=("launcher", "c10d"), default="launcher",
+                   help="the launcher's rendezvous (listed first round) or torch's c10d alone")
     p.add_argument("--elect-only", action="store_true",
                    help="measure the election again and update those figures in --out")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
@@ -335,19 +342,26 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(json.loads(out.read_text())["figures"].values())
         for n in a.nodes:
             row = simulate(n, procs=a.procs, ticks=0, history_allocs=0, join_timeout_s=a.join_timeout,
-                           join_only=True, keep_alive_s=a.rdzv_keep_alive)
+                           join_only=True, keep_alive_s=a.rdzv_keep_alive, rdzv=a.rdzv)
             old = next((r for r in rows if r["nodes"] == n), None)
             if old is None:   # a join-only row (another N than the table's)
                 old = {"nodes": n, "ranks": n * 8, "notes": {}}
                 rows.append(old)
                 rows.sort(key=lambda r: r["nodes"])
+            keys = ("join_s", "joined", "join_rdzv_requests", "join_rdzv_mb", "join_client_cpu_s",
+                    "join_server_cpu_s", "join_load", "resolver", "rdzv_keep_alive_s")
+            if old.get("rdzv_backend", "c10d") == "c10d" and row.get("rdzv_backend") != "c10d" \
+                    and "join_c10d" not in old:   # keep torch's c10d figures beside the new ones
+                old["join_c10d"] = {k: old.get(k) for k in keys if k in old}
+                if "join_s" in old["notes"]:
+                    old["join_c10d"]["note"] = old["notes"]["join_s"]
             old["notes"].pop("join_s", None)
-            for k in ("join_s", "joined", "join_rdzv_requests", "join_rdzv_mb", "join_client_cpu_s",
-                      "join_server_cpu_s", "join_load", "resolver", "rdzv_keep_alive_s"):
+            for k in (*keys, "rdzv_backend", "join_rdzv_kb", "join_rdzv_requests_per_node"):
                 old[k] = row.get(k)
             if "join_s" in row["notes"]:
                 old["notes"]["join_s"] = row["notes"]["join_s"]
-            print(json.dumps({k: row.get(k) for k in ("nodes", "rdzv_keep_alive_s", "join_s", "joined", "join_rdzv_requests",
+            print(json.dumps({k: row.get(k) for k in ("nodes", "rdzv_backend", "join_s", "joined", "join_rdzv_requests",
+                                                      "join_rdzv_kb",
                                                       "join_rdzv_mb", "join_client_cpu_s",
                                                       "join_server_cpu_s", "join_load")}), flush=True)
             out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
@@ -369,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
         row = simulate(n, procs=a.procs, window_s=a.window, join_timeout_s=a.join_timeout,
                        skip_liveness=skip, skip_join=a.skip_join if n >= a.skip_join_from else "",
-                       beacons_per_thread=a.beacons_per_thread)
+                       beacons_per_thread=a.beacons_per_thread, rdzv=a.rdzv)
         print(json.dumps({k: row.get(k) for k in (*FIGURES, "load_window")}), flush=True)
         rows.append(row)
         rows.sort(key=lambda r: r["nodes"])

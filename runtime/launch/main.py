@@ -51,7 +51,7 @@ from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
 from runtime.launch import (health, inprocess_agent, inprocess_silent, inprocess_spare, quorum,
-                            rdzv_failure, spares)
+                            rdzv_failure, rendezvous, spares)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -231,11 +231,19 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     def on_restart(failures: Any, restart: int, of: int) -> None:
         tee.drain()
         log.warning("%s: starting the workers again (restart %d of %d)", why(failures), restart, of)
+    # The first round from the known node list in O(N) store requests (runtime/launch/rendezvous.py).
+    rdzv = rendezvous.choose(node_rank=plan.node_rank, expected=members if board is not None and members
+                             else plan.launchers, min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1],
+                             spares=spec.spare_nodes,
+                             configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s),
+                                          is_host=plan.is_rdzv_host))
+    if rdzv.backend == rendezvous.BACKEND:
+        rendezvous.register()
+    log.info("rendezvous: %s", rdzv.reason)
     config = LaunchConfig(
         min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
-        run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend="c10d",
-        rdzv_configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s), is_host=plan.is_rdzv_host),
-        max_restarts=spec.max_restarts,
+        run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=rdzv.backend,
+        rdzv_configs=rdzv.configs, max_restarts=spec.max_restarts,
         monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
         signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
     )
