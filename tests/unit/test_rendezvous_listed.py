@@ -1,7 +1,7 @@
 """The listed first rendezvous round (runtime/launch/rendezvous.py): its rule, and its store cost.
 
 The cost is counted on an in-memory store that answers the handful of TCPStore calls the round
-makes (pure logic: the real TCPStore path runs in tests/distributed/test_rendezvous_listed.py and
+makes (pure logic: the real TCPStore path runs in tests/distributed/test_listed_rendezvous_local.py and
 in the 64-node harness test). torch's c10d round needs up to N(N+1)/2 compare-and-sets of O(N)
 bytes; this one must stay O(1) requests and bytes per node at 10,000 nodes.
 """
