@@ -307,6 +307,14 @@ def summarize(rows: list[dict]) -> dict:
             "exponents": {k: exponent(ns, [r.get(k) for r in rows]) for k in (*FIGURES, *extra)}}
 
 
+def _write(out: Path, rows: list[dict]) -> None:
+    """Writes the rows' summary to ``out``, keeping its other records (``join_experiments``)."""
+    kept = {}
+    if out.exists():
+        kept = {k: v for k, v in json.loads(out.read_text()).items() if k not in ("figures", "exponents")}
+    out.write_text(json.dumps({**summarize(rows), **kept}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "join_rdzv_kb",
                                                       "join_rdzv_mb", "join_client_cpu_s",
                                                       "join_server_cpu_s", "join_load")}), flush=True)
-            out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
+            _write(out, rows)
         return 0
     if a.elect_only:    # the election again, into the rows already recorded
         rows = list(json.loads(out.read_text())["figures"].values())
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             old["elect_load"] = row["load_before"]
             if "elect_s" in row["notes"]:
                 old["notes"]["elect_s"] = row["notes"]["elect_s"]
-        out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
+        _write(out, rows)
         return 0
     for n in a.nodes:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
@@ -387,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: row.get(k) for k in (*FIGURES, "load_window")}), flush=True)
         rows.append(row)
         rows.sort(key=lambda r: r["nodes"])
-        out.write_text(json.dumps(summarize(rows), indent=1) + "\n")
+        _write(out, rows)
     return 0
 
 
