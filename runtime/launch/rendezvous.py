@@ -126,6 +126,14 @@ class ListedFirstRound:
     def _key(self, name: str) -> str:
         return self.prefix + name
 
+    def _call(self, op: str, *args: Any) -> Any:
+        """One store request; a failed one is torch's ``RendezvousConnectionError``, as in
+        c10d's backend: the launcher takes it for a lost rendezvous host (succession)."""
+        try:
+            return getattr(self.store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as e:
+            raise _lost(e) from e
+
     # --- torch's RendezvousHandler ----------------------------------------------------------
     def get_backend(self) -> str:
         return BACKEND   # torch's registry checks the handler's name against the asked one
@@ -152,7 +160,7 @@ class ListedFirstRound:
             return self.inner.num_nodes_waiting()
         at, n = self._waiting
         if time.monotonic() - at >= WAITING_CACHE_S:
-            n = int(self.store.add(self._key("waiting"), 0))
+            n = int(self._call("add", self._key("waiting"), 0))
             self._waiting = (time.monotonic(), n)
         return n
 
@@ -164,7 +172,7 @@ class ListedFirstRound:
                 return info
         elif self.listed:
             self.listed = False
-            self.store.add(self._key("waiting"), 1)   # the others: meet in c10d's round
+            self._call("add", self._key("waiting"), 1)   # the others: meet in c10d's round
         return self.inner.next_rendezvous()
 
     # --- the listed round -------------------------------------------------------------------
@@ -180,22 +188,25 @@ class ListedFirstRound:
         """Claims this node's key and counts it in (2 requests); False: it was claimed before
         (this launcher was restarted), then the node is not counted again."""
         token = uuid.uuid4().hex
-        mine = self.store.compare_set(self._key(f"node/{self.node_rank}"), "", token)
+        mine = self._call("compare_set", self._key(f"node/{self.node_rank}"), "", token)
         first = _text(mine) == token
         if first:
-            self.store.add(self._key("arrived"), 1)
+            self._call("add", self._key("arrived"), 1)
         return first
 
     def await_decision(self, timeout_s: float) -> dict[str, Any]:
         """A node other than the host: the host's decision (2 requests, O(1) bytes normally)."""
         from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
+        start = time.monotonic()
         try:
             self.store.wait([self._key("decision")], timedelta(seconds=timeout_s))
-        except Exception as e:  # TCPStore's wait raises on its timeout
+        except Exception as e:  # TCPStore's wait raises on its timeout, and on a lost store
+            if time.monotonic() - start < timeout_s - 1:
+                raise _lost(e) from e
             raise RendezvousTimeoutError(
                 f"no decision on the listed rendezvous round within {timeout_s:.0f} s: {e}") from e
-        return json.loads(self.store.get(self._key("decision")))
+        return json.loads(self._call("get", self._key("decision")))
 
     def place(self, decision: dict[str, Any], first: bool) -> tuple[int, int] | None:
         """This node's (rank, world size) in the decided round, or None: it is not in it and
@@ -211,7 +222,7 @@ class ListedFirstRound:
             log.warning("rendezvous: this node (rank %d) came after the listed round was formed "
                         "(%s); joining torch's c10d round", self.node_rank,
                         "its key was already claimed" if not first else "not among its members")
-            self.store.add(self._key("waiting"), 1)
+            self._call("add", self._key("waiting"), 1)
             return None
         self.listed = True
         # Its place among the members in node order: O(missing), not O(N), work per node.
@@ -223,7 +234,7 @@ class ListedFirstRound:
         start = time.monotonic()
         min_since = None
         while True:
-            arrived = int(self.store.add(self._key("arrived"), 0))
+            arrived = int(self._call("add", self._key("arrived"), 0))
             now = time.monotonic()
             if min_since is None and arrived >= self.params.min_nodes:
                 min_since = now
@@ -237,8 +248,8 @@ class ListedFirstRound:
             decision["timeout"] = True
         elif verdict == "some":
             keys = [self._key(f"node/{r}") for r in range(self.expected)]
-            decision["missing"] = [r for r, k in enumerate(keys) if not self.store.check([k])]
-        self.store.set(self._key("decision"), json.dumps(decision))
+            decision["missing"] = [r for r, k in enumerate(keys) if not self._call("check", [k])]
+        self._call("set", self._key("decision"), json.dumps(decision))
         log.info("rendezvous: listed round formed: %d of %d nodes in %.1f s (%s)",
                  len(members_of(decision)) if verdict != "timeout" else 0, self.expected,
                  time.monotonic() - start, verdict)
@@ -262,13 +273,20 @@ class ListedFirstRound:
                 port = self._server.port
             else:
                 port = get_free_port()
-            self.store.set(addr_key, addr)
-            self.store.set(port_key, str(port))
-        addr = _text(self.store.get(addr_key))
-        port = int(_text(self.store.get(port_key)))
+            self._call("set", addr_key, addr)
+            self._call("set", port_key, str(port))
+        addr = _text(self._call("get", addr_key))
+        port = int(_text(self._call("get", port_key)))
         log.info("rendezvous: rank %d of %d in the listed round", rank, world_size)
         return RendezvousInfo(dist.PrefixStore(prefix, self.raw_store), rank, world_size,
                               RendezvousStoreInfo(master_addr=addr, master_port=port))
+
+
+def _lost(e: BaseException) -> Exception:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    return RendezvousConnectionError(
+        f"The connection to the C10d store has failed ({type(e).__name__}: {e}).")
 
 
 def _text(value: Any) -> str:

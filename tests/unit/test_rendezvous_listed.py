@@ -168,3 +168,25 @@ def test_the_handler_is_registered_under_its_name():
     rendezvous.register()
     rendezvous.register()     # idempotent: each agent run of a launcher registers it
     assert rendezvous_handler_registry._registry[BACKEND] is rendezvous.create
+
+
+def test_a_lost_store_is_a_rendezvous_connection_error_as_in_c10d():
+    # The launcher takes a RendezvousError for a lost rendezvous host (succession); a raw
+    # store error would end the allocation as "the elastic agent failed".
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
+
+    class Gone(CountingStore):
+        def add(self, key: str, n: int) -> int:
+            raise RuntimeError("Connection reset by peer")
+
+        def wait(self, keys: list[str], timeout: object) -> None:
+            raise RuntimeError("Connection reset by peer")
+
+    _, places = join_all(2)
+    h = handler(Gone(), 1, 2)
+    h.listed = True
+    with pytest.raises(RendezvousConnectionError) as got:
+        h.num_nodes_waiting()
+    assert isinstance(got.value, RendezvousError)
+    with pytest.raises(RendezvousConnectionError):
+        h.await_decision(60.0)
