@@ -231,6 +231,8 @@ class StopTracker:
                             "not killed; looking again in %.0f s", waited, why, KILL_RECHECK_S)
                 self._kill_in(KILL_RECHECK_S)
                 return
+        if self._cancelled:   # the workers ended while we looked
+            return
         try:
             killed = self.kill_workers() if self.kill_workers is not None else []
         except Exception as e:   # noqa: BLE001 - a timer thread; the launcher goes on
