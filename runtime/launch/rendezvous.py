@@ -121,7 +121,8 @@ class ListedFirstRound:
         self.prefix = f"hpc.rendezvous.{params.run_id}."
         self.listed = False             # in the listed round (its workers run)
         self.rounds = 0
-        self._waiting = (0.0, 0)
+        self._waiting = (float("-inf"), 0)   # (when asked, the answer): num_nodes_waiting's cache
+        self.c10d_every_s = max(WAITING_CACHE_S, float(params.get_as_int("keep_alive_interval", 1) or 1))
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -155,17 +156,21 @@ class ListedFirstRound:
         return self.inner.shutdown()
 
     def num_nodes_waiting(self) -> int:
-        """In the listed round: the nodes that left it or came after it (they wait in c10d's)."""
-        if not self.listed:
-            return self.inner.num_nodes_waiting()
+        """In the listed round: the nodes that left it or came after it (they wait in c10d's),
+        asked at most once a second (one ``add``). In c10d's rounds: c10d's wait list, asked
+        at most once per keep-alive interval: each ask reads c10d's whole O(N) state (torch's
+        agent asks every 0.5 s, its cache lasts 1 s: O(N^2) bytes a second at every node's
+        ask), so with N/200-s intervals above 200 nodes it is O(N) bytes a second."""
         at, n = self._waiting
-        if time.monotonic() - at >= WAITING_CACHE_S:
-            n = int(self._call("add", self._key("waiting"), 0))
-            self._waiting = (time.monotonic(), n)
+        if time.monotonic() - at < (WAITING_CACHE_S if self.listed else self.c10d_every_s):
+            return n
+        n = int(self._call("add", self._key("waiting"), 0)) if self.listed else self.inner.num_nodes_waiting()
+        self._waiting = (time.monotonic(), n)
         return n
 
     def next_rendezvous(self) -> Any:
         self.rounds += 1
+        self._waiting = (float("-inf"), 0)
         if self.rounds == 1:
             info = self._listed_round()
             if info is not None:

@@ -139,7 +139,7 @@ def test_with_min_below_max_the_round_forms_after_the_last_call_and_a_late_node_
     assert hs[1].num_nodes_waiting() == 0
     late = hs[3]
     assert late.place(late.await_decision(60.0), late.arrive()) is None   # to c10d's round
-    hs[1]._waiting = (0.0, 0)
+    hs[1]._waiting = (float("-inf"), 0)
     assert hs[1].num_nodes_waiting() == 1      # the members restart and meet it in c10d's round
 
 
@@ -190,3 +190,28 @@ def test_a_lost_store_is_a_rendezvous_connection_error_as_in_c10d():
     assert isinstance(got.value, RendezvousError)
     with pytest.raises(RendezvousConnectionError):
         h.await_decision(60.0)
+
+
+def test_in_c10d_rounds_the_whole_state_is_read_once_per_keep_alive_interval_not_each_ask():
+    # torch's agent asks num_nodes_waiting every 0.5 s; each c10d answer reads its O(N) state.
+    class Inner:
+        asks = 0
+
+        def num_nodes_waiting(self) -> int:
+            Inner.asks += 1
+            return 0
+
+        def next_rendezvous(self) -> str:
+            return "c10d round"
+
+    store = CountingStore()
+    h = handler(store, 1, 1024)
+    h.inner = Inner()
+    assert h.c10d_every_s == rdzv_conf(1024)["keep_alive_interval"] == 5
+    h.rounds = 1                      # the listed round is behind it
+    assert h.next_rendezvous() == "c10d round"
+    for _ in range(20):
+        h.num_nodes_waiting()
+    assert Inner.asks == 1
+    small = handler(CountingStore(), 1, 3)
+    assert small.c10d_every_s == 1.0   # up to 200 nodes as c10d's own 1-s cache
