@@ -131,6 +131,14 @@ class Contender:
         """The goodput ledger of the run (``job_ids``: every Slurm job it took, in order)."""
         raise NotImplementedError
 
+    def recoveries(self, job: Path) -> list[tuple[float, int]]:
+        """(time, step gone on from) of each in-process recovery (none but ours in-process)."""
+        from hpc.contract.events import read_events
+        try:
+            return [(float(e["t"]), int(e["step"])) for e in read_events(job) if e["ev"] == "inproc_recovery"]
+        except (OSError, ValueError, KeyError):
+            return []
+
     def reference(self, world: int, cfg: Config, out: Path) -> str:
         """The weights digest of an uninterrupted local run at ``world`` processes."""
         raise NotImplementedError
@@ -421,7 +429,9 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
     result = contender.result(job)
     ledger = contender.ledger(job, job_ids)
     end_alloc = max((a.end for a in ledger.allocations), default=t_end)
-    costs = cm.fault_costs(faults, [(t, s, g) for t, s, _, g in trace], ledger.allocations, end_alloc)
+    recoveries = contender.recoveries(job)
+    costs = cm.fault_costs(faults, [(t, s, g) for t, s, _, g in trace], ledger.allocations, end_alloc,
+                           recoveries)
     worlds = sorted({w for _, _, w, _ in trace})
     finished = bool(result) and int(result.get("final_step", -1)) == cfg.steps and not timed_out
     world = int(result["world_size"]) if result else 0
@@ -435,7 +445,7 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
         "allocations": len(ledger.allocations), "worlds_seen": worlds, "final_world": world,
         "weights_sha256": (result or {}).get("weights_sha256"), "load_1m": cm.spread(loads),
         "threads": (result or {}).get("threads"),
-        "repairs": inj.log, "trace": trace,
+        "repairs": inj.log, "trace": trace, "inproc_recoveries": recoveries,
     }
     print(f"  [{contender.name} seed {seed}] done in {record['wall_s']:.0f} s: finished {finished}, "
           f"goodput {ledger.goodput * 100:.1f}%, allocated {ledger.allocated_node_s:.0f} node-s, "
@@ -490,6 +500,10 @@ def run_campaign(contenders: list[Contender], seeds: list[int], cfg: Config, env
     sc.restore(cluster)
     maker.join()
     for r in runs:
+        try:
+            slurm_frame(r)   # a hung tail is in Slurm's frame only
+        except Exception as e:   # noqa: BLE001 - the ledger's frame stays; said in the record
+            r["slurm_frame_error"] = repr(e)
         ref = references.get((r["contender"], r["final_world"]))
         r["weights_equal"] = bool(ref and r.pop("weights_sha256", None) == ref)
         r["reference_world_available"] = ref is not None
@@ -591,7 +605,8 @@ def slurm_frame(record: dict[str, Any]) -> None:
     trace = [(t, s, tuple(g) if isinstance(g, list) else g) for t, s, _, g in record["trace"]]
     faults = [{k: f[k] for k in ("kind", "t", "step", "scheduled_step", "target")} for f in record["faults"]]
     record["faults_ledger_frame"] = record["faults"]
-    slurm = cm.fault_costs(faults, trace, allocs, max(ends))
+    slurm = cm.fault_costs(faults, trace, allocs, max(ends),
+                           [tuple(r) for r in record.get("inproc_recoveries") or ()])
     # Each frame can only miss node-time (the ledger a hang's tail, sacct an allocation of a
     # requeued job it did not list: seen): a fault costs the larger of the two.
     for f, led in zip(slurm, record["faults_ledger_frame"]):
@@ -600,6 +615,10 @@ def slurm_frame(record: dict[str, Any]) -> None:
         f["recovered"] = led["recovered"] and f["recovered"]
     record["faults"] = slurm
     record["allocated_node_s_slurm"] = cm.node_seconds(allocs, min(a.start for a in allocs), max(ends))
+    # The goodput on the larger frame too: a hung tail is allocated time the ledger never saw.
+    if record["allocated_node_s_slurm"] > record.get("allocated_node_s", 0) > 0:
+        record["goodput_ledger"] = record["goodput"]
+        record["goodput"] = record["goodput"] * record["allocated_node_s"] / record["allocated_node_s_slurm"]
 
 
 def from_partial(path: Path, root: Path) -> dict[str, Any]:

@@ -114,7 +114,8 @@ def plain_events(records: Iterable[Mapping[str, Any]], runs: Mapping[int, Mappin
     return out
 
 
-def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float) -> float | None:
+def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float,
+            recoveries: Sequence[tuple[float, int]] = ()) -> float | None:
     """When the job was back after a fault at ``t_fault``: the first step a later worker group
     completed beyond every step done before that group began (None: never).
 
@@ -123,11 +124,24 @@ def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float) -> float | 
     may finish a step or two after the fault (a preemption's agreed stop); those count as done.
     A fault that starts no new group (recovery in place) is back at the first step beyond the
     step at the fault.
+
+    ``recoveries``: (time, step gone on from) of the job's in-process recoveries
+    (``inproc_recovery`` events). The first one after the fault and before any new group is
+    this fault's: the job is back at the first step beyond every step done before it. Without
+    them, a later fault's new group (a preemption's requeue) was taken for this fault's
+    recovery, and an in-process recovery was charged until that requeue's first step.
     """
     before = [p for p in trace if p[0] <= t_fault]
     after = [p for p in trace if p[0] > t_fault]
     seen = {p[2] for p in before}
     first_new = next((i for i, p in enumerate(after) if p[2] not in seen), None)
+    t_new = after[first_new][0] if first_new is not None else float("inf")
+    rec = next(((t, s) for t, s in sorted(recoveries) if t_fault <= t < t_new), None)
+    if rec is not None:
+        ref = max([p[1] for p in trace if p[0] <= rec[0]] + [rec[1]])
+        back = next((p[0] for p in after if p[0] > rec[0] and p[1] > ref), None)
+        if back is not None and back < t_new:
+            return back
     if first_new is None:
         ref = max((p[1] for p in before), default=-1)
         return next((p[0] for p in after if p[1] > ref), None)
@@ -145,7 +159,8 @@ def node_seconds(allocations: Iterable[Any], t0: float, t1: float) -> float:
 
 
 def fault_costs(faults: Sequence[Mapping[str, Any]], trace: Sequence[tuple[float, int, Any]],
-                allocations: Iterable[Any], run_end: float) -> list[dict[str, Any]]:
+                allocations: Iterable[Any], run_end: float,
+                recoveries: Sequence[tuple[float, int]] = ()) -> list[dict[str, Any]]:
     """Each fault's node-seconds lost: allocated from the fault until back at its step (pure).
 
     Args:
@@ -153,11 +168,12 @@ def fault_costs(faults: Sequence[Mapping[str, Any]], trace: Sequence[tuple[float
         trace: (time, step, worker group) as the campaign observed the job's progress.
         allocations: The job's ledger allocations.
         run_end: The end of the run (a fault never recovered from counts until then).
+        recoveries: The job's in-process recoveries, (time, step gone on from) (:func:`back_at`).
     """
     allocations = list(allocations)
     out = []
     for f in faults:
-        back = back_at(trace, float(f["t"]))
+        back = back_at(trace, float(f["t"]), recoveries)
         end = back if back is not None else run_end
         out.append({**f, "back_s": (end - float(f["t"])), "recovered": back is not None,
                     "lost_node_s": node_seconds(allocations, float(f["t"]), end)})

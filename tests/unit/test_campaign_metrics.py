@@ -123,3 +123,16 @@ def test_the_run_table_marks_a_fault_never_recovered_and_the_faults_not_reached(
     line = cm.runs_markdown([run]).splitlines()[-1]
     assert "node_crash @7: 185, freeze @15: 1482*; not reached: preempt" in line
     assert "| no | 0 | 5.6% | 1773 |" in line and "8.6 [4.5, 12.1]" in line
+
+
+def test_an_inprocess_recovery_is_its_fault_s_not_a_later_requeue_s():
+    # In-process recovery at t=4 from step 9 (group "a" goes on), then a preemption at t=20
+    # whose requeue (group "b") resumes at t=50. The crash at t=1 was back at t=5 (step 10),
+    # not at the requeue's first step beyond 30.
+    trace = [(0.5, 9, "a"), (4.2, 9, "a"), (5.0, 10, "a"), (19.0, 30, "a"), (50.0, 30, "b"), (51.0, 31, "b")]
+    assert cm.back_at(trace, 1.0) == 51.0, "without the recovery: the requeue's step (the old reading)"
+    assert cm.back_at(trace, 1.0, [(4.0, 9)]) == 5.0
+    assert cm.back_at(trace, 20.0, [(4.0, 9)]) == 51.0, "an earlier recovery is not a later fault's"
+    # A rollback: the step done twice (10) is not "back"; 11 is.
+    trace = [(0.5, 10, "a"), (4.2, 9, "a"), (5.0, 10, "a"), (5.5, 11, "a")]
+    assert cm.back_at(trace, 1.0, [(4.0, 9)]) == 5.5
