@@ -131,27 +131,27 @@ PATH="$hide:$PATH" exec "$@"
 """
 
 
-def test_container_requeue_is_done_by_the_batch_shell(env, tmp_path: Path) -> None:
+def _submit_contained(env: dict[str, str], tmp_path: Path) -> tuple[Path, str]:
+    """A 2-node job under the stand-in apptainer (its own HPC_HOME): its job dir and id."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "apptainer"
     fake.write_text(FAKE_APPTAINER)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    run_env = {**env, "PATH": f"{bin_dir}:{env.get('PATH', os.defpath)}"}
+    run_env = {**env, "PATH": f"{bin_dir}:{env.get('PATH', os.defpath)}",
+               "HPC_HOME": str(tmp_path / "hpc-home-contained")}
     job = tmp_path / "contained"
     r = hpc(run_env, "submit", str(TRAIN), "--nodes", "2", "--nproc-per-node", "2", "--time", "10",
             "--job-dir", str(job), "--checkpoint-every-steps", "2", "--container-runtime", "apptainer",
             "--container-image", str(tmp_path / "pytorch.sif"),
             "--", "--preset", "tiny", "--step-sleep", "0.3")
     assert r.returncode == 0, r.stderr
-    job_id = (job / "slurm_job_id").read_text().strip()
-    wait_until(lambda: (job / "progress.json").exists()
-               and json.loads((job / "progress.json").read_text()).get("step", 0) >= 6, 240,
-               "training to step 6")
-    # The warning signal to every step process: the workers save, node 0 decides to requeue.
-    subprocess.run(["scancel", "--signal=USR2", job_id], env=env, check=True)
-    wait_until(lambda: len(outcomes(job)) >= 2 and squeue(env, job_id) in ("", "COMPLETED"), 300,
-               f"the requeued job to finish; outcomes {outcomes(job)}")
+    return job, (job / "slurm_job_id").read_text().strip()
+
+
+def _check_contained(env: dict[str, str], job: Path, job_id: str) -> None:
+    """Stopped by the warning, requeued by the batch shell (outside the container), finished;
+    nothing inside the "container" called Slurm, the batch shell gave it the deadlines."""
     kinds = [(o["allocation"], o["kind"]) for o in outcomes(job)]
     assert kinds[0] in ((0, "time_limit"), (0, "preempted")), (kinds, batch_log(job))
     assert kinds[-1][1] == "finished", (kinds, batch_log(job))
@@ -219,13 +219,19 @@ def sacct_times(env: dict[str, str], *job_ids: str) -> dict[str, tuple[str, str]
     return {r[0]: (r[1], r[2]) for r in rows}
 
 
-def test_where_slurm_refuses_the_requeue_the_job_continues_as_a_new_job(env, tmp_path: Path,
-                                                                         baseline) -> None:
-    """Requeue=0 on the job (what JobRequeue=0 or a site's forced --no-requeue give): the
-    stopped job is continued once, as a new job chained after it, from its checkpoint, with the
-    same W&B run and the same sample order as an uninterrupted run."""
+def test_a_container_job_and_a_job_slurm_will_not_requeue_both_stopped_go_on(env, tmp_path: Path,
+                                                                            baseline) -> None:
+    """Two 2-node jobs at once (sharing nodes), each sent the warning signal at step 6:
+
+    * a container job (the stand-in apptainer): the workers save, node 0 decides to requeue, and
+      the batch shell does it, outside the container (issue 16);
+    * a job with Requeue=0 (what JobRequeue=0 or a site's forced --no-requeue give): the stopped
+      job is continued once, as a new job chained after it, from its checkpoint, with the same
+      W&B run and the same sample order as an uninterrupted run.
+    """
     from tests.slurm.test_fault_tolerance import assert_same_as_baseline
 
+    contained, contained_id = _submit_contained(env, tmp_path)
     job = tmp_path / "no requeue"
     r = hpc(env, "submit", str(TRAIN), "--nodes", "2", "--nproc-per-node", "2", "--time", "10",
             "--job-dir", str(job), "--checkpoint-every-steps", "2",
@@ -233,16 +239,26 @@ def test_where_slurm_refuses_the_requeue_the_job_continues_as_a_new_job(env, tmp
     assert r.returncode == 0, r.stderr
     old = (job / "slurm_job_id").read_text().strip()
     subprocess.run(["scontrol", "update", f"JobId={old}", "Requeue=0"], env=env, check=True)
-    wait_until(lambda: (job / "progress.json").exists()
-               and json.loads((job / "progress.json").read_text()).get("step", 0) >= 6, 240,
-               "training to step 6")
+
+    def at_step_6(j: Path) -> bool:
+        return ((j / "progress.json").exists()
+                and json.loads((j / "progress.json").read_text()).get("step", 0) >= 6)
+
+    wait_until(lambda: at_step_6(contained) and at_step_6(job), 240, "both jobs training to step 6")
     wandb_id = (job / "wandb_run_id").read_text()
+    # The warning signal to every step process: the workers save, node 0 decides to requeue.
+    subprocess.run(["scancel", "--signal=USR2", contained_id], env=env, check=True)
     subprocess.run(["scancel", "--signal=USR2", old], env=env, check=True)
     wait_until(lambda: (job / "resubmissions.jsonl").exists(), 120,
                f"the continuation; outcomes {outcomes(job)}; {batch_log(job)[-2000:]}")
     new = (job / "slurm_job_id").read_text().strip()
+    wait_until(lambda: len(outcomes(contained)) >= 2 and squeue(env, contained_id) in ("", "COMPLETED"), 300,
+               f"the requeued container job to finish; outcomes {outcomes(contained)}")
     wait_until(lambda: squeue(env, new) in ("", "COMPLETED") and squeue(env, old) in ("", "FAILED", "COMPLETED"),
                300, f"job {new} to finish; outcomes {outcomes(job)}")
+
+    _check_contained(env, contained, contained_id)
+
     links = [json.loads(x) for x in (job / "resubmissions.jsonl").read_text().splitlines()]
     assert [(x["previous"], x["job_id"], x["allocation_base"]) for x in links] == [(old, new, 1)]
     assert new != old
