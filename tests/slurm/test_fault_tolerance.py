@@ -268,15 +268,34 @@ def test_node_crash_tp2_x_dp2_survivors_continue_at_dp1_x_tp2(env, slurm_cluster
     assert f"{lost} (lost" in " ".join(outcomes(job)[-1]["excluded"]), outcomes(job)
 
 
-def test_application_error_does_not_loop(env, slurm_cluster, tmp_path):
+def test_application_error_does_not_loop_and_a_node_failing_its_health_check_stays_out(env, slurm_cluster,
+                                                                                       tmp_path):
+    """Two jobs at once (sharing nodes; neither is timed):
+
+    * a script failing at step 3 (--max-restarts 1): one app_error record, no requeue, no retry,
+      and `hpc status` names the failure;
+    * node3's pre-join check fails (HPC_TEST_HEALTH_FAIL points its real job-directory probe at a
+      path that cannot be written): it leaves without joining, the others form the group at
+      MIN 2, the job completes (srun status 0), and node3 is excluded.
+    """
     job = tmp_path / "bug"
     job_id = submit(env, job, "--nodes", "2", "--max-restarts", "1", train=("--fail-at-step", "3"))
+    health = tmp_path / "health"
+    health_id = submit(env, health, "--nodes", "2:3", "--env", "HPC_TEST_HEALTH_FAIL=2",
+                       train=("--max-steps", "6", *ELASTIC))
     wait_done(env, job_id, job)
     assert [o["kind"] for o in outcomes(job)] == ["app_error"]
     assert "injected failure at step 3" in outcomes(job)[0]["reason"]
     assert restarts(env, job_id) in (0, -1)
     status = hpc(env, "status", "--json", str(job))
     assert "injected failure at step 3" in status.stdout, status.stdout + status.stderr
+
+    wait_done(env, health_id, health, timeout=300)
+    assert json.loads((health / "result.json").read_text())["world_size"] == 4
+    assert [o["kind"] for o in outcomes(health)] == ["finished"]
+    excluded = [json.loads(x) for x in (health / "exclusions.jsonl").read_text().splitlines()]
+    assert [(e["node"], e["kind"]) for e in excluded] == [("node3", "health")], excluded
+    assert "srun exited with status 0" in "".join(p.read_text() for p in health.glob("logs/slurm-*.out"))
 
 
 def hangs(job: Path) -> list[dict]:
@@ -357,21 +376,6 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     assert [o["allocation"] for o in outcomes(job)] == [0, 1], outcomes(job)
     assert outcomes(job)[0]["kind"] == "preempted" and outcomes(job)[0]["hangs"], outcomes(job)
     assert outcomes(job)[-1]["kind"] == "finished"
-
-
-def test_node_failing_its_health_check_stays_out(env, slurm_cluster, tmp_path):
-    """node3's pre-join check fails (HPC_TEST_HEALTH_FAIL points its real job-directory probe
-    at a path that cannot be written): it leaves without joining, the others form the group
-    at MIN 2, the job completes (srun status 0), and node3 is excluded."""
-    job = tmp_path / "health"
-    job_id = submit(env, job, "--nodes", "2:3", "--env", "HPC_TEST_HEALTH_FAIL=2",
-                    train=("--max-steps", "6", *ELASTIC))
-    wait_done(env, job_id, job, timeout=300)
-    assert json.loads((job / "result.json").read_text())["world_size"] == 4
-    assert [o["kind"] for o in outcomes(job)] == ["finished"]
-    excluded = [json.loads(x) for x in (job / "exclusions.jsonl").read_text().splitlines()]
-    assert [(e["node"], e["kind"]) for e in excluded] == [("node3", "health")], excluded
-    assert "srun exited with status 0" in "".join(p.read_text() for p in job.glob("logs/slurm-*.out"))
 
 
 PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
