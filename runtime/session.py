@@ -488,6 +488,7 @@ class Session:
         self._row_in_flight = None
         self._recent = []
         self.step = rec.members.step
+        self._hand_over_sink(old_rank)
         if self.is_rank0 and self._progress is None:
             self._progress = ProgressMeter(total_steps=self._progress_total, start_step=self.step,
                                            every_s=LINE_MAX_S)
@@ -946,18 +947,35 @@ class Session:
             self._line_at = time.monotonic()
             print(self._progress.line(step), flush=True)
 
-    def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None) -> Any:
-        """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily)."""
+    def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None, *,
+                     background: bool = False) -> Any:
+        """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily;
+        ``background``: rank 0's ``wandb.init`` runs on the sink's thread)."""
         if self._sink is None:
             config = self.spec.wandb if self.spec else WandbConfig(mode=wandb_mode(None, os.environ))
-            sink = make_sink(
-                self.rank, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
-                resume_step=resume_step, run_id=run_id,
-                # Offline init touches no network: a long bound only guards a starved node.
-                init_timeout_s=30.0 if config.mode == "online" else 120.0)
+
+            def make() -> Any:
+                return make_sink(
+                    0, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
+                    resume_step=resume_step, run_id=run_id,
+                    # Offline init touches no network: a long bound only guards a starved node.
+                    init_timeout_s=30.0 if config.mode == "online" else 120.0)
             # Rank 0's W&B calls (and the exactly-once mark) run off the training loop's path.
-            self._sink = sink if isinstance(sink, NullSink) else BackgroundSink(sink)
+            self._sink = NullSink() if not self.is_rank0 else \
+                BackgroundSink(make) if background else BackgroundSink(make())
         return self._sink
+
+    def _hand_over_sink(self, old_rank: int) -> None:
+        """After an in-process re-form the W&B run goes with rank 0: a process that was rank 0
+        and is no longer finishes its run (it logs nothing more); one that became rank 0 (its
+        rank 0 was lost) resumes the job's one run (``JOB_DIR/wandb_run_id``, first write wins
+        for steps already logged). Its ``wandb.init`` runs on the sink's thread: training goes
+        on meanwhile, the rows wait in its queue."""
+        if self._sink is None or (old_rank == 0) == self.is_rank0:
+            return
+        old, self._sink = self._sink, None
+        old.close()
+        self._ensure_sink(resume_step=self.step, background=True)
 
     def finish(self) -> None:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""

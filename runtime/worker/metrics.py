@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -126,11 +126,18 @@ class BackgroundSink:
     other than the four methods (``run_id``...) are the wrapped sink's.
 
     Args:
-        inner: The sink to drive (rank 0's W&B sink).
+        inner: The sink to drive (rank 0's W&B sink), or a function that makes it: it is then
+            made on the thread, first (a ``wandb.init`` of seconds off the caller's path: the
+            rank that becomes rank 0 at an in-process re-form goes on training meanwhile), and
+            an attribute read waits for it.
     """
 
-    def __init__(self, inner: MetricsSink) -> None:
-        self.inner = inner
+    def __init__(self, inner: MetricsSink | Callable[[], MetricsSink]) -> None:
+        self._ready = threading.Event()
+        self._make = inner if callable(inner) and not hasattr(inner, "log") else None
+        self.inner: MetricsSink = NullSink() if self._make is not None else inner  # type: ignore[assignment]
+        if self._make is None:
+            self._ready.set()
         self._calls: queue.SimpleQueue[tuple[str, tuple[Any, ...], dict[str, Any]] | None] = \
             queue.SimpleQueue()
         self._closed = False
@@ -138,6 +145,9 @@ class BackgroundSink:
         self._thread.start()
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_ready", "_make", "inner"):
+            raise AttributeError(name)
+        self._ready.wait()
         return getattr(self.inner, name)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:  # noqa: D102
@@ -171,6 +181,12 @@ class BackgroundSink:
             self._calls.put((method, args, kwargs))
 
     def _run(self) -> None:
+        if self._make is not None:
+            try:
+                self.inner = self._make()
+            except Exception as e:  # noqa: BLE001 - metrics must never stop training
+                log.warning("metrics sink could not be made (%r): this process logs nothing", e)
+            self._ready.set()
         while (call := self._calls.get()) is not None:
             method, args, kwargs = call
             try:

@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 STATE_FILE = jobdir.WANDB_STATE
 FALLBACK_FILE = jobdir.METRICS_JSONL
 DEFAULT_PROJECT = "hpc-elastic"
+# wandb-core writes the offline `.wandb` file when a 32-KiB block fills, at the run's end, and
+# every `x_transaction_log_flush_interval` (15 s by default): a rank 0 that is SIGKILLed (or
+# whose service dies with it) loses what was not written yet, while the step filter counts it
+# as logged. One write call a second (no fsync) bounds that loss to about a second of rows.
+FLUSH_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +177,8 @@ class WandbSink:
                         id=self.run_id, resume="allow", mode=s.mode,
                         project=s.project or DEFAULT_PROJECT, entity=s.entity or None,
                         name=s.name or None, dir=str(root), config=metadata,
-                        settings=wandb.Settings(init_timeout=s.init_timeout_s, console=s.console))
+                        settings=wandb.Settings(init_timeout=s.init_timeout_s, console=s.console,
+                                                x_transaction_log_flush_interval=FLUSH_S))
             if metadata:  # on a resumed run, init's config does not override old values
                 self._run.config.update(metadata, allow_val_change=True)
         except Exception as err:  # noqa: BLE001 - any W&B failure must not stop training

@@ -260,3 +260,41 @@ def test_background_sink_goes_on_after_a_failing_call_and_flush_waits():
     sink.flush()
     assert [c[2] for c in inner.calls if c[0] == "log"] == [1, 3]
     sink.close()
+
+
+def test_background_sink_made_on_its_thread_takes_calls_at_once_and_keeps_them():
+    """The rank that becomes rank 0 at an in-process re-form opens the W&B run on the sink's
+    thread: calls made meanwhile wait in the queue, an attribute read waits for the sink."""
+    import threading
+
+    from runtime.worker.metrics import BackgroundSink
+
+    gate, made_on = threading.Event(), []
+    inner = _Recording()
+
+    def make():
+        made_on.append(threading.current_thread().name)
+        gate.wait(10)            # a slow wandb.init
+        return inner
+
+    sink = BackgroundSink(make)
+    sink.log({"loss": 1.0}, step=7)          # returns although the sink is not made yet
+    sink.event("resumed", step=None, resume_step=6)
+    assert inner.calls == []
+    gate.set()
+    assert sink.run_id == "abc123"          # waits for the made sink
+    sink.close()
+    assert made_on == ["hpc-metrics-sink"]
+    assert [c[0] for c in inner.calls] == ["log", "event", "close"] and inner.calls[0][2] == 7
+
+
+def test_background_sink_whose_making_fails_logs_nothing_and_closes():
+    from runtime.worker.metrics import BackgroundSink
+
+    def make():
+        raise RuntimeError("no W&B here")
+
+    sink = BackgroundSink(make)
+    sink.log({"loss": 1.0}, step=1)
+    sink.flush()
+    sink.close()

@@ -27,6 +27,7 @@ p.add_argument("--steps", type=int, default=30)
 p.add_argument("--step-sleep", type=float, default=0.05)
 p.add_argument("--global-batch", type=int, default=12)
 p.add_argument("--micro", type=int, default=2)
+p.add_argument("--log-every", type=int, default=5)
 p.add_argument("--pause", default="", help="RANK:STEP:SECONDS: that rank works this long at that step "
                "(healthy and slow, unmarked: an evaluation)")
 args = p.parse_args()
@@ -60,7 +61,7 @@ X = torch.randn(600, 8, generator=g)
 Y = X.sum(dim=1, keepdim=True).sin()
 log = open(out / f"steps-{os.getpid()}.jsonl", "a", buffering=1)
 
-with Session(seed=0, log_every=5) as s:
+with Session(seed=0, log_every=args.log_every) as s:
     model = s.wrap(Net())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ResumableSampler(len(X), global_batch=args.global_batch, seed=3)

@@ -1,0 +1,79 @@
+"""One W&B run across in-process recoveries, the worker of rank 0 killed included.
+
+``hpc run --recovery inprocess`` on this machine (3 workers, gloo, DDP, real wandb offline, a
+row every step). Two faults in one job: first the worker of rank 2 is SIGKILLed (rank 0
+survives the re-form as rank 0 and must keep its run open), then the worker of rank 0 (the
+survivor that was rank 1 becomes rank 0 at the re-form and must go on with the same run; the
+joiners come last and log nothing). What a user sees in W&B: one run id, every step 1..N logged
+exactly once (the failed step's row is either logged once or not at all, never twice), in
+order, with no gap, and one offline folder per process that was rank 0 (two), each opened
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_inprocess_join import kill_when, lines
+from tests.wandb_offline import offline_env, read_files, read_run, run_files
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
+STEPS = 24
+
+
+def test_rank0_killed_the_new_rank0_continues_the_one_run_each_step_once(tmp_path: Path):
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job"
+    out.mkdir()
+    env = dict(os.environ, **offline_env(tmp_path / "wandb env"), PYTHONPATH=str(REPO),
+               HPC_INPROC_WINDOW_S="60")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "3", "--recovery", "inprocess",
+         "--max-restarts", "2", "--job-dir", str(job), "--wandb-mode", "offline",
+         "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15", "--log-every", "1"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        first = kill_when(run, out, lambda pid, ran: ran[0]["rank"] == 2 and len(ran) >= 5, deadline)
+        originals = set(lines(out))
+        rank0 = next(pid for pid, ran in lines(out).items() if ran[0]["rank"] == 0)
+        # The second fault: the original rank 0, once the first replacement has trained two steps.
+        second = kill_when(run, out, lambda pid, ran: pid == rank0 and any(
+            len(r) >= 2 for p, r in lines(out).items() if p not in originals), deadline)
+        text, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, text[-5000:]
+    ran = lines(out)
+    killed_at = max(x["step"] for x in ran[second])
+    heir = next(pid for pid in originals - {first, second})
+    assert ran[heir][-1]["rank"] == 0, "the survivor of rank 1 is rank 0 after the second re-form"
+
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    reform = max(e["step"] for e in events if e["ev"] == "inproc_recovery")   # the second re-form's
+
+    run_id = (job / "wandb_run_id").read_text().strip()
+    wandb = read_run(job, run_id)
+    assert wandb.run_ids == {run_id}
+    steps = wandb.steps
+    assert len(steps) == len(set(steps)) and steps == sorted(steps), f"a step logged twice: {steps}"
+    assert all("loss" in row for row in wandb.history), wandb.history
+    files = run_files(job, run_id)
+    assert len(files) == 2, f"one offline folder per process that was rank 0: {files}"
+    first_rows = read_files(files[:1]).steps
+    assert first_rows == list(range(1, len(first_rows) + 1)), first_rows   # rank 0 across the first re-form
+    heirs = read_files(files[1:]).steps
+    assert heirs == list(range(reform + 1, STEPS + 1)), (reform, heirs)    # from the re-form to the end
+    print(f"rank 0 killed in step {killed_at}, re-formed at {reform}; steps logged: {steps}; "
+          f"test took {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
