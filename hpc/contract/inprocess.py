@@ -29,6 +29,8 @@ key                               writer                     reader
 ``join/admitted``                 the leader of G            rank 0, leaders: joiners before it are taken
 ``replace/UID``                   a launcher restarting UID  the leader: wait for a joiner until then
 ``generation``                    the leader of G (``G``)    joiners, tools: the newest generation
+``node/N``                        node N's launcher: its     a peer's launcher that names node N
+                                  workers' uids (JSON list)  lost: whom to announce dead
 ``current`` (at ``ROOT``)         rank 0 of a round          a spare's joiners: the round's namespace
 ``done``                          rank 0, the job finished   waiting joiners: leave, not needed
 ================================  =========================  ========================================
@@ -137,6 +139,10 @@ def join(index: int) -> str:
 
 def replace(worker: str) -> str:
     return f"replace/{worker}"
+
+
+def node_workers(node_rank: int) -> str:
+    return f"node/{node_rank}"
 
 
 JOIN_COUNT = "join/count"

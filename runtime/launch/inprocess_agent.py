@@ -31,6 +31,7 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -85,13 +86,15 @@ def describe_exit(status: int) -> str:
 
 
 @contextmanager
-def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
+def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0) -> Iterator[None]:
     """While inside, torch's agent (built by ``launch_agent`` by its module-global name) is
     one that announces dead workers and restarts no live ones (see the module docstring).
 
     Args:
         store_address: ``host:port`` of the rendezvous store the workers use.
         events: Where to record (``runtime.events.EventLog``), or None.
+        node_rank: This node's rank (its workers are published under ``node/N`` for a peer
+            that names this node lost: :mod:`runtime.launch.inprocess_silent`).
     """
     from torch.distributed.elastic.agent.server import local_elastic_agent as torch_agent
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -124,9 +127,29 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
                 pids = super()._start_workers(worker_group)
             finally:
                 torch_agent.start_processes = started
-            self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set())
+            self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set(), _published=[])
             self.__dict__.setdefault("_replaced", 0)
+            self._publish(worker_group, list(pids.values()))   # (torch sets worker.id after this)
             return pids
+
+        def _space(self, worker_group: Any) -> Any:
+            """The workers' view of the store (this round's namespace)."""
+            import torch.distributed as dist
+            if self._hpc_store is None:
+                h, _, p = store_address.rpartition(":")
+                self._hpc_store = dist.TCPStore(h, int(p), is_master=False,
+                                                timeout=timedelta(seconds=10), wait_for_workers=False)
+            space = proto.namespace(worker_group.master_addr, worker_group.master_port)
+            return dist.PrefixStore(space, self._hpc_store)
+
+        def _publish(self, worker_group: Any, pids: list[int]) -> None:
+            """Adds workers of this node to ``node/N`` (whom a peer announces if this node is lost)."""
+            published: list[str] = self.__dict__.setdefault("_published", [])
+            published.extend(proto.uid(host, p) for p in pids)
+            try:
+                self._space(worker_group).set(proto.node_workers(node_rank), json.dumps(published))
+            except Exception as e:   # noqa: BLE001 - then a lost node here waits for the bound
+                log.warning("in-process recovery: cannot publish this node's workers: %s", e)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             gone = self.__dict__.setdefault("_gone", {})
@@ -198,6 +221,7 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
             self.__dict__["_replaced"] = self.__dict__.get("_replaced", 0) + 1
             self.__dict__["_joiners"][lr] = proc
+            self._publish(worker_group, [proc.pid])
             log.warning("in-process recovery: local rank %d started again as a joiner (pid %d, "
                         "restart %d of %d); the others go on", lr, proc.pid,
                         self.__dict__["_replaced"], worker_group.spec.max_restarts)
@@ -232,12 +256,7 @@ def owning_recovery(store_address: str, events: Any = None) -> Iterator[None]:
             why = f"launcher on {host}: worker {pid} (local rank {worker.local_rank}) " + \
                   (why or f"died, {describe_exit(code)}") + ("; a joiner replaces it" if replace else "")
             try:
-                import torch.distributed as dist
-                if self._hpc_store is None:
-                    h, _, p = store_address.rpartition(":")
-                    self._hpc_store = dist.TCPStore(h, int(p), is_master=False,
-                                                timeout=timedelta(seconds=10), wait_for_workers=False)
-                store = dist.PrefixStore(space, self._hpc_store)   # the workers' view
+                store = self._space(worker_group)   # the workers' view
                 gen, uids = inprocess_silent.generation(store)
                 left = [u for u in uids if u != who and not store.check([proto.dead(u)])]
                 if uids and not left:
@@ -299,11 +318,11 @@ def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
                 pass
 
 
-def for_spec(recovery: str, store_address: str, events: Any = None) -> Any:
+def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0) -> Any:
     """The context the launcher runs torch's agent in for the job's ``--recovery``."""
     if recovery != proto.INPROCESS:
         return nullcontext()
-    return owning_recovery(store_address, events)
+    return owning_recovery(store_address, events, node_rank)
 
 
 def worker_env(store_address: str) -> dict[str, str]:

@@ -11,12 +11,14 @@ worker of the waiting nodes (the restart path):
   worker is never stopped, and a tracer's stop (``t``: a debugger, py-spy) is left alone;
 - **a lost node** (a cut link, a frozen or crashed node whose launcher cannot speak): the
   launchers' peer beacon (:mod:`runtime.liveness.peers`) names a node whose counter stood
-  still :data:`LOST_S` while the store answers. :class:`LostNodes` then marks that host's
-  workers of the running generation dead (``dead/UID``) and announces the generation's fault
+  still :data:`LOST_S` while the store answers. :class:`LostNodes` then marks that node's
+  workers of the running generation (its launcher publishes them: ``node/N``) dead (``dead/UID``) and announces the generation's fault
   (``fault/G``): every survivor leaves its step within 0.1 s (its fault watch breaks its
   groups' connections) and the re-form does not wait for the lost ones. The beacon is the
   launcher's own thread, one store request a second, whatever the workers do: a node whose
-  training is slow, or that evaluates for minutes, keeps beating and is never named.
+  training is slow, or that evaluates for minutes, keeps beating and is never named. A
+  launcher names no one until it has watched :data:`LOST_S` without a gap of its own (it was
+  frozen, or cut off from the store): back from a gap, everyone would look silent to it.
 
 When the store itself is out of reach (the lost node hosts it) nothing is announced: the
 beacon names nobody lost while it cannot reach the store, and the job takes the restart path.
@@ -24,6 +26,7 @@ beacon names nobody lost while it cannot reach the store, and the job takes the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -73,9 +76,10 @@ class StoppedWorkers:
         log.warning("in-process recovery: worker %d %s so that its peers go on", pid, why)
 
 
-def victims(uids: list[str], host: str) -> list[str]:
-    """The workers among ``uids`` (``host/pid``) that run on ``host`` (pure)."""
-    return [u for u in uids if u.rpartition("/")[0] == host]
+def victims(uids: list[str], published: list[str]) -> list[str]:
+    """The members (``uids``) that a lost node's launcher published as its workers (pure)."""
+    theirs = set(published)
+    return [u for u in uids if u in theirs]
 
 
 def generation(store: Any) -> tuple[int, list[str]]:
@@ -103,23 +107,23 @@ class LostNodes:
 
     def __init__(self, store_address: str, events: Any = None, host: str = "") -> None:
         self.store_address, self.events, self.host = store_address, events, host
-        self.announced: set[str] = set()
+        self.announced: set[int] = set()
         self._raw: Any = None
 
-    def __call__(self, lost: Mapping[str, float]) -> None:
-        """``lost``: host -> seconds its beacon stood still."""
-        for host, silent in lost.items():
-            if not host or host == "?" or host in self.announced:
+    def __call__(self, lost: Mapping[int, tuple[str, float]]) -> None:
+        """``lost``: node rank -> (its host, seconds its beacon stood still)."""
+        for rank, (host, silent) in lost.items():
+            if rank in self.announced:
                 continue
             try:
-                n, gen = self._announce(host, silent)
+                n, gen = self._announce(rank, host, silent)
             except Exception as e:   # noqa: BLE001 - the store is busy or gone: next look
                 log.warning("in-process recovery: cannot announce lost node %s: %s", host, e)
                 self._raw = None
                 continue
             if n is None:
                 continue   # no running generation yet
-            self.announced.add(host)
+            self.announced.add(rank)
 
     def _store(self) -> Any:
         import torch.distributed as dist
@@ -130,7 +134,7 @@ class LostNodes:
                                       wait_for_workers=False)
         return self._raw
 
-    def _announce(self, host: str, silent: float) -> tuple[int | None, int]:
+    def _announce(self, rank: int, host: str, silent: float) -> tuple[int | None, int]:
         import torch.distributed as dist
 
         raw = self._store()
@@ -138,9 +142,11 @@ class LostNodes:
             return None, 0
         store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
         gen, uids = generation(store)
-        gone = victims(uids, host)
+        key = proto.node_workers(rank)
+        gone = victims(uids, json.loads(store.get(key)) if store.check([key]) else [])
         t = time.time()
-        why = f"node {host} lost: its launcher's beacon stood still {silent:.1f}s (seen from {self.host})"
+        why = f"node {host} (node rank {rank}) lost: its launcher's beacon stood still {silent:.1f}s " \
+              f"(seen from {self.host})"
         for u in gone:
             store.set(proto.dead(u), why)
         if gone:
@@ -148,6 +154,6 @@ class LostNodes:
         log.warning("in-process recovery: %s; %d worker(s) there announced dead (generation %d), "
                     "the others go on", why, len(gone), gen)
         if self.events is not None:
-            self.events.emit("inproc_detect", t=t, lost_node=host, silent_s=round(silent, 2),
+            self.events.emit("inproc_detect", t=t, lost_node=host, lost_rank=rank, silent_s=round(silent, 2),
                              workers=gone, gen=gen)
         return len(gone), gen

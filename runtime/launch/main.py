@@ -215,7 +215,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
     inproc_events = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank,
                              sync_every_s=0) if spec.recovery == "inprocess" else None
-    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events)
+    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank)
     if spec.recovery == "inprocess":
         os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint),
                           **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})

@@ -68,6 +68,7 @@ from runtime.liveness.verdict import (HARDWARE_KINDS, Verdict, assess, blame, ju
 
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
+GAP_S = 2.5   # a look or a store contact this late: this launcher itself was frozen or cut off
 NCCL_DUMP_WAIT_S = 2.0       # torch writes the flight recorder from its own thread
 LOOK_EVERY_S = 5.0           # stacks of ranks past their deadline without a hard fault, this often
 BUSY_LOG_EVERY_S = 300.0     # a rank still running long is logged again this often
@@ -197,6 +198,8 @@ class Watchdog:
         # survivors re-form without it, instead of every waiting node's workers being killed.
         self.on_lost: Any = None
         self.on_lost_after_s = LOST_AFTER_S
+        self._last_look = time.monotonic()
+        self._watching_since = time.monotonic()
         # The current episode: the ranks' progress, unchanged since the ranks went overdue.
         self._episode: tuple = ()
         self._next_look = 0.0
@@ -307,9 +310,7 @@ class Watchdog:
         self._group = pids or self._group
         tracker = self.beacon.tracker if self.beacon is not None else None
         if self.on_lost is not None and tracker is not None:
-            quick = tracker.lost(time.monotonic(), after_s=self.on_lost_after_s)
-            if quick:
-                self.on_lost({tracker.hosts.get(r, ""): s for r, s in quick.items()})
+            self._announce_lost(tracker)
         if not beats:
             return None
         now = time.time() if now is None else now
@@ -338,6 +339,23 @@ class Watchdog:
             if tracker is not None:
                 tracker.done.update(lost)   # acted on: the job re-forms without them
         return verdict
+
+    def _announce_lost(self, tracker: Any) -> None:
+        """In-process: hands the peers lost for ``on_lost_after_s`` to ``on_lost``, but only
+        after this launcher has itself watched that long without a gap (its own checks and
+        store contact regular): back from a freeze or a cut of its own, every peer's counter
+        would look still to it."""
+        mono = time.monotonic()
+        ok_at = tracker.store_ok_at
+        gap = mono - self._last_look > GAP_S or ok_at is None or mono - ok_at > GAP_S
+        self._last_look = mono
+        if gap:
+            self._watching_since = mono
+        if mono - self._watching_since < self.on_lost_after_s + GAP_S:
+            return
+        quick = tracker.lost(mono, after_s=self.on_lost_after_s)
+        if quick:
+            self.on_lost({r: (tracker.hosts.get(r, "?"), s) for r, s in quick.items()})
 
     # --- weighing a candidate stall with the stacks -------------------------------------------
     def _new_episode(self, key: tuple) -> None:
