@@ -93,7 +93,7 @@ class Bench:
         self.n += 1
         job = self.root / f"job{self.n}-{time.strftime('%H%M%S')}"
         t0 = time.time()
-        # 0.01 s: every step (0 would mean the default, 2 s: a resume seen up to 2 s late).
+        # Every step (0.01 s; 0 meant the 2-s default until runtime.session.progress_interval).
         r = subprocess.run([sys.executable, "-m", "hpc", "submit", str(TRAIN), "--nproc-per-node", "2",
                             "--job-dir", str(job), "--checkpoint-every-steps", "4",
                             "--env", "HPC_PROGRESS_EVERY_S=0.01", *extra, "--", "--preset", "tiny",

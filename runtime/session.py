@@ -69,6 +69,12 @@ LINE_MAX_S = 30.0               # and at least one this often (a slow loop, a la
 LAST_LOSS = "_last/loss"        # the last step's loss, reduced with a row for the progress line
 
 
+def progress_interval(configured: float | None) -> float:
+    """Seconds between rank 0's ``progress.json`` writes: ``HPC_PROGRESS_EVERY_S`` where set,
+    ``0`` meaning every step (it once fell back to the 2-s default, being falsy), else 2 s."""
+    return PROGRESS_EVERY_S if configured is None else max(0.0, float(configured))
+
+
 class Session:
     """Ties the process group, model wrapping, checkpoints, metrics and preemption together.
 
@@ -892,7 +898,7 @@ class Session:
     def _write_progress(self, force: bool = False) -> None:
         """Rank 0 notes its step every few seconds, so a crash's lost work can be told."""
         now = time.time()
-        every = self.env.job.progress_every_s or PROGRESS_EVERY_S
+        every = progress_interval(self.env.job.progress_every_s)
         if not self.is_rank0 or (not force and now - self._progress_written < every):
             return
         self._progress_written = now
