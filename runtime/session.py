@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -66,6 +67,9 @@ JOIN_WAIT_S = 30 * 86400.0      # a joiner (a hot spare's worker) may wait the j
 PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
 LINE_MIN_S = 1.0                # console progress: a line per log step, at most one a second,
 LINE_MAX_S = 30.0               # and at least one this often (a slow loop, a large log_every)
+# In-process recovery: every rank holds its last reduced metric rows, so the rank that becomes
+# rank 0 when rank 0 is lost logs again the rows rank 0's W&B service had not written yet.
+ROWS_HELD = 256
 LAST_LOSS = "_last/loss"        # the last step's loss, reduced with a row for the progress line
 
 
@@ -109,6 +113,8 @@ class Session:
         self.step = 0
         self._pending_metrics: dict[str, list[float]] = {}
         self._row_in_flight: tuple[int, PendingReduction] | None = None   # (step, its reduction)
+        self._rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=ROWS_HELD)   # in-process: every rank's
+        self._row_logged: int | None = None  # the last row's step this process gave its sink
         self._metric_ops: dict[str, str] = {}
         self._app_state: dict[str, Any] = {}
         self._watcher: PreemptionWatcher | None = None
@@ -470,6 +476,7 @@ class Session:
             self._pace.take()
         self._beat.enter("recover", 300.0)
         old_rank, old_world = self.rank, self.world_size
+        self._keep_row_in_flight()
         extra = [self.cpu_group, getattr(self._watcher, "group", None)]
         if self._checkpointer is not None:
             extra += self._checkpointer.release_groups()
@@ -940,7 +947,10 @@ class Session:
             self._row_in_flight = None
             row = dict(pending.result())
             loss = row.pop(LAST_LOSS, None)
+            if self._inproc is not None:
+                self._rows.append((step, row))
             self._ensure_sink().log(row, step=step)
+            self._row_logged = step
             if self._progress is not None:
                 if loss is not None:
                     self._progress.loss = loss
@@ -954,7 +964,7 @@ class Session:
             print(self._progress.line(step), flush=True)
 
     def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None, *,
-                     background: bool = False) -> Any:
+                     background: bool = False, heir: bool = False) -> Any:
         """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily;
         ``background``: rank 0's ``wandb.init`` runs on the sink's thread)."""
         if self._sink is None:
@@ -963,7 +973,7 @@ class Session:
             def make() -> Any:
                 return make_sink(
                     0, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
-                    resume_step=resume_step, run_id=run_id,
+                    resume_step=resume_step, run_id=run_id, heir=heir,
                     # Offline init touches no network: a long bound only guards a starved node.
                     init_timeout_s=30.0 if config.mode == "online" else 120.0)
             # Rank 0's W&B calls (and the exactly-once mark) run off the training loop's path.
@@ -977,11 +987,33 @@ class Session:
         rank 0 was lost) resumes the job's one run (``JOB_DIR/wandb_run_id``, first write wins
         for steps already logged). Its ``wandb.init`` runs on the sink's thread: training goes
         on meanwhile, the rows wait in its queue."""
-        if self._sink is None or (old_rank == 0) == self.is_rank0:
+        if self._sink is not None and (old_rank == 0) != self.is_rank0:
+            old, self._sink = self._sink, None
+            old.close()
+            self._ensure_sink(resume_step=self.step, background=True, heir=True)
+            self._row_logged = None
+        if self.is_rank0:   # rows not logged yet: the kept one, the lost rank 0's unwritten ones
+            for step, row in self._rows:
+                if (self._row_logged is None or step > self._row_logged) and step <= self.step:
+                    self._ensure_sink().log(row, step=step)   # (the heir's sink drops written ones)
+                    self._row_logged = step
+
+    def _keep_row_in_flight(self) -> None:
+        """At a recovery: the metric row whose reduction finished before the fault is kept (as
+        every rank has it); one still posted is lost with the failed generation."""
+        if self._row_in_flight is None:
             return
-        old, self._sink = self._sink, None
-        old.close()
-        self._ensure_sink(resume_step=self.step, background=True)
+        step, pending = self._row_in_flight
+        self._row_in_flight = None
+        try:
+            if pending.works and not all(w.is_completed() for w in pending.works):
+                return
+            row = dict(pending.result())
+        except Exception as e:  # noqa: BLE001 - a failed reduction: the row is lost
+            log.info("in-process recovery: the metric row of step %d is lost (%r)", step, e)
+            return
+        row.pop(LAST_LOSS, None)
+        self._rows.append((step, row))
 
     def finish(self) -> None:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""

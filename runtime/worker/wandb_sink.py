@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 from hpc.contract import components, jobdir
 from hpc.contract.components import WandbConfig
 from hpc.contract.jobspec import WANDB_MODES
+from hpc.sync import offline_folders
+from hpc.wandb_records import iter_records
 from runtime.wandb_env import RUN_ID_FILE, load_or_create_run_id  # noqa: F401 - re-exported
 from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 
@@ -120,11 +122,13 @@ class WandbSink:
 
     def __init__(self, job_dir: Path | str, settings: WandbSettings | None = None, *,
                  metadata: Mapping[str, Any] | None = None, resume_step: int | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, heir: bool = False) -> None:
         self.job_dir = Path(job_dir)
         self.settings = settings or WandbSettings()
         self.run_id = load_or_create_run_id(self.job_dir, run_id)
         self._filter = StepFilter(self.job_dir / STATE_FILE, self.run_id)
+        if heir and self.settings.mode == "offline":
+            self._trust_only_written()
         self._run: Any = None
         self._fallback: JsonlSink | None = None
         self._pending: dict[str, Any] = {}
@@ -141,6 +145,28 @@ class WandbSink:
             last = self._filter.last_step
             self.event("resumed", None, resume_step=int(resume_step),
                        last_logged_step=-1 if last is None else last)
+
+    def _trust_only_written(self) -> None:
+        """The mark is lowered to the last step the run's offline files hold: a rank 0 that was
+        SIGKILLed marked steps its service never wrote (up to ``FLUSH_S`` of rows, and wandb's
+        open row, committed only by the next step). Its heir re-logs those from its memory."""
+        root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
+        written: int | None = None
+        for folder in offline_folders(root / "wandb", self.run_id):
+            try:
+                for record in iter_records(folder / f"run-{self.run_id}.wandb"):
+                    if record.WhichOneof("record_type") == "history":
+                        for item in record.history.item:
+                            if (item.key or "/".join(item.nested_key)) == "_step" and item.value_json:
+                                written = max(int(float(item.value_json)), written or 0)
+            except (OSError, ValueError) as e:
+                log.warning("W&B: cannot read %s (%s): steps marked logged stay so", folder, e)
+                return
+        if self._filter.last_step is not None and (written is None or written < self._filter.last_step):
+            log.warning("W&B: steps %s..%d were marked logged but are not in the run's files (the "
+                        "rank 0 that logged them was lost): logged again if still held",
+                        1 if written is None else written + 1, self._filter.last_step)
+            self._filter.last_step = written
 
     @property
     def last_logged_step(self) -> int | None:
@@ -304,6 +330,7 @@ def make_sink(
     resume_step: int | None = None,
     init_timeout_s: float = 15.0,
     run_id: str | None = None,
+    heir: bool = False,
 ) -> MetricsSink:
     """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
 
@@ -321,6 +348,8 @@ def make_sink(
         init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
         run_id: a W&B run id to adopt if the job directory has none yet (e.g. from a checkpoint
             manifest); the id in `JOB_DIR/wandb_run_id` always wins.
+        heir: this process became rank 0 at an in-process re-form (its rank 0 was lost): only
+            the steps in the run's offline files count as logged.
 
     Returns:
         A sink; the caller calls it on every rank without checking the rank.
@@ -330,4 +359,4 @@ def make_sink(
     settings = WandbSettings(mode=config.mode, project=config.project, entity=config.entity,
                              name=name, init_timeout_s=init_timeout_s)
     return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
-                     run_id=run_id)
+                     run_id=run_id, heir=heir)

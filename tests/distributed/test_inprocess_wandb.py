@@ -5,9 +5,12 @@ row every step). Two faults in one job: first the worker of rank 2 is SIGKILLed 
 survives the re-form as rank 0 and must keep its run open), then the worker of rank 0 (the
 survivor that was rank 1 becomes rank 0 at the re-form and must go on with the same run; the
 joiners come last and log nothing). What a user sees in W&B: one run id, every step 1..N logged
-exactly once (the failed step's row is either logged once or not at all, never twice), in
-order, with no gap, and one offline folder per process that was rank 0 (two), each opened
-once.
+once and in order, one offline folder per process that was rank 0 (two). The killed rank 0's
+service had not written its last rows (wandb-core flushes every second, and a row is only
+committed by the next step): the heir logs them again from its own memory of the reduced rows
+(each rank holds them). The one row a fault may cost: the row whose reduction was in flight
+when the worker died without joining it (the re-form step's); it is not logged at all, never
+twice.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def test_rank0_killed_the_new_rank0_continues_the_one_run_each_step_once(tmp_pat
     assert ran[heir][-1]["rank"] == 0, "the survivor of rank 1 is rank 0 after the second re-form"
 
     events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
-    reform = max(e["step"] for e in events if e["ev"] == "inproc_recovery")   # the second re-form's
+    reforms = sorted(e["step"] for e in events if e["ev"] == "inproc_recovery")
+    assert len(reforms) == 2, reforms
 
     run_id = (job / "wandb_run_id").read_text().strip()
     wandb = read_run(job, run_id)
@@ -69,11 +73,14 @@ def test_rank0_killed_the_new_rank0_continues_the_one_run_each_step_once(tmp_pat
     steps = wandb.steps
     assert len(steps) == len(set(steps)) and steps == sorted(steps), f"a step logged twice: {steps}"
     assert all("loss" in row for row in wandb.history), wandb.history
+    # Every step once, but the row each fault hit in flight: the metrics of the step before the
+    # re-form step, whose reduction the dead worker never joined (no rank holds it reduced).
+    missing = sorted(set(range(1, STEPS + 1)) - set(steps))
+    assert set(missing) <= set(reforms), f"steps lost beyond the rows in flight at the faults {reforms}: {missing}"
     files = run_files(job, run_id)
     assert len(files) == 2, f"one offline folder per process that was rank 0: {files}"
-    first_rows = read_files(files[:1]).steps
-    assert first_rows == list(range(1, len(first_rows) + 1)), first_rows   # rank 0 across the first re-form
-    heirs = read_files(files[1:]).steps
-    assert heirs == list(range(reform + 1, STEPS + 1)), (reform, heirs)    # from the re-form to the end
-    print(f"rank 0 killed in step {killed_at}, re-formed at {reform}; steps logged: {steps}; "
-          f"test took {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+    first_rows, heirs = read_files(files[:1]).steps, read_files(files[1:]).steps
+    assert first_rows and heirs and heirs[-1] == STEPS, (first_rows, heirs)
+    print(f"rank 0 killed in step {killed_at}, re-forms at {reforms}; rank 0's rows {first_rows}, the "
+          f"heir's {heirs[:4]}..{heirs[-1]}; missing {missing}; test took {time.time() - t0:.0f} s, "
+          f"load {os.getloadavg()[0]:.1f}")
