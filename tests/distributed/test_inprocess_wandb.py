@@ -50,9 +50,10 @@ def test_rank0_killed_the_new_rank0_continues_the_one_run_each_step_once(tmp_pat
         first = kill_when(run, out, lambda pid, ran: ran[0]["rank"] == 2 and len(ran) >= 5, deadline)
         originals = set(lines(out))
         rank0 = next(pid for pid, ran in lines(out).items() if ran[0]["rank"] == 0)
-        # The second fault: the original rank 0, once the first replacement has trained two steps.
+        # The second fault: the original rank 0, once the first replacement has trained 8 steps
+        # (over a second: rank 0's rows after the first re-form are in its file by then).
         second = kill_when(run, out, lambda pid, ran: pid == rank0 and any(
-            len(r) >= 2 for p, r in lines(out).items() if p not in originals), deadline)
+            len(r) >= 8 for p, r in lines(out).items() if p not in originals), deadline)
         text, _ = run.communicate(timeout=300)
     finally:
         if run.poll() is None:
@@ -80,7 +81,9 @@ def test_rank0_killed_the_new_rank0_continues_the_one_run_each_step_once(tmp_pat
     files = run_files(job, run_id)
     assert len(files) == 2, f"one offline folder per process that was rank 0: {files}"
     first_rows, heirs = read_files(files[:1]).steps, read_files(files[1:]).steps
-    assert first_rows and heirs and heirs[-1] == STEPS, (first_rows, heirs)
+    assert heirs and heirs[-1] == STEPS, heirs
+    assert first_rows and first_rows[-1] > reforms[0], \
+        f"rank 0 kept its run open across the first re-form (at {reforms[0]}): {first_rows}"
     print(f"rank 0 killed in step {killed_at}, re-forms at {reforms}; rank 0's rows {first_rows}, the "
           f"heir's {heirs[:4]}..{heirs[-1]}; missing {missing}; test took {time.time() - t0:.0f} s, "
           f"load {os.getloadavg()[0]:.1f}")
