@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc.contract import components, jobdir
+from hpc.contract import components, jobdir, jobpaths
 from hpc.contract.components import WandbConfig
 from hpc.contract.jobspec import WANDB_MODES
 from hpc.sync import offline_folders
@@ -152,7 +152,7 @@ class WandbSink:
         open row, committed only by the next step). Its heir re-logs those from its memory."""
         root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
         written: int | None = None
-        for folder in offline_folders(root / "wandb", self.run_id):
+        for folder in offline_folders(root / jobpaths.WANDB_DIR, self.run_id):
             try:
                 for record in iter_records(folder / f"run-{self.run_id}.wandb"):
                     if record.WhichOneof("record_type") == "history":
