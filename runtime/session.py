@@ -660,7 +660,8 @@ class Session:
                            interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
                            if spec else interval.AUTO)
         meta = dict(manifest.metadata) if manifest else {}
-        self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"))
+        self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"),
+                          check_written=manifest is not None)
         if manifest:
             self.event("resumed", step=self.step, world_size=self.world_size,
                        saved_world_size=manifest.world_size, allocation=self.env.allocation,
@@ -964,7 +965,7 @@ class Session:
             print(self._progress.line(step), flush=True)
 
     def _ensure_sink(self, resume_step: int | None = None, run_id: str | None = None, *,
-                     background: bool = False, heir: bool = False) -> Any:
+                     background: bool = False, check_written: bool = False) -> Any:
         """The metrics sink: W&B on rank 0, a null sink elsewhere (created once, lazily;
         ``background``: rank 0's ``wandb.init`` runs on the sink's thread)."""
         if self._sink is None:
@@ -973,7 +974,7 @@ class Session:
             def make() -> Any:
                 return make_sink(
                     0, job_dir=self.job_dir, config=config, metadata=run_metadata(self.env),
-                    resume_step=resume_step, run_id=run_id, heir=heir,
+                    resume_step=resume_step, run_id=run_id, check_written=check_written,
                     # Offline init touches no network: a long bound only guards a starved node.
                     init_timeout_s=30.0 if config.mode == "online" else 120.0)
             # Rank 0's W&B calls (and the exactly-once mark) run off the training loop's path.
@@ -990,7 +991,7 @@ class Session:
         if self._sink is not None and (old_rank == 0) != self.is_rank0:
             old, self._sink = self._sink, None
             old.close()
-            self._ensure_sink(resume_step=self.step, background=True, heir=True)
+            self._ensure_sink(resume_step=self.step, background=True, check_written=True)
             self._row_logged = None
         if self.is_rank0:   # rows not logged yet: the kept one, the lost rank 0's unwritten ones
             for step, row in self._rows:

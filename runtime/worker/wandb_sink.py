@@ -14,9 +14,11 @@ What it does and why:
   `JOB_DIR/wandb_state.json` after each log. After a crash at step M with the last checkpoint at
   N < M, the re-done steps N+1..M are not logged again; their history keeps the values from the
   first attempt (same data, same weights at N, so close to the re-run's values, not bit-equal
-  unless the run is deterministic). A `resumed` event records `resume_step` and the last logged
-  step so the gap is visible. This works offline and online alike, costs nothing at resume, and
-  never loses a step that reached W&B.
+  unless the run is deterministic). Offline, a resume reads the run's files (a rank 0 killed by
+  SIGKILL marked steps its W&B service never wrote: at most `FLUSH_S` of rows and the open
+  row): the re-run logs those. A `resumed` event records `resume_step` and the last logged
+  step so the gap is visible. This works offline and online alike and never loses a step that
+  reached W&B.
 * **Events** (`preempted`, `restarted`, `node_lost`, ...) are history keys `events/<name>` = 1 with
   fields as `events/<name>/<field>`, merged into the next logged row (or the current row, when
   its step is the event's step). They chart at the step they happened and are read back from the
@@ -122,12 +124,12 @@ class WandbSink:
 
     def __init__(self, job_dir: Path | str, settings: WandbSettings | None = None, *,
                  metadata: Mapping[str, Any] | None = None, resume_step: int | None = None,
-                 run_id: str | None = None, heir: bool = False) -> None:
+                 run_id: str | None = None, check_written: bool = False) -> None:
         self.job_dir = Path(job_dir)
         self.settings = settings or WandbSettings()
         self.run_id = load_or_create_run_id(self.job_dir, run_id)
         self._filter = StepFilter(self.job_dir / STATE_FILE, self.run_id)
-        if heir and self.settings.mode == "offline":
+        if check_written and self.settings.mode == "offline":
             self._trust_only_written()
         self._run: Any = None
         self._fallback: JsonlSink | None = None
@@ -149,7 +151,8 @@ class WandbSink:
     def _trust_only_written(self) -> None:
         """The mark is lowered to the last step the run's offline files hold: a rank 0 that was
         SIGKILLed marked steps its service never wrote (up to ``FLUSH_S`` of rows, and wandb's
-        open row, committed only by the next step). Its heir re-logs those from its memory."""
+        open row, committed only by the next step). Its heir logs those again from its memory
+        (in-process recovery); after a restart the re-done steps fill them."""
         root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
         written: int | None = None
         for folder in offline_folders(root / jobpaths.WANDB_DIR, self.run_id):
@@ -330,7 +333,7 @@ def make_sink(
     resume_step: int | None = None,
     init_timeout_s: float = 15.0,
     run_id: str | None = None,
-    heir: bool = False,
+    check_written: bool = False,
 ) -> MetricsSink:
     """The sink for this rank: a `WandbSink` on global rank 0, a `NullSink` everywhere else.
 
@@ -348,8 +351,10 @@ def make_sink(
         init_timeout_s: bound on `wandb.init` per attempt (online without network blocks ~90 s).
         run_id: a W&B run id to adopt if the job directory has none yet (e.g. from a checkpoint
             manifest); the id in `JOB_DIR/wandb_run_id` always wins.
-        heir: this process became rank 0 at an in-process re-form (its rank 0 was lost): only
-            the steps in the run's offline files count as logged.
+        check_written: a start after a lost rank 0 (a resume from a checkpoint, or the rank
+            that became rank 0 at an in-process re-form): in offline mode only the steps in the
+            run's offline files count as logged, so re-done or remembered rows fill what the
+            lost process's service never wrote.
 
     Returns:
         A sink; the caller calls it on every rank without checking the rank.
@@ -359,4 +364,4 @@ def make_sink(
     settings = WandbSettings(mode=config.mode, project=config.project, entity=config.entity,
                              name=name, init_timeout_s=init_timeout_s)
     return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
-                     run_id=run_id, heir=heir)
+                     run_id=run_id, check_written=check_written)

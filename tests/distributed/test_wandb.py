@@ -134,3 +134,43 @@ def test_log_failure_mid_run_falls_back_without_losing_or_repeating_steps(
     assert [r["step"] for r in lines if r["kind"] == "log"] == [3, 4]
     assert read_run(tmp_path / "wandb", sink.run_id).steps == [1, 2]
     assert os.environ["WANDB_MODE"] == "offline"
+
+
+_KILLED_RANK0 = """
+import os, signal, sys, time
+from runtime.worker.wandb_sink import WandbSink
+sink = WandbSink(sys.argv[1])
+for step in range(1, 11):
+    sink.log({"loss": step + 0.5}, step)
+    if step == 4:
+        time.sleep(2.5)      # the service writes rows 1..3 (4 stays open until step 5 commits it)
+os.kill(os.getpid(), signal.SIGKILL)   # rank 0 SIGKILLed: its service never writes 4..10
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("wandb_offline", "clean_env")
+def test_steps_a_sigkilled_rank0_never_wrote_are_logged_by_the_rerun(tmp_path: Path) -> None:
+    """The step mark said 10, the offline file held 1..3: the restart (from the checkpoint at
+    6) logs its re-done steps 7..10 instead of leaving them out, and never a step twice."""
+    import subprocess
+    import sys
+
+    from runtime.worker.wandb_sink import WandbSink
+
+    repo = Path(__file__).resolve().parents[2]
+    killed = subprocess.run([sys.executable, "-c", _KILLED_RANK0, str(tmp_path)], cwd=repo,
+                            env=dict(os.environ, PYTHONPATH=str(repo)), timeout=90)
+    assert killed.returncode == -9
+    assert json.loads((tmp_path / "wandb_state.json").read_text())["last_step"] == 10
+    sink = WandbSink(tmp_path, resume_step=6, check_written=True)
+    for step in range(7, 16):
+        sink.log({"loss": step + 0.25}, step)
+    sink.close()
+    run = read_run(tmp_path / "wandb", sink.run_id)
+    steps = run.steps
+    assert run.run_ids == {sink.run_id}
+    assert len(steps) == len(set(steps)) and steps == sorted(steps), steps
+    assert steps[:3] == [1, 2, 3] and steps[-9:] == list(range(7, 16)), steps
+    # Steps 4..6 are lost unless the killed service wrote them: the re-run starts after them.
+    assert set(steps) - set(range(1, 16)) == set() and set(range(1, 16)) - set(steps) <= {4, 5, 6}
