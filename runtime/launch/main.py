@@ -256,13 +256,16 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                                                       host=socket.gethostname())
         watchdog.on_lost_after_s = inprocess_silent.LOST_S
     watchdog.start()
+    # In-process recovery keeps its membership in the rendezvous store: its host's loss is
+    # watched for under hpc run too (no succession there: the job ends as a node failure).
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
-                   tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None) \
-        if board is not None and plan.launchers > 1 else None
+                   tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None,
+                   events=inproc_events, rdzv_host=plan.rdzv_endpoint.rsplit(":", 1)[0]) \
+        if plan.launchers > 1 and (board is not None or spec.recovery == "inprocess") else None
     if fence is not None:
         fence.relaunch = lambda: not forwarder.received
         fence.start()
-    below_min = quorum.start(plan) if fence is not None and plan.is_rdzv_host else None
+    below_min = quorum.start(plan) if board is not None and fence is not None and plan.is_rdzv_host else None
     joining = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0)
     joining.emit(rdzv_failure.JOIN_EVENT, epoch=epoch)   # which nodes arrived, if the round times out
     joining.close()
@@ -394,6 +397,14 @@ def _restart_launcher(children: list[int], epoch: int) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "runtime.launch", *args, f"--lost-host={epoch}"])
 
 
+def inproc_host_lost(host: str, why: str, *, succession: bool) -> str:
+    """The ``inproc_fallback`` reason when the rendezvous host is lost (pure)."""
+    then = ("a new rendezvous host is elected and the workers start again from the last checkpoint"
+            if succession else "no succession outside Slurm: the job ends as a node failure")
+    return (f"the rendezvous host {host} is lost; its store carried the in-process membership "
+            f"({why}): the workers here are stopped, {then}")
+
+
 class _Fence(threading.Thread):
     """Watches, once a second, for the rendezvous faults that no process exit reports.
 
@@ -404,16 +415,22 @@ class _Fence(threading.Thread):
       off, so stop rather than re-form alone (MIN may allow it) next to the real survivors.
     * On any other node: the store has not answered for :data:`STORE_LOST_S`: the host is lost;
       end the agent (torch's own rendezvous would wait for the cut host for many minutes) and
-      let the survivors elect a new one.
+      let the survivors elect a new one. Under ``--recovery inprocess`` that store also held
+      the workers' membership: they cannot recover in place (a store request to a silent
+      host may never return), so an ``inproc_fallback`` event says so and the restart path's
+      succession takes over (under hpc run, without Slurm: ``board`` None, no succession,
+      the job ends as a node failure instead of hanging).
 
-    Stopping is: SIGKILL the workers, SIGQUIT this process (torch's agent ends on it).
+    Stopping is: SIGKILL the workers, then restart this launcher into the election
+    (``relaunch``), else SIGQUIT this process (torch's agent ends on it).
     """
 
-    def __init__(self, board: succession.Board, epoch: int, *, members: int, is_host: bool,
-                 tracker: Any = None) -> None:
+    def __init__(self, board: succession.Board | None, epoch: int, *, members: int, is_host: bool,
+                 tracker: Any = None, events: Any = None, rdzv_host: str = "") -> None:
         super().__init__(name="hpc-fence", daemon=True)
         self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
         self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
+        self.events, self.rdzv_host = events, rdzv_host   # in-process only: its events log
         self.replaced: str | None = None
         self.host_lost: str | None = None
         self.relaunch: Any = None     # () -> bool: may this launcher restart itself now?
@@ -426,36 +443,41 @@ class _Fence(threading.Thread):
     def run(self) -> None:
         host = socket.gethostname()
         while not self._stop_event.wait(1.0):
-            why = self.board.fenced(self.epoch, host) or self._majority_lost()
+            why = (self.board.fenced(self.epoch, host) if self.board is not None else None) \
+                or self._majority_lost()
             if why is not None:
                 self.replaced = why
             else:
                 self.host_lost = self._store_lost()
             if self.acted:
-                log.warning("%s; stopping this node's workers and agent", self.replaced or self.host_lost)
-                children = _children(os.getpid())
+                if self.host_lost is not None and self.events is not None:
+                    self.events.emit("inproc_fallback", reason=inproc_host_lost(
+                        self.rdzv_host, self.host_lost, succession=self.board is not None))
+                children = _children(os.getpid())   # first: a log write may block (a dead stdout reader)
                 for pid in children:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                log.warning("%s; stopping this node's workers and agent", self.replaced or self.host_lost)
                 if self.host_lost is not None and self.relaunch is not None and self.relaunch():
                     _restart_launcher(children, self.epoch)   # does not return
                 os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
                 return
 
     def _store_lost(self) -> str | None:
-        t = self.tracker
-        if self.is_host or t is None or t.store_ok_at is None:
-            return None
-        silent = time.monotonic() - t.store_ok_at
+        t, now = self.tracker, time.monotonic()
+        gap, self._looked = now - getattr(self, "_looked", now) > 3.0, now
+        if self.is_host or t is None or t.store_ok_at is None or gap:
+            return None   # (back from a gap of its own, e.g. starved: the beacon's clock is stale too)
+        silent = now - t.store_ok_at
         if silent < STORE_LOST_S:
             return None
         return f"the rendezvous store has not answered for {silent:.0f}s: its host is lost"
 
     def _majority_lost(self) -> str | None:
         t = self.tracker
-        if not self.is_host or t is None or self.members < 2:
+        if not self.is_host or t is None or self.members < 2 or self.board is None:
             return None
         now = time.monotonic()
         lost = t.lost(now)

@@ -1,0 +1,78 @@
+"""``hpc run --recovery inprocess``: the rendezvous host's node is lost; the survivor must not hang.
+
+In-process recovery keeps its membership in the rendezvous store, which lives in node 0's
+launcher. Here node 0 "crashes" as a real node does behind a network: its launcher and its
+worker stop answering at once (SIGSTOP: no socket is closed, requests to the store go
+unanswered; SIGKILLed once the survivor has acted, the node never comes back). Before the fix
+the survivor's worker and launcher waited on that store with no end (the campaign's run sat
+RUNNING for 9 minutes; here the job was still running 150 s after the crash).
+
+The outcome a user cares about: the surviving node's launcher sees the store silent
+(``STORE_LOST_S``), records an ``inproc_fallback`` that names the host's loss, stops its
+workers and ends with a node failure (under Slurm the same detection hands over to the
+restart path's succession: a new host, the workers from the last checkpoint) - bounded, not
+at a time limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_inprocess_join import lines
+from tests.distributed.test_inprocess_silent import events, hpc_run, wait_for
+from tests.distributed.test_spares_local import launcher_pid
+
+pytestmark = pytest.mark.distributed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_rendezvous_hosts_loss_ends_in_a_fallback_not_a_hang(tmp_path: Path):
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, 200, "--nodes", "2", "--nproc-per-node", "1", "--max-restarts", "0")
+    host_node: list[int] = []
+    try:
+        ran = wait_for(run, lambda: (r := lines(out)) and len(r) == 2 and all(len(v) >= 5 for v in r.values()) and r,
+                       240, "two workers at step 5")
+        survivor = next(p for p, r in ran.items() if r[0]["rank"] == 1)
+        host_node = [launcher_pid(job, 0), next(p for p, r in ran.items() if r[0]["rank"] == 0)]
+        for p in host_node:   # the node is gone: nothing there answers, nothing is closed
+            os.kill(p, signal.SIGSTOP)
+        lost_at = time.time()
+        [fallback] = wait_for(run, lambda: [e for e in events(job) if e["ev"] == "inproc_fallback"], 120,
+                              "the survivor's inproc_fallback")
+        detected = fallback["t"] - lost_at
+        ended = wait_for(run, lambda: [e for e in events(job) if e["ev"] == "alloc_end" and e["node_rank"] == 1],
+                         120, "the survivor's launcher to end")
+        ended_s = time.time() - lost_at
+        for p in host_node:   # the crashed node never comes back
+            os.kill(p, signal.SIGKILL)
+        host_node = []
+        text, _ = run.communicate(timeout=60)
+    finally:
+        for p in host_node:
+            os.kill(p, signal.SIGKILL)
+        if run.poll() is None:
+            run.kill()
+    assert fallback["node_rank"] == 1, fallback
+    assert "the rendezvous host" in fallback["reason"] and "is lost" in fallback["reason"] \
+        and "in-process membership" in fallback["reason"], fallback
+    assert ended[-1]["kind"] == "node_failure", (ended, text[-3000:])
+    assert "lost the rendezvous host" in text, text[-3000:]
+    assert not _alive(survivor), "the survivor's worker outlived its launcher"
+    print(f"host node silent -> inproc_fallback {detected:.1f} s, survivor ended {ended_s:.1f} s; "
+          f"test {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+    assert detected < 60, detected
