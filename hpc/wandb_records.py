@@ -21,20 +21,30 @@ CHUNK_HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def iter_records(path: Path) -> Iterator[Any]:
+def iter_records(path: Path, *, last_blocks: int | None = None) -> Iterator[Any]:
     """Every ``Record`` in one ``.wandb`` file, in write order.
 
     A torn last chunk (a crash mid-write) ends the stream quietly.
+
+    Args:
+        path: the ``.wandb`` file.
+        last_blocks: read only the file's last blocks of 32 KiB (from the first record that
+            starts in them): the newest records of a long run without parsing all of it.
 
     Raises:
         ValueError: the file is not a W&B offline file.
     """
     from wandb.proto import wandb_internal_pb2
 
-    data = Path(path).read_bytes()
-    if not data.startswith(HEADER):
-        raise ValueError(f"{path} is not a W&B offline file (header {data[:7]!r})")
-    pos, pending = len(HEADER), b""
+    with Path(path).open("rb") as f:
+        head = f.read(len(HEADER))
+        if head != HEADER:
+            raise ValueError(f"{path} is not a W&B offline file (header {head!r})")
+        blocks = -(-f.seek(0, 2) // BLOCK)
+        start = 0 if last_blocks is None else max(0, blocks - last_blocks) * BLOCK
+        f.seek(start)
+        data = f.read()   # positions below are relative to `start`, a block boundary
+    pos, pending, synced = (len(HEADER) if start == 0 else 0), b"", start == 0
     while pos + CHUNK_HEADER <= len(data):
         left_in_block = BLOCK - pos % BLOCK
         if left_in_block < CHUNK_HEADER:
@@ -45,6 +55,9 @@ def iter_records(path: Path) -> Iterator[Any]:
         if len(payload) < length or kind not in (FULL, FIRST, MIDDLE, LAST):
             return
         pos += CHUNK_HEADER + length
+        synced = synced or kind in (FULL, FIRST)   # a record's tail from an earlier block: skipped
+        if not synced:
+            continue
         pending = payload if kind in (FULL, FIRST) else pending + payload
         if kind in (FULL, LAST):
             record = wandb_internal_pb2.Record()

@@ -60,6 +60,7 @@ DEFAULT_PROJECT = "hpc-elastic"
 # whose service dies with it) loses what was not written yet, while the step filter counts it
 # as logged. One write call a second (no fsync) bounds that loss to about a second of rows.
 FLUSH_S = 1.0
+TAIL_BLOCKS = 4     # the last 128 KiB of an offline file: its newest rows, read after a lost rank 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +95,17 @@ class WandbSettings:
             raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.init_attempts < 1:
             raise ValueError(f"init_attempts must be >= 1, got {self.init_attempts}")
+
+
+def _last_step(path: Path, last_blocks: int | None) -> int | None:
+    """The highest ``_step`` of the history rows in one offline file (or its last blocks)."""
+    written: int | None = None
+    for record in iter_records(path, last_blocks=last_blocks):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                if (item.key or "/".join(item.nested_key)) == "_step" and item.value_json:
+                    written = max(int(float(item.value_json)), written or 0)
+    return written
 
 
 def run_metadata(worker: WorkerEnv) -> dict[str, Any]:
@@ -155,16 +167,19 @@ class WandbSink:
         (in-process recovery); after a restart the re-done steps fill them."""
         root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
         written: int | None = None
-        for folder in offline_folders(root / jobpaths.WANDB_DIR, self.run_id):
+        # Steps only grow from one start's folder to the next: the newest folder with a row
+        # holds the highest, in its last blocks unless a long summary or config came after.
+        for folder in reversed(offline_folders(root / jobpaths.WANDB_DIR, self.run_id)):
             try:
-                for record in iter_records(folder / f"run-{self.run_id}.wandb"):
-                    if record.WhichOneof("record_type") == "history":
-                        for item in record.history.item:
-                            if (item.key or "/".join(item.nested_key)) == "_step" and item.value_json:
-                                written = max(int(float(item.value_json)), written or 0)
+                for blocks in (TAIL_BLOCKS, None):
+                    written = _last_step(folder / f"run-{self.run_id}.wandb", blocks)
+                    if written is not None:
+                        break
             except (OSError, ValueError) as e:
                 log.warning("W&B: cannot read %s (%s): steps marked logged stay so", folder, e)
                 return
+            if written is not None:
+                break
         if self._filter.last_step is not None and (written is None or written < self._filter.last_step):
             log.warning("W&B: steps %s..%d were marked logged but are not in the run's files (the "
                         "rank 0 that logged them was lost): logged again if still held",

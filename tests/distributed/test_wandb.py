@@ -159,8 +159,10 @@ def test_steps_a_sigkilled_rank0_never_wrote_are_logged_by_the_rerun(tmp_path: P
     from runtime.worker.wandb_sink import WandbSink
 
     repo = Path(__file__).resolve().parents[2]
+    # Its own W&B service, as a worker has (not this process's, which WANDB_SERVICE would name).
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     killed = subprocess.run([sys.executable, "-c", _KILLED_RANK0, str(tmp_path)], cwd=repo,
-                            env=dict(os.environ, PYTHONPATH=str(repo)), timeout=90)
+                            env=dict(env, PYTHONPATH=str(repo)), timeout=90)
     assert killed.returncode == -9
     assert json.loads((tmp_path / "wandb_state.json").read_text())["last_step"] == 10
     sink = WandbSink(tmp_path, resume_step=6, check_written=True)
@@ -174,3 +176,24 @@ def test_steps_a_sigkilled_rank0_never_wrote_are_logged_by_the_rerun(tmp_path: P
     assert steps[:3] == [1, 2, 3] and steps[-9:] == list(range(7, 16)), steps
     # Steps 4..6 are lost unless the killed service wrote them: the re-run starts after them.
     assert set(steps) - set(range(1, 16)) == set() and set(range(1, 16)) - set(steps) <= {4, 5, 6}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("wandb_offline", "clean_env")
+def test_the_last_blocks_of_a_long_offline_file_give_its_newest_records(tmp_path: Path) -> None:
+    """A resume after a lost rank 0 reads only the file's last 128 KiB for its highest step
+    (50,000 rows, 20 MB: 4 ms instead of 0.6 s for the whole file)."""
+    from hpc.wandb_records import iter_records
+    from runtime.worker.wandb_sink import TAIL_BLOCKS, WandbSink, _last_step
+
+    sink = WandbSink(tmp_path)
+    for step in range(1, 3001):
+        sink.log({"loss": step * 0.1, "lr": 1e-3, "tokens": 4096.0, "grad_norm": 1.5}, step)
+    sink.close()
+    (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert path.stat().st_size > 2 * TAIL_BLOCKS * 32768
+    full = [r.SerializeToString() for r in iter_records(path)]
+    for blocks in (1, TAIL_BLOCKS):
+        tail = [r.SerializeToString() for r in iter_records(path, last_blocks=blocks)]
+        assert tail and full[-len(tail):] == tail and len(tail) < len(full), blocks
+    assert _last_step(path, TAIL_BLOCKS) == _last_step(path, None) == 3000
