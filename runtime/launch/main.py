@@ -315,6 +315,10 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
+    if result == "rendezvous" and inproc_events is not None and not plan.is_rdzv_host \
+            and not (fence is not None and fence.fell_back):   # the store refused before the fence saw it silent
+        inproc_events.emit("inproc_fallback", reason=inproc_host_lost(
+            plan.rdzv_endpoint.rsplit(":", 1)[0], reason, succession=board is not None))
     if below_min is not None:
         below_min.stop()
         if below_min.short is not None and not (fence is not None and fence.acted):
@@ -431,6 +435,7 @@ class _Fence(threading.Thread):
         self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
         self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
         self.events, self.rdzv_host = events, rdzv_host   # in-process only: its events log
+        self.fell_back = False        # it recorded the in-process fallback
         self.replaced: str | None = None
         self.host_lost: str | None = None
         self.relaunch: Any = None     # () -> bool: may this launcher restart itself now?
@@ -451,6 +456,7 @@ class _Fence(threading.Thread):
                 self.host_lost = self._store_lost()
             if self.acted:
                 if self.host_lost is not None and self.events is not None:
+                    self.fell_back = True
                     self.events.emit("inproc_fallback", reason=inproc_host_lost(
                         self.rdzv_host, self.host_lost, succession=self.board is not None))
                 children = _children(os.getpid())   # first: a log write may block (a dead stdout reader)

@@ -107,3 +107,26 @@ def test_two_nodes_rendezvous_cut_no_split_brain_requeues(env, slurm_cluster, tm
     assert restarts(env, job_id) >= 1 or len(outcomes(job)) >= 2   # requeued once, resumed
     alloc0 = [m for m in _manifests(job) if m["allocation"] == 0]
     assert all(m["world_size"] == 4 for m in alloc0), alloc0    # node1 never trained alone
+
+
+def test_inprocess_rendezvous_node_crash_hands_over_to_succession(env, slurm_cluster, tmp_path):
+    """``--recovery inprocess`` keeps its membership in node1's store: when node1 crashes the
+    survivors cannot recover in place; they record why (``inproc_fallback``) and the restart
+    path's succession goes on in the same allocation (before: the campaign's run hung 9 min)."""
+    job = tmp_path / "inprocheadcrash"
+    job_id = submit({**env, "HPC_PROGRESS_EVERY_S": "0.5"}, job, "--nodes", "2:3", "--max-restarts", "3",
+                    "--recovery", "inprocess", train=("--step-sleep", "0.3", *ELASTIC))
+    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
+    assert progress(job)["world_size"] == 6
+    wall0 = time.time()
+    slurm_cluster.crash("node1")
+    resumed_s = _resumed_after(job, 4, wall0, 180)
+    print(f"\ninprocess: rendezvous node crash -> survivors training again: {resumed_s:.1f} s")
+    wait_done(env, job_id, job)
+    assert restarts(env, job_id) in (0, -1), "not requeued: the survivors went on in the allocation"
+    outs = outcomes(job)
+    assert [o["kind"] for o in outs] == ["finished"], outs
+    assert outs[0]["succession"] and "new host node2" in outs[0]["succession"][-1], outs
+    evs = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+    fallbacks = [e for e in evs if e["ev"] == "inproc_fallback" and e["t"] > wall0]
+    assert fallbacks and all(e["reason"].startswith("the rendezvous host node1 is lost") for e in fallbacks), fallbacks
