@@ -120,7 +120,12 @@ def test_inprocess_rendezvous_node_crash_hands_over_to_succession(env, slurm_clu
     assert progress(job)["world_size"] == 6
     wall0 = time.time()
     slurm_cluster.crash("node1")
-    resumed_s = _resumed_after(job, 4, wall0, 180)
+    try:
+        resumed_s = _resumed_after(job, 4, wall0, 180)
+    except AssertionError:   # what the survivors did, for the report
+        for f in ["events.jsonl", *(f"logs/alloc-0/node-{n}.log" for n in ("node2", "node3"))]:
+            print(f"--- {f}\n" + ((job / f).read_text()[-4000:] if (job / f).exists() else "(none)"))
+        raise
     print(f"\ninprocess: rendezvous node crash -> survivors training again: {resumed_s:.1f} s")
     wait_done(env, job_id, job)
     assert restarts(env, job_id) in (0, -1), "not requeued: the survivors went on in the allocation"
@@ -129,4 +134,5 @@ def test_inprocess_rendezvous_node_crash_hands_over_to_succession(env, slurm_clu
     assert outs[0]["succession"] and "new host node2" in outs[0]["succession"][-1], outs
     evs = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
     fallbacks = [e for e in evs if e["ev"] == "inproc_fallback" and e["t"] > wall0]
+    print(f"inproc_fallback: {[(e['node'], round(e['t'] - wall0, 1), e['reason'][:160]) for e in fallbacks]}")
     assert fallbacks and all(e["reason"].startswith("the rendezvous host node1 is lost") for e in fallbacks), fallbacks
