@@ -21,6 +21,8 @@ key                               writer                     reader
 ``g/G/arrive``                    ``add``: each arrival      its arrival index; the first one leads
 ``g/G/arrival/I``                 arrival I (:class:`Arrival`)  the leader of G
 ``g/G/members``                   the leader of G            every arrival (:class:`Members`)
+``g/G/lead``                      ``add``: the leader of G,  its followers: the leader is alive and
+                                  every ``LEAD_BEAT_S``      still deciding (:func:`leader_silent_s`)
 ``g/G/pg/...``                    torch (gloo's rendezvous)  torch: G's process group
 ``fault/G``                       anyone that saw G fail     workers at a step boundary, tools
 ``dead/UID``                      a launcher, its child died the leader: not waited for
@@ -41,6 +43,13 @@ or the join window ran out (a member that announced a long phase in ``busy/UID``
 for until its announced time). :func:`plan_members` then orders the arrivals by their old
 rank (so ranks keep their order), picks the newest step any arrival holds and its first
 holder as the source of the state. Every value is JSON (:func:`encode`).
+
+While it decides, the leader counts ``g/G/lead`` up every :data:`LEAD_BEAT_S`; a follower
+waits for ``g/G/members`` as long as that count moves, and goes to ``G+1`` only when it has
+stood still for :func:`leader_silent_s` (the leader died while closing). The leader may wait
+minutes (a member in an announced long phase), so a follower bounded by its own clock alone
+would open ``G+1`` beside a live leader: two worlds training at once. The count is compared
+with itself on the follower's own clock, never with another host's clock.
 
 **Joining** (a worker the launcher restarted, a hot spare's worker; issues 26, 27): the
 joiner writes its :class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from
@@ -76,6 +85,16 @@ INPROCESS = "inprocess"
 RECOVERY_MODES = (RESTART, INPROCESS)
 DEFAULT_WINDOW_S = 3.0
 COMING_S = 60.0   # a member that said it is coming (alive, finishing a wait) is waited for this long
+LEAD_BEAT_S = 1.0   # a deciding leader counts g/G/lead up this often
+
+
+def leader_silent_s(window_s: float) -> float:
+    """How long a follower waits for a leader whose ``g/G/lead`` count stands still before it
+    goes to the next generation: many beats, so a leader descheduled on a loaded node (or
+    its store client in a short reconnect) is not left; a dead one is in under a minute."""
+    return window_s * 4 + 30
+
+
 
 
 def parse_recovery(value: object, flag: str = "--recovery") -> str:
@@ -111,6 +130,10 @@ def arrival(gen: int, index: int) -> str:
 
 def members(gen: int) -> str:
     return f"g/{gen}/members"
+
+
+def lead(gen: int) -> str:
+    return f"g/{gen}/lead"
 
 
 def pg_prefix(gen: int) -> str:

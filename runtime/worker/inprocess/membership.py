@@ -5,8 +5,11 @@ real ``torch.distributed.Store`` (the launcher's TCPStore; tests may pass a ``Ha
 A survivor calls :meth:`Membership.reform` after it left a failed step: it arrives at the next
 generation, and either leads it (the first arrival waits for the others by
 :func:`~hpc.contract.inprocess.close_decision` and writes the member list) or waits for the
-leader's list. A leader that dies while closing is replaced by going to the generation after:
-the wait for its list is bounded.
+leader's list. The leader counts ``g/G/lead`` up while it decides, which may take minutes (a
+member in an announced long phase); a follower waits as long as that count moves, and only a
+leader silent for :func:`~hpc.contract.inprocess.leader_silent_s` (it died while closing) is
+replaced, by going to the generation after. A follower that left a live, deciding leader on
+its own clock would open a second world beside the first (split brain).
 
 A joiner (a restarted worker, a hot spare's) calls :meth:`Membership.join`: it writes its
 arrival under ``join/N`` and waits until a closed generation lists it. The leader of every
@@ -54,11 +57,17 @@ class Membership:
         me: This process's uid (:func:`hpc.contract.inprocess.uid`).
         host: Its host name.
         window_s: How long a leader waits for silent members of the old generation.
+        max_world: The largest world joiners may fill (0: the starting one).
+        leader_silent_s: How long a follower waits for a leader whose beat stands still
+            (None: :func:`~hpc.contract.inprocess.leader_silent_s` of ``window_s``).
     """
 
     def __init__(self, store: Any, me: str, *, host: str = "",
-                 window_s: float = proto.DEFAULT_WINDOW_S, max_world: int = 0) -> None:
+                 window_s: float = proto.DEFAULT_WINDOW_S, max_world: int = 0,
+                 leader_silent_s: float | None = None) -> None:
         self.store, self.me, self.host, self.window_s = store, me, host, window_s
+        self.leader_silent_s = (proto.leader_silent_s(window_s) if leader_silent_s is None
+                                else leader_silent_s)
         self.max_world = max_world   # the largest world joiners may fill (0: the starting one)
         self.gen = 0
         self.uids: tuple[str, ...] = ()
@@ -153,9 +162,7 @@ class Membership:
         self.store.set(proto.arrival(gen, index), proto.encode(me))
         if index == 0:
             return self._lead(gen, reason)
-        try:
-            self.store.wait([proto.members(gen)], timedelta(seconds=self.window_s * 4 + 30))
-        except Exception:   # the leader died before it closed: the next generation
+        if not self._follow(gen):   # the leader died before it closed: the next generation
             return None
         members = proto.decode_members(self.store.get(proto.members(gen)))
         if members.rank_of(self.me) is None:
@@ -163,11 +170,52 @@ class Membership:
                            f"late; members {', '.join(members.uids)}")
         return members
 
+    def _follow(self, gen: int) -> bool:
+        """Waits for the leader's member list while the leader's beat moves.
+
+        Returns:
+            True once the list is there; False when the beat stood still for
+            ``leader_silent_s`` (on this process's clock) or the store is gone.
+        """
+        key, beat = proto.members(gen), proto.lead(gen)
+        # Waits in slices (the list wakes it at once); between slices it reads the beat. A
+        # quarter of the bound: a dead leader is left within 1.25 bounds, and a long wait logs
+        # torch's socket timeout warning only every few seconds.
+        slice_s = max(proto.LEAD_BEAT_S, self.leader_silent_s / 4)
+        try:
+            seen, since = self.store.add(beat, 0), time.monotonic()
+        except Exception:   # noqa: BLE001 - the store is gone: the next arrival says so
+            return False
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=slice_s))
+                return True
+            except Exception:   # noqa: BLE001 - not yet (or the store is gone: the add says)
+                pass
+            try:
+                count = self.store.add(beat, 0)
+                if self.store.check([key]):
+                    return True
+            except Exception:   # noqa: BLE001 - the store is gone: the next arrival says so
+                return False
+            now = time.monotonic()
+            if count != seen:
+                seen, since = count, now
+            elif now - since >= self.leader_silent_s:
+                log.warning("generation %d: its leader has been silent %.0f s (beat %d): "
+                            "leaving it", gen, now - since, count)
+                return False
+
     def _lead(self, gen: int, reason: str) -> Members:
         opened = time.time()
         old = self.uids
         start = self._admitted()
+        beat = proto.lead(gen)
+        next_beat = 0.0
         while True:
+            if time.monotonic() >= next_beat:   # followers: alive and deciding
+                self.store.add(beat, 1)
+                next_beat = time.monotonic() + proto.LEAD_BEAT_S
             arrivals = self._arrivals(gen)
             dead = self._dead(old)
             joiners = self._joiners(start)

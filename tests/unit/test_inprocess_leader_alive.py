@@ -1,0 +1,121 @@
+"""A follower of a re-form never leaves a leader that is alive and still deciding, and does
+leave one that died (real ``TCPStore``; the dead leader is a process SIGKILLed mid-decision).
+
+The leader may wait minutes for a member in an announced long phase (``busy/UID``); a
+follower that gave up on its own clock would open the next generation without the leader:
+two worlds training at once. Both tests shorten the follower's silence bound
+(``leader_silent_s``) so that the held leader outlasts it several times over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hpc.contract import inprocess as proto
+from runtime.worker.inprocess.membership import Membership
+
+OLD = ("n0/leader", "n1/follower", "n2/busy")
+SILENT_S = 1.5
+
+
+def _server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+
+
+def _client(server: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def _member(store: dist.TCPStore, me: str) -> Membership:
+    m = Membership(store, me, window_s=0.2, leader_silent_s=SILENT_S)
+    m.uids = OLD
+    return m
+
+
+def test_a_follower_waits_for_a_leader_held_by_a_busy_member_and_opens_no_second_generation():
+    server = _server()
+    hold_s = 4 * SILENT_S + 1   # far past the follower's silence bound
+    server.set(proto.busy("n2/busy"), f"{time.time() + 600:.3f}")   # in a long evaluation
+    got: dict[str, object] = {}
+    leader = _member(_client(server), "n0/leader")
+    lead = threading.Thread(target=lambda: got.update(lead=leader.reform(7, 0, reason="fault")))
+    lead.start()
+    while not server.check([proto.arrival(1, 0)]):   # the leader arrived first
+        time.sleep(0.01)
+    follower = _member(_client(server), "n1/follower")
+    follow = threading.Thread(target=lambda: got.update(follow=follower.reform(7, 1, reason="fault")))
+    t0 = time.monotonic()
+    follow.start()
+    time.sleep(hold_s)
+    assert not server.check([proto.arrive(2)]), "the follower opened generation 2 beside a live leader"
+    assert "follow" not in got and "lead" not in got
+    got["busy"] = _member(_client(server), "n2/busy").reform(7, 2, reason="fault")   # eval done
+    lead.join(30), follow.join(30)
+    waited = time.monotonic() - t0
+    assert got["lead"] == got["follow"] == got["busy"]
+    m = got["lead"]
+    assert m.gen == 1 and m.uids == OLD and m.step == 7
+    assert not server.check([proto.arrive(2)]) and int(server.get(proto.GENERATION)) == 1
+    assert waited >= hold_s > 3 * SILENT_S
+
+
+LEADER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from runtime.worker.inprocess.membership import Membership
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+m = Membership(store, "n0/leader", window_s=0.2)
+m.uids = ("n0/leader", "n1/follower", "n2/busy")
+m.reform(7, 0, reason="fault")
+"""
+
+
+def test_a_follower_leaves_a_leader_that_died_while_deciding_within_its_silence_bound():
+    server = _server()
+    server.set(proto.busy("n2/busy"), f"{time.time() + 600:.3f}")
+    proc = subprocess.Popen([sys.executable, "-c", LEADER, str(server.port)],
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 60
+        while server.add(proto.lead(1), 0) < 2:   # leading gen 1, beating, held by the busy one
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        got: dict[str, object] = {}
+        follower = _member(_client(server), "n1/follower")
+        follow = threading.Thread(target=lambda: got.update(m=follower.reform(7, 1, reason="fault")))
+        follow.start()
+        while not server.check([proto.arrival(1, 1)]):
+            time.sleep(0.01)
+        time.sleep(2 * SILENT_S)   # a live leader still deciding: the follower stays
+        assert not server.check([proto.arrive(2)])
+        proc.send_signal(signal.SIGKILL)   # the leader's node crashes mid-decision
+        proc.wait(10)
+        killed = time.monotonic()
+        while not server.check([proto.arrival(2, 0)]):
+            assert time.monotonic() - killed < SILENT_S + 15, "the follower never left a dead leader"
+            time.sleep(0.05)
+        left_after = time.monotonic() - killed
+        # It leads generation 2; the launcher announces the dead leader, the busy one finishes.
+        server.set(proto.dead("n0/leader"), "1")
+        got_busy = _member(_client(server), "n2/busy")
+        got_busy.gen = 1
+        got["busy"] = got_busy.reform(7, 2, reason="fault")
+        follow.join(30)
+        m = got["m"]
+        assert m.gen == 2 and m.uids == ("n1/follower", "n2/busy") and m.left == ("n0/leader",)
+        assert got["busy"] == m and not server.check([proto.members(1)])
+        assert left_after < SILENT_S + 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
