@@ -18,6 +18,7 @@ generous for a loaded machine), not at the stall deadline or by restarting every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,12 +104,13 @@ def test_a_frozen_node_is_announced_lost_and_the_survivor_goes_on_in_process(tmp
     out, job = tmp_path / "out", tmp_path / "job"
     run = hpc_run(out, job, 30, "--nodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
                   train=("--pause", "1:6:8"))
+    frozen: list[int] = []
     try:
         ran = wait_for(run, lambda: (r := lines(out)) and len(r) == 2 and all(len(v) >= 10 for v in r.values()) and r,
                        240, "two workers at step 10")
         survivor = next(p for p, r in ran.items() if r[0]["rank"] == 0)
         victim = next(p for p, r in ran.items() if r[0]["rank"] == 1)
-        frozen = [launcher_pid(job, 1), victim]
+        frozen += [launcher_pid(job, 1), victim]
         for p in frozen:   # the node is alive and silent (as behind a cut link)
             os.kill(p, signal.SIGSTOP)
         stopped_at = time.time()
@@ -121,6 +123,9 @@ def test_a_frozen_node_is_announced_lost_and_the_survivor_goes_on_in_process(tmp
     finally:
         if run.poll() is None:
             run.kill()
+        for p in frozen:   # a failed wait must not leave a stopped launcher and worker behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
     outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
     assert outcome["kind"] == "finished" and outcome["step"] == 30, (outcome, text[-4000:])
     results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
