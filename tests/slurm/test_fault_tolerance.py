@@ -313,8 +313,11 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     allocation gives it back to Slurm before starting (runtime/exclusions.py).
     """
     job = tmp_path / "linkcut"
+    # 1-s steps: the job must still be training when the preemption below comes, right after Slurm
+    # dropped node3 (~30 s after the cut). With 0.3-s steps the survivors, back ~20 s after the cut,
+    # finished all 40 steps 36 s after it, before any preemption (CI of dd34e2b).
     job_id = submit(env, job, "--nodes", "2:3", "--max-restarts", "3",
-                    train=("--step-sleep", "0.3", *ELASTIC))
+                    train=("--step-sleep", "1.0", *ELASTIC))
     wait_until(lambda: latest_step(job) >= 6 and progress(job).get("world_size") == 6, 240,
                "training on 3 nodes to checkpoint step 6")
     slurm_cluster.cut("node3")
@@ -325,8 +328,8 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     resumed_s = time.time() - cut_at
     print(f"link cut -> survivors training again in {resumed_s:.1f} s")
     assert resumed_s < 60, f"survivors resumed {resumed_s:.0f} s after the cut"
-    # Bad nodes stay out: node3 comes back (idle, so Slurm would hand it out again), the job
-    # is preempted and requeued, and its next allocation gives node3 back before srun.
+    # Bad nodes stay out: the job is preempted and requeued, node3 comes back (idle, so Slurm
+    # would hand it out again), and the next allocation gives node3 back before srun.
     # The link stays down until Slurm has dropped node3 from the running job (~30 s): a node
     # healed before that finds itself still counted and records a node failure (see issue 25's
     # note: runtime.ending.outcome.left_behind decides on Slurm's view alone).
@@ -335,12 +338,15 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
                            capture_output=True, text=True)
         return q.returncode == 0 and bool(q.stdout.strip()) and "node3" not in expand_hostlist(q.stdout.strip())
     wait_until(slurm_dropped_node3, 120, "Slurm to drop node3 from the running job")
-    slurm_cluster.heal("node3")
-    wait_until(lambda: slurm_cluster.node_states().get("node3") == "idle", 90, "node3 to be idle again")
+    assert progress(job)["step"] < STEPS, "the job ended before the preemption: nothing left to test"
     preempt = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-w", "node1,node2", "-t", "2",
                               "-o", str(tmp_path / "high.out"), "--wrap", "sleep 4"], env=env,
                              capture_output=True, text=True)
     assert preempt.returncode == 0, preempt.stderr
+    # node3 heals while the job is preempted; it is usually idle again before the requeued job
+    # starts (then Slurm may hand it back and the batch script must give it back, below).
+    slurm_cluster.heal("node3")
+    wait_until(lambda: slurm_cluster.node_states().get("node3") == "idle", 90, "node3 to be idle again")
     wait_until(lambda: (job / "logs" / "alloc-1").exists(), 120, "the next allocation")
     print("allocation 1 starts; node states:", slurm_cluster.node_states())
     wait_done(env, job_id, job)
