@@ -26,17 +26,10 @@ import pytest
 
 from tests.distributed.test_inprocess_join import lines
 from tests.distributed.test_inprocess_silent import events, hpc_run, wait_for
+from tests.distributed.test_launcher import alive
 from tests.distributed.test_spares_local import launcher_pid
 
 pytestmark = pytest.mark.distributed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_the_rendezvous_hosts_loss_ends_in_a_fallback_not_a_hang(tmp_path: Path):
@@ -72,7 +65,7 @@ def test_the_rendezvous_hosts_loss_ends_in_a_fallback_not_a_hang(tmp_path: Path)
         and "in-process membership" in fallback["reason"], fallback
     assert ended[-1]["kind"] == "node_failure", (ended, text[-3000:])
     assert "lost the rendezvous host" in text, text[-3000:]
-    assert not _alive(survivor), "the survivor's worker outlived its launcher"
+    assert not alive(survivor), "the survivor's worker outlived its launcher"
     print(f"host node silent -> inproc_fallback {detected:.1f} s, survivor ended {ended_s:.1f} s; "
           f"test {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
     assert detected < 60, detected
