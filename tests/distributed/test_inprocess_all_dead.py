@@ -14,31 +14,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.test_inprocess_join import lines
+from tests.distributed.test_inprocess_silent import hpc_run
 
 pytestmark = pytest.mark.distributed
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
 STEPS = 16
 
 
 def test_when_every_member_dies_the_job_falls_back_to_restart_and_says_why(tmp_path: Path):
     t0 = time.time()
     out, job = tmp_path / "out", tmp_path / "job"
-    out.mkdir()
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5")
-    run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "2",
-                            "--recovery", "inprocess", "--max-restarts", "2", "--checkpoint-every-steps", "2",
-                            "--job-dir", str(job), "--", "--out", str(out), "--steps", str(STEPS),
-                            "--step-sleep", "0.2"],
-                           env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = hpc_run(out, job, STEPS, "--nproc-per-node", "2", "--max-restarts", "2",
+                  "--checkpoint-every-steps", "2")
     try:
         deadline = time.time() + 240
         while not ((r := lines(out)) and len(r) == 2 and all(len(v) >= 6 for v in r.values())):
