@@ -123,16 +123,23 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     The earliest failure whose message is not a peer's collateral connection error and that is
     not a death by SIGTERM (torch's agent sends it to the other workers once one failed, and
     their failures carry a timestamp as late as the real one's, to the second); when every
-    failure is collateral, the earliest. ``failures`` maps rank to torch's ``ProcessFailure``
+    failure is collateral, the earliest. A rank that wrote its own exception to its error file
+    is never collateral, even when the agent's SIGTERM ended it while it was still exiting
+    (its peer's broken connection was seen first). ``failures`` maps rank to torch's ``ProcessFailure``
     (``timestamp``, ``message``, ``exitcode``).
     """
     def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
         rank, failure = item
         text = str(failure.message)
-        stopped = getattr(failure, "exitcode", None) == -signal.SIGTERM
+        stopped = terminated(failure) and not isinstance(failure.message, dict)
         return stopped or any(m in text for m in COLLATERAL_ERRORS), float(failure.timestamp), rank
 
     return min(failures.items(), key=key)
+
+
+def terminated(failure: Any) -> bool:
+    """Whether torch's agent (or anyone) ended this worker with SIGTERM (pure)."""
+    return getattr(failure, "exitcode", None) == -signal.SIGTERM
 
 
 def failure_message(message: Any) -> str:
@@ -193,6 +200,11 @@ def failure_reason(rank: int, failure: Any, output_tail: str = "") -> str:
     line of its own output, never torch's generic pointer to its documentation.
     """
     message = failure_message(failure.message)
+    if terminated(failure) and isinstance(failure.message, dict):
+        # It raised (its error file says so), then the agent's SIGTERM, sent to every worker
+        # once a peer's failure was seen, ended it during its exit: the status is the agent's.
+        return (f"rank {rank} raised {message} (then ended by SIGTERM while exiting, as the "
+                "agent stopped the workers)")
     if TORCH_NO_ERROR_FILE in message or message == "(no error message)":
         message = last_error_line(output_tail) or (
             "(no error message; the script printed nothing that says why)")

@@ -94,6 +94,10 @@ def test_last_error_line_skips_boilerplate() -> None:
 def test_failure_reason_prefers_the_error_file_then_the_output() -> None:
     recorded = F(exitcode=1, message={"message": "RuntimeError: boom", "extraInfo": {}})
     assert failure_reason(0, recorded, ARGPARSE_TAIL) == "rank 0 exited with 1: RuntimeError: boom"
+    ended = F(exitcode=-15, message={"message": "RuntimeError: boom", "extraInfo": {}})
+    assert failure_reason(0, ended, ARGPARSE_TAIL) == (
+        "rank 0 raised RuntimeError: boom (then ended by SIGTERM while exiting, as the agent "
+        "stopped the workers)")
     no_file = F(exitcode=2, message=TORCH_NO_ERROR_FILE)
     assert failure_reason(1, no_file, ARGPARSE_TAIL) == \
         "rank 1 exited with 2: train_gpt.py: error: unrecognized arguments: --tp 2"

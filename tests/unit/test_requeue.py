@@ -55,6 +55,14 @@ def test_root_failure_is_the_cause_not_a_peers_broken_connection():
     assert root_failure(only_collateral)[0] == 1                          # then the earliest
     killed = {0: F(timestamp=2.0, message=gloo), 1: F(timestamp=3.0, message="Signal 9 (SIGKILL)")}
     assert root_failure(killed)[0] == 1
+    # CI of 8c3b77e: rank 0 raised, its peer's broken connection was seen first, and the
+    # agent's SIGTERM ended rank 0 while it was still exiting: rank 0 is still the cause.
+    raised_then_stopped = {0: F(timestamp=10.0, exitcode=-15, message={"message": "RuntimeError: x"}),
+                           1: F(timestamp=11.0, exitcode=1, message={"message": "ValueError: y"})}
+    assert root_failure(raised_then_stopped)[0] == 0
+    stopped = {0: F(timestamp=10.0, exitcode=-15, message="Signal 15 (SIGTERM) received by PID 7"),
+               1: F(timestamp=11.0, exitcode=1, message={"message": "ValueError: y"})}
+    assert root_failure(stopped)[0] == 1
 
 
 def test_a_node_that_sees_its_allocation_still_training_is_the_one_left_behind():
