@@ -43,7 +43,7 @@ from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv, rendezvous_host
 from runtime.events import EventLog, LauncherRecorder
 from runtime.liveness.watchdog import Watchdog, heartbeat_dir
-from runtime.launch.lifeline import watch_parent
+from runtime.launch.lifeline import GRACE_S, watch_parent
 from runtime.launch.network import NetworkError, detect
 from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
@@ -661,7 +661,9 @@ def main(argv: list[str] | None = None) -> int:
         SaveWatch(Path(spec.resolved_checkpoint_dir), heartbeat_dir(os.getpid())))
     forwarder.install()
     if args.local:
-        watch_parent(os.getppid())   # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure
+        # hpc run died (PR_SET_PDEATHSIG sent SIGTERM): end for sure, but not in a save's middle
+        watch_parent(os.getppid(), grace_s=float(os.environ.get("HPC_TEST_KILL_AFTER_S") or GRACE_S),
+                     still_saving=SaveWatch(Path(spec.resolved_checkpoint_dir), heartbeat_dir(os.getpid())))
     if plan.is_rdzv_host and not diskspace.reserve(job_dir):
         log.warning("no room for the full-disk reserve: %s", diskspace.describe(job_dir))
     events = LauncherRecorder(job_dir, allocation=plan.allocation, node_rank=node_rank,

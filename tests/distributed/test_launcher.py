@@ -515,3 +515,40 @@ def test_a_long_save_after_the_sigterm_is_let_finish_and_a_stalled_one_killed(tm
         assert "showed no save progressing: killed" in out, out[-3000:]
         assert took < 10 + 6 + 2 + 3 * 5 + 30, took   # stall at 10 s, then a few looks (load)
     assert not alive(int((job / "ready").read_text())), "a worker outlived the job"
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["healthy", "stalls"])
+def test_a_save_running_when_hpc_run_dies_is_let_finish_by_the_lifeline(tmp_path: Path, stall: bool):
+    """hpc run is SIGKILLed (a closed terminal, an OOM kill): the launcher's lifeline stops the
+    workers after its grace (6 s here through HPC_TEST_KILL_AFTER_S) unless they show a save
+    progressing. A 20-s save is let finish and committed; one that stalls half-way is stopped
+    within a few looks. Before, the lifeline interrupted the agent at its grace whatever the
+    workers did, and the half-written checkpoint was lost."""
+    job, ckpt, marker = tmp_path / "job", tmp_path / "ckpt", uuid.uuid4().hex
+    job.mkdir()
+    script = REPO / "tests" / "distributed" / "scripts" / "slow_save.py"
+    p = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "1",
+                          "--job-dir", str(job), "--checkpoint-dir", str(ckpt), "--", "--out", str(job),
+                          "--ckpt", str(ckpt), "--save-s", "20", *(["--stall"] if stall else [])],
+                         cwd=REPO, env=dict(marked_env(marker), HPC_TEST_KILL_AFTER_S="6"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (job / "ready").exists(), 150, "the worker waiting")
+        worker = int((job / "ready").read_text())
+        os.kill(p.pid, signal.SIGKILL)   # the launcher's PR_SET_PDEATHSIG: SIGTERM, then the lifeline
+        p.wait()
+        gone = time.monotonic()
+        wait_for(lambda: not marked_processes(marker), timeout=120, what="no process of the job left")
+        took = time.monotonic() - gone
+    finally:
+        kill_leftovers(marker)
+    node_log = "".join(f.read_text(errors="replace") for f in job.glob("logs/alloc-0/node-*.log"))
+    if not stall:
+        assert (ckpt / "step-1" / "model.bin").stat().st_size >= 5 * 2**20, node_log[-3000:]
+        assert "outlived hpc run by" in node_log and "still saving" in node_log, node_log[-3000:]
+        assert took >= 20, took
+    else:
+        assert not (ckpt / "step-1").exists(), node_log[-3000:]
+        assert "showed no save progressing: stopping them" in node_log, node_log[-3000:]
+        assert took < 10 + 6 + 3 * 5 + 45, took   # stall at 10 s, a few looks, the agent's stop
+    assert not alive(worker), "a worker outlived the job"
