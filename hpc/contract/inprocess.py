@@ -34,6 +34,8 @@ key                               writer                     reader
 ``node/N``                        node N's launcher: its     a peer's launcher that names node N
                                   workers' uids (JSON list)  lost: whom to announce dead
 ``current`` (at ``ROOT``)         rank 0 of a round          a spare's joiners: the round's namespace
+``lifelines`` (at ``ROOT``)       the store host's launcher  workers, launchers: the port of its
+                                  (its lifeline listener)    lifeline listener (a closed line: dead)
 ``done``                          rank 0, the job finished   waiting joiners: leave, not needed
 ================================  =========================  ========================================
 
@@ -83,6 +85,11 @@ MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (el
 RESTART = "restart"
 INPROCESS = "inprocess"
 RECOVERY_MODES = (RESTART, INPROCESS)
+# --replacement: when a restarted worker takes a dead one's place (see parse_replacement)
+WAIT = "wait"        # the survivors' re-form waits for it: world kept, bit-equal numerics
+SHRINK = "shrink"    # the survivors go on at world-1 at once; it joins at a later step boundary
+REPLACEMENT_MODES = (WAIT, SHRINK)
+LIFELINES = "lifelines"   # under ROOT (no namespace): the port of the store host's lifeline listener
 DEFAULT_WINDOW_S = 3.0
 COMING_S = 60.0   # a member that said it is coming (alive, finishing a wait) is waited for this long
 LEAD_BEAT_S = 1.0   # a deciding leader counts g/G/lead up this often
@@ -108,6 +115,27 @@ def parse_recovery(value: object, flag: str = "--recovery") -> str:
         raise SpecError(flag, value, " or ".join(RECOVERY_MODES), f"{flag} {INPROCESS}",
                         "inprocess keeps the surviving workers and takes the state from a peer; "
                         "restart restarts every worker from the last checkpoint")
+    return str(text)
+
+
+def parse_replacement(value: object, flag: str = "--replacement") -> str:
+    """Validates a replacement mode (``--replacement``, under ``--recovery inprocess``).
+
+    ``wait``: a dead worker's launcher starts a replacement and the survivors' re-form waits
+    for it (its start-up: interpreter, ``import torch``, CUDA), so the world keeps its size and
+    the run stays bit-equal to an uninterrupted one. ``shrink``: the survivors re-form at once
+    without it (same samples in the same order, same global batch, float sums in another
+    order) and the replacement joins at a later step boundary (the hot spares' join path).
+
+    Raises:
+        SpecError: Anything but ``wait`` or ``shrink``.
+    """
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in REPLACEMENT_MODES:
+        raise SpecError(flag, value, " or ".join(REPLACEMENT_MODES), f"{flag} {SHRINK}",
+                        "wait keeps the world's size through a re-form (weights bit-equal to an "
+                        "uninterrupted run); shrink goes on at once without the dead worker and "
+                        "takes its replacement in at a later step boundary (faster recovery)")
     return str(text)
 
 
@@ -180,6 +208,54 @@ def namespace(master_addr: str, master_port: int | str) -> str:
     """The prefix of every key of one rendezvous round's workers (a ``PrefixStore``'s: it
     joins prefix and key with ``/``)."""
     return f"{ROOT}{master_addr}:{master_port}"
+
+
+LIFELINE_BYE = b"bye\n"   # a line's last words when its process ends on purpose
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first line on a lifeline (:mod:`runtime.launch.inprocess_lifelines`): who holds it.
+
+    Args:
+        kind: ``worker`` or ``launcher``.
+        uid: The process (:func:`uid`).
+        parent: A worker's launcher (its parent process's :func:`uid`).
+        space: A worker's namespace (:func:`namespace`): where its death is announced.
+    """
+
+    kind: str
+    uid: str
+    parent: str = ""
+    space: str = ""
+
+    def line(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+
+    @staticmethod
+    def parse(raw: bytes | str) -> Hello:
+        d = json.loads(raw)
+        return Hello(kind=str(d["kind"]), uid=str(d["uid"]), parent=str(d.get("parent", "")),
+                     space=str(d.get("space", "")))
+
+
+def lifeline_dead(closed: Mapping[str, str], launchers_closed: Sequence[str] | set[str], *,
+                  replacement: str) -> list[str]:
+    """The workers whose lifeline closed that are dead to the re-form now (pure).
+
+    A worker's line closed without its last words: the process ended (its kernel closed the
+    socket); a slow, stopped or cut-off process keeps its line open and is never named here.
+    Under ``--replacement wait`` its launcher may still promise a joiner, so the worker is
+    named only once its launcher's line closed too (the node crashed: nobody will); under
+    ``shrink`` nobody waits for a replacement, so at once.
+
+    Args:
+        closed: Worker uid -> its launcher's uid, for the workers whose line closed.
+        launchers_closed: Launchers whose line closed.
+        replacement: The job's ``--replacement``.
+    """
+    gone = set(launchers_closed)
+    return [w for w, parent in closed.items() if replacement == SHRINK or parent in gone]
 
 
 @dataclass(frozen=True)

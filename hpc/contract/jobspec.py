@@ -27,6 +27,7 @@ from hpc.contract.errors import HpcError, SpecError
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
 RECOVERY_MODES = inprocess.RECOVERY_MODES
+REPLACEMENT_MODES = inprocess.REPLACEMENT_MODES
 WANDB_MODES = ("offline", "online", "disabled")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 
@@ -396,6 +397,16 @@ class JobSpec:
                          "one step lost; Session scripts with DDP on gloo).",
                          _choice(RECOVERY_MODES), check=_in(RECOVERY_MODES),
                          example="--recovery inprocess")
+    replacement: str = _opt(inprocess.WAIT, "With --recovery inprocess, when a dead worker's "
+                            "replacement (its launcher starts it again) is taken in: wait (the "
+                            "survivors' re-form waits for its start-up; the world keeps its size "
+                            "and the weights stay bit-equal to an uninterrupted run; the default, "
+                            "so that a run is reproducible) or shrink (the survivors go on at once "
+                            "with one worker less, same samples and global batch, and the "
+                            "replacement joins at a later step boundary: recovery without the "
+                            "start-up, which on GPUs takes tens of seconds).",
+                            _choice(REPLACEMENT_MODES), check=_in(REPLACEMENT_MODES),
+                            example="--replacement shrink")
     requeue: str = _opt("auto", "Requeue policy: auto (on preemption and time limit) or never.",
                         _choice(REQUEUE_POLICIES), check=_in(REQUEUE_POLICIES),
                         example="--requeue auto")
@@ -516,6 +527,12 @@ class JobSpec:
                             pick("--recovery restart", 'recovery="restart"'),
                             "Or drop the mesh flags to keep " + pick("--recovery inprocess",
                                                                      'recovery="inprocess"'))
+        if self.replacement != inprocess.WAIT and self.recovery != inprocess.INPROCESS:
+            raise SpecError(name("replacement"), self.replacement,
+                            f"{inprocess.WAIT} (the default) with {name('recovery')} {self.recovery}: "
+                            "a replacement that joins later exists only under in-process recovery",
+                            pick(f"--recovery inprocess --replacement {self.replacement}",
+                                 f'recovery="inprocess", replacement="{self.replacement}"'))
         if self.time_limit_s and self.signal_lead_s >= self.time_limit_s:
             raise SpecError(name("signal_lead_s"), self.signal_lead_s,
                             f"shorter than the time limit ({name('time_limit_s')}: "

@@ -11,10 +11,13 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
   (``dead/UID`` and ``fault/G`` of :mod:`hpc.contract.inprocess`): the survivors everywhere
   leave their step in milliseconds, and the re-form does not wait for the dead one;
 - it **restarts the dead worker as a joiner** (``HPC_INPROC_JOIN=1``, the same command and
-  environment torch gave it, bounded by ``--max-restarts``): before announcing the death it
-  promises the replacement in the store (``replace/UID``), so the survivors' re-form waits for
-  the joiner and the world keeps its size; the joiner receives the state from the survivors'
-  memory (:mod:`runtime.worker.inprocess`). Only the dead worker is started again;
+  environment torch gave it, bounded by ``--max-restarts``): with ``--replacement wait`` (the
+  default) it promises the replacement in the store (``replace/UID``) before announcing the
+  death, so the survivors' re-form waits for the joiner and the world keeps its size; with
+  ``--replacement shrink`` it promises nothing, the survivors re-form at once without the dead
+  worker and the joiner is taken in at a later step boundary (the hot spares' grow path). The
+  joiner receives the state from the survivors' memory (:mod:`runtime.worker.inprocess`). Only
+  the dead worker is started again;
 - a worker stopped (SIGSTOP) for :data:`~runtime.launch.inprocess_silent.STOPPED_S` is frozen:
   it is SIGKILLed and then announced and replaced like a dead one
   (:mod:`runtime.launch.inprocess_silent`, which also announces a lost node's workers);
@@ -86,7 +89,8 @@ def describe_exit(status: int) -> str:
 
 
 @contextmanager
-def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0) -> Iterator[None]:
+def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
+                    replacement: str = proto.WAIT) -> Iterator[None]:
     """While inside, torch's agent (built by ``launch_agent`` by its module-global name) is
     one that announces dead workers and restarts no live ones (see the module docstring).
 
@@ -95,6 +99,9 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0) 
         events: Where to record (``runtime.events.EventLog``), or None.
         node_rank: This node's rank (its workers are published under ``node/N`` for a peer
             that names this node lost: :mod:`runtime.launch.inprocess_silent`).
+        replacement: The job's ``--replacement``: ``wait`` promises a dead worker's joiner in
+            the store (the survivors' re-form waits for it), ``shrink`` does not (the
+            survivors go on without it; it is taken in at a later step boundary).
     """
     from torch.distributed.elastic.agent.server import local_elastic_agent as torch_agent
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -261,10 +268,11 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0) 
                 left = [u for u in uids if u != who and not store.check([proto.dead(u)])]
                 if uids and not left:
                     replace = None
-                if replace:   # before the death: the re-form then waits for the joiner
+                if replace and replacement == proto.WAIT:   # before the death: the re-form waits for it
                     store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
                 store.set(proto.dead(who), why)
-                store.set(proto.fault(gen), why)
+                if not uids or who in uids:   # (not when a lifeline announced it and the survivors
+                    store.set(proto.fault(gen), why)   # re-formed already: gen is theirs, whole)
             except Exception as e:   # noqa: BLE001 - the survivors still see their collectives fail
                 log.warning("in-process recovery: cannot announce the dead worker: %s", e)
                 return False
@@ -318,11 +326,13 @@ def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
                 pass
 
 
-def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0) -> Any:
-    """The context the launcher runs torch's agent in for the job's ``--recovery``."""
+def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0,
+             replacement: str = proto.WAIT) -> Any:
+    """The context the launcher runs torch's agent in for the job's ``--recovery`` (and
+    ``--replacement``)."""
     if recovery != proto.INPROCESS:
         return nullcontext()
-    return owning_recovery(store_address, events, node_rank)
+    return owning_recovery(store_address, events, node_rank, replacement)
 
 
 def worker_env(store_address: str) -> dict[str, str]:

@@ -50,8 +50,8 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import (health, inprocess_agent, inprocess_silent, inprocess_spare, quorum,
-                            rdzv_failure, rendezvous, spares)
+from runtime.launch import (health, inprocess_agent, inprocess_lifelines, inprocess_silent,
+                            inprocess_spare, quorum, rdzv_failure, rendezvous, spares)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -215,12 +215,21 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
     inproc_events = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank,
                              sync_every_s=0) if spec.recovery == "inprocess" else None
-    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank)
+    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank,
+                                        spec.replacement)
     if spec.recovery == "inprocess":
         os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint),
                           **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
     if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
         return inprocess_spare.run_spare(plan, inproc_events)   # joiners, no torch agent
+    lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
+    if spec.recovery == "inprocess":
+        if plan.is_rdzv_host:
+            lifelines = inprocess_lifelines.Lifelines(plan.rdzv_endpoint, replacement=spec.replacement,
+                                                      events=inproc_events)
+            lifelines.start()
+        lifeline = inprocess_lifelines.LauncherLine(plan.rdzv_endpoint)
+        lifeline.start()
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     logs_specs = _logs_specs(plan, tee)
 
@@ -305,6 +314,10 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             log.exception("the elastic agent failed")
             result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
     ended = time.time()
+    if lifeline is not None:
+        lifeline.close()   # this launcher ends on purpose: not a lost node
+    if lifelines is not None:
+        lifelines.stop()
     tee.drain()    # rank 0's last lines (its traceback) before this launcher's verdict
     watchdog.stop()
     if forwarder.stop is not None:

@@ -113,7 +113,8 @@ def test_every_keys_toml_example_is_valid_toml_the_key_accepts(tmp_path: Path):
 
     for key, name in CONFIG_KEYS.items():
         extra = 'gpus_per_node = 8\n' if name == "gpu_type" else \
-            'nproc_per_node = 4\n' if name in ("tp", "pp", "dp_replicate", "dp_shard") else ""
+            'nproc_per_node = 4\n' if name in ("tp", "pp", "dp_replicate", "dp_shard") else \
+            'recovery = "inprocess"\n' if name == "replacement" else ""
         (tmp_path / "hpc.toml").write_text(f"[defaults]\n{extra}{key} = {toml_example(name)}\n")
         opts = find_config(cwd=tmp_path, environ={"HOME": str(tmp_path)}).parsed_options()
         JobSpec(script="s", **opts)

@@ -117,3 +117,45 @@ def test_joiners_fill_the_world_up_to_its_largest_size_in_join_order_the_dead_sk
     m = plan_members(2, [Arrival("n1/10", 0, 7), *proto.admit(js, members=1, max_world=2)],
                      old=("n1/10",), reason="joined")
     assert m.uids == ("n1/10", "s/1") and m.source == 0 and m.step == 7
+
+
+def test_the_replacement_mode_is_validated_naming_the_flag_and_the_valid_ones():
+    from hpc.contract.jobspec import JobSpec
+
+    assert JobSpec(script="train.py", recovery="inprocess").replacement == "wait"   # the default: bit-equal
+    assert JobSpec(script="train.py", recovery="inprocess", replacement="shrink").replacement == "shrink"
+    assert proto.parse_replacement("SHRINK") == "shrink"
+    with pytest.raises(SpecError, match="wait or shrink"):
+        proto.parse_replacement("later")
+    with pytest.raises(SpecError, match=r"replacement 'later' is invalid: one of wait, shrink"):
+        JobSpec(script="train.py", recovery="inprocess", replacement="later")
+    # A replacement that joins later exists only in-process: refused with the way out named.
+    with pytest.raises(SpecError, match=r"replacement 'shrink' is invalid.*recovery restart.*recovery=\"inprocess\""):
+        JobSpec(script="train.py", replacement="shrink")
+
+
+def test_the_cli_refuses_a_bad_replacement_naming_the_flag_and_the_valid_ones(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = subprocess.run([sys.executable, "-m", "hpc", "render", str(script), "--recovery", "inprocess",
+                        "--replacement", "soon"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--replacement 'soon' is invalid: one of wait, shrink" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "hpc", "render", str(script), "--replacement", "shrink"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "--recovery inprocess --replacement shrink" in r.stderr, r.stderr
+
+
+def test_a_closed_lifeline_names_a_worker_dead_only_on_evidence_that_no_replacement_is_coming():
+    closed = {"n2/11": "n2/10", "n3/21": "n3/20"}   # worker -> its launcher
+    # wait: a live launcher promises a joiner and announces itself; a gone launcher cannot
+    assert proto.lifeline_dead(closed, set(), replacement="wait") == []
+    assert proto.lifeline_dead(closed, {"n3/20"}, replacement="wait") == ["n3/21"]
+    # shrink: nobody waits for a replacement, so a closed line is enough
+    assert proto.lifeline_dead(closed, set(), replacement="shrink") == ["n2/11", "n3/21"]
+    # a line still open (slow, stopped, cut off) is never in ``closed``: never named
+    assert proto.lifeline_dead({}, {"n3/20"}, replacement="shrink") == []
+    hello = proto.Hello("worker", "n2/11", parent="n2/10", space="hpc/inproc/n1:29500")
+    assert proto.Hello.parse(hello.line()) == hello

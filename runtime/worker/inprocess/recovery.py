@@ -48,7 +48,7 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import sockets, transfer
+from runtime.worker.inprocess import lifeline, sockets, transfer
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
 from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
@@ -121,6 +121,7 @@ class InProcess:
         self._watch: FaultWatch | None = None
         self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
+        self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
@@ -150,7 +151,7 @@ class InProcess:
         made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
                    max_world=max_world)
-        made.space, made.raw = space, raw
+        made.space, made.raw, made.address = space, raw, address
         return made
 
     @property
@@ -165,6 +166,7 @@ class InProcess:
         self.membership.start(self.rank, self.world_size)
         if self.rank == 0 and getattr(self, "raw", None) is not None:   # where a spare's joiners look
             self.raw.set(proto.ROOT + proto.CURRENT, self.space)
+        self._open_line()
         self._watch_faults()
 
     def join_group(self, timeout_s: float) -> Members | None:
@@ -179,6 +181,7 @@ class InProcess:
         self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
         self._init_pg(members.gen, rank, members.world_size)
         self.guard.reset(members.gen)
+        self._open_line()
         self._watch_faults()
         self.joined = members
         return members
@@ -190,6 +193,11 @@ class InProcess:
         moved = self._transfer(self.joined, held=-1)
         self.joining = False
         return self.joined.step, moved
+    def _open_line(self) -> None:
+        """A member now: its death is announced by its lifeline's closing (a lost node at once)."""
+        if self._line is None and getattr(self, "raw", None) is not None:
+            self._line = lifeline.open_line(self.raw, self.address, me=self.me, space=self.space)
+
     def _watch_faults(self) -> None:
         """Starts the fault watch of the current generation (the previous one is stopped)."""
         if self._watch is not None:
@@ -359,6 +367,8 @@ class InProcess:
         finished job tells waiting joiners (hot spares) that they are not needed."""
         if self._watch is not None:
             self._watch.stop(join=True)
+        lifeline.close_line(self._line)   # ends on purpose: not a death
+        self._line = None
         left = self.guard.drain(DRAIN_S, before_gen=self.gen)
         if left:
             log.warning("in-process recovery: %d all-reduce(s) of an old generation still running "

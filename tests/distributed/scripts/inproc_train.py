@@ -30,7 +30,11 @@ p.add_argument("--micro", type=int, default=2)
 p.add_argument("--log-every", type=int, default=5)
 p.add_argument("--pause", default="", help="RANK:STEP:SECONDS: that rank works this long at that step "
                "(healthy and slow, unmarked: an evaluation)")
+p.add_argument("--joiner-delay", type=float, default=0.0, help="a joiner (a restarted worker) starts "
+               "this much slower (seconds before its Session: a GPU's CUDA and NCCL start-up)")
 args = p.parse_args()
+if os.environ.get("HPC_INPROC_JOIN") == "1":
+    time.sleep(args.joiner_delay)
 out = Path(args.out)
 opened: list[str] = []
 recovering = [False]

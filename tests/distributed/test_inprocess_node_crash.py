@@ -1,0 +1,98 @@
+"""A crashed node is announced at once by its lifelines; a slow node is not (``hpc run --nodes 2``).
+
+The real launchers, torch's elastic agent and Session workers (gloo, DDP) on this machine, two
+"nodes" of one worker each, the join window set long (60 s) so that only evidence can end a
+re-form early. Both sides of the detector in one run:
+
+- **slow, alive**: rank 0 fails step 6 (``HPC_TEST_INPROC_FAULT``) while rank 1 works 6 s on
+  it (``--pause``: healthy, unmarked). Rank 1's lifeline stays open: nobody announces it, the
+  re-form waits, and it is taken in (world 2);
+- **crashed**: node 1's launcher and worker SIGKILLed together (every process of the node gone,
+  as on the cluster's node crash). Their lifelines to node 0's listener close; the worker is
+  announced dead at once (its launcher is gone too, so no replacement can be promised) and the
+  survivor re-forms alone, well before the peer beacon could name the node (5 s) and the 60-s
+  window.
+
+The outcome a user cares about: the job finishes, the survivor is the same process and read no
+checkpoint, the slow node was kept, and the crash cost no wait on a clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.launch.inprocess_silent import LOST_S
+from tests.distributed.test_inprocess_join import lines
+from tests.distributed.test_inprocess_silent import SCRIPT, events, wait_for
+from tests.distributed.test_spares_local import launcher_pid
+
+pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 40
+
+
+def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp_path: Path):
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job"
+    out.mkdir()
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="60",
+               HPC_TEST_INPROC_FAULT="0:6:fail")
+    run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2", "--nproc-per-node",
+                            "1", "--max-restarts", "0", "--recovery", "inprocess", "--job-dir", str(job), "--",
+                            "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.2", "--pause", "1:6:6"],
+                           env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed: list[int] = []
+    try:
+        ran = wait_for(run, lambda: (r := lines(out)) and len(r) == 2 and all(len(v) >= 12 for v in r.values()) and r,
+                       240, "two workers at step 12")
+        survivor = next(p for p, r in ran.items() if r[0]["rank"] == 0)
+        victim = next(p for p, r in ran.items() if r[0]["rank"] == 1)
+        killed += [launcher_pid(job, 1), victim]
+        before = [e for e in events(job) if e["ev"] in ("inproc_detect", "inproc_recovery")]
+        killed_at = time.time()
+        for p in killed:   # the node crashes: every process of it at once
+            os.kill(p, signal.SIGKILL)
+        wait_for(run, lambda: [e for e in events(job) if e["ev"] == "inproc_recovery" and e["t"] > killed_at],
+                 120, "the re-form after the crash")
+        run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for p in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == STEPS, outcome
+    results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
+    assert set(results) == {survivor} and results[survivor]["world"] == 1, results
+    assert not [f for f in results[survivor]["opened_while_recovering"] if f.startswith(str(job / "checkpoints"))]
+
+    # The slow side: rank 1 worked 6 s on step 6 while rank 0's fault opened a re-form; it was
+    # not announced and the re-form took it in.
+    paused = [x["t"] for x in lines(out)[victim] if x["step"] in (6, 7)]
+    assert paused[-1] - paused[0] >= 6, paused
+    assert [e["ev"] for e in before] == ["inproc_recovery"], before   # no one announced dead
+    assert before[0]["world_size"] == 2 and before[0]["left"] == [], before
+
+    # The crashed side: announced by the lifelines, decided without a clock's wait.
+    evs = events(job)
+    uid = next(u for e in evs if e["ev"] == "inproc_recovery" and e["t"] > killed_at for u in e["left"])
+    assert uid.endswith(f"/{victim}"), uid
+    by_line = [e for e in evs if e["ev"] == "inproc_detect" and e.get("by") == "lifeline"]
+    assert [e["workers"] for e in by_line] == [[uid]] and by_line[0]["launcher_gone"], by_line
+    [rec] = [e for e in evs if e["ev"] == "inproc_recovery" and e["t"] > killed_at]
+    assert rec["world_size"] == 1, rec
+    assert by_line[0]["t"] - killed_at < LOST_S, "announced no sooner than the peer beacon would have"
+    assert rec["t_reform"] - killed_at < LOST_S, "the re-form waited on a clock (beacon or window)"
+    print(f"node crashed -> announced {by_line[0]['t'] - killed_at:.2f} s, re-formed {rec['t_reform'] - killed_at:.2f} s, "
+          f"stepping {rec['t'] - killed_at:.2f} s (window 60 s, beacon {LOST_S:g} s); slow node kept after "
+          f"{paused[-1] - paused[0]:.1f} s; test {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
