@@ -72,7 +72,7 @@ def test_every_fields_python_example_is_valid_python_for_that_field(f) -> None:
     # A field checked against another needs that one too (typed GPUs; a mesh needs its ranks).
     needs = {"gpu_type": {"gpus_per_node": 8}, "tp": {"nproc_per_node": 4},
              "pp": {"nproc_per_node": 4}, "dp_replicate": {"nproc_per_node": 4},
-             "dp_shard": {"nproc_per_node": 4}}
+             "dp_shard": {"nproc_per_node": 4}, "replacement": {"recovery": "inprocess"}}
     spec = JobSpec(script="s", **needs.get(name, {}), **{name: eval(value)})  # noqa: S307 - our own examples
     assert getattr(spec, name) == eval(value)
 
