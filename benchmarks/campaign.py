@@ -29,6 +29,9 @@ machine's load. Printed as ratios to the baseline with the spread over seeds.
 
     python benchmarks/campaign.py --seeds 1 2 3 --json benchmarks/campaign.json \\
         --md benchmarks/RESULTS-campaign.md --png-dir docs
+
+One seed per invocation (``--keep`` the same folder: its uninterrupted references are made
+once), then ``--merge seed1.json seed2.json ... --json campaign.json``.
 """
 
 from __future__ import annotations
@@ -470,8 +473,13 @@ def run_campaign(contenders: list[Contender], seeds: list[int], cfg: Config, env
         for c in contenders:
             for world in worlds:
                 script = type(c).__name__
+                out = root / f"ref-{c.name}-w{world}"
+                if (script, world) not in done and (out / "result.json").exists():
+                    # Made by an earlier invocation with the same --keep (one seed per
+                    # invocation): the same script, steps and threads give the same digest.
+                    done[(script, world)] = json.loads((out / "result.json").read_text())["weights_sha256"]
                 if (script, world) not in done:
-                    done[(script, world)] = c.reference(world, cfg, root / f"ref-{c.name}-w{world}")
+                    done[(script, world)] = c.reference(world, cfg, out)
                 references[(c.name, world)] = done[(script, world)]
         print(f"references (local, uninterrupted): {time.time() - t0:.0f} s", flush=True)
     maker = threading.Thread(target=make_references, daemon=True)
@@ -540,7 +548,13 @@ def main() -> None:
     p.add_argument("--from-partial", default="", metavar="PATH",
                    help="summarize a campaign cut short from its JSON.partial record (--keep: its "
                         "job directories, where the uninterrupted references are)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="join records of earlier invocations (e.g. one seed each, the cluster "
+                        "free between them) into one (--json, --md); runs nothing")
     args = p.parse_args()
+    if args.merge:
+        write(cm.merge([json.loads(Path(m).read_text()) for m in args.merge]), args.json, args.md)
+        return
     if args.from_partial:
         out = from_partial(Path(args.from_partial), Path(args.keep))
         write(out, args.json, args.md)

@@ -16,6 +16,8 @@ one definition, the same for every contender, and be unit tested on recorded inp
   restore, the lost steps computed again, and one step). Queue waits allocate no node and count
   nothing.
 - :func:`summarize` / :func:`markdown`: per contender, over seeds, and as ratios to the baseline.
+- :func:`merge`: campaign records of one seed each (one invocation per seed, so that the shared
+  cluster is free between seeds) joined into one record, summarized over all their runs.
 """
 
 from __future__ import annotations
@@ -234,6 +236,39 @@ def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> 
             }
         out[name] = entry
     return out
+
+
+def merge(records: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> dict[str, Any]:
+    """Campaign records (``campaign.py --json`` of one seed or more each) as one record.
+
+    The runs are joined (each already carries its weights check and Slurm's frame), summarized
+    again over all of them (ratios still pair a contender's run with the baseline's of the same
+    seed), and each record's machine figures and configuration kept per record.
+
+    Raises:
+        ValueError: if the records' configurations differ (naming the keys), or a contender and
+            seed are in two records (naming them).
+    """
+    configs = [dict(r.get("config") or {}) for r in records]
+    differ = sorted({k for c in configs for k in c if any(o.get(k) != c.get(k) for o in configs)})
+    if differ:
+        raise ValueError(f"the records were run with different configurations ({', '.join(differ)}); "
+                         "merge only records of the same campaign settings")
+    runs: list[Mapping[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    for rec in records:
+        for r in rec.get("runs") or ():
+            key = (str(r["contender"]), int(r["seed"]))
+            if key in seen:
+                raise ValueError(f"{key[0]} seed {key[1]} is in more than one record")
+            seen.add(key)
+            runs.append(r)
+    return {"config": configs[0] if configs else {},
+            "seeds": sorted({s for _, s in seen}), "contenders": summarize(runs, baseline), "runs": runs,
+            "failed": [f for rec in records for f in rec.get("failed") or ()],
+            "pictures": {k: v for rec in records for k, v in (rec.get("pictures") or {}).items()},
+            "references": {k: v for rec in records for k, v in (rec.get("references") or {}).items()},
+            "machine": [rec.get("machine") for rec in records]}
 
 
 def markdown(summary: Mapping[str, Any], baseline: str = "baseline") -> str:

@@ -136,3 +136,32 @@ def test_an_inprocess_recovery_is_its_fault_s_not_a_later_requeue_s():
     # A rollback: the step done twice (10) is not "back"; 11 is.
     trace = [(0.5, 10, "a"), (4.2, 9, "a"), (5.0, 10, "a"), (5.5, 11, "a")]
     assert cm.back_at(trace, 1.0, [(4.0, 9)]) == 5.5
+
+
+def _record(seed_runs, **config):
+    return {"config": {"steps": 60, **config}, "runs": seed_runs, "machine": {"cpus": 2},
+            "references": {"baseline-w3": "ab"}}
+
+
+def _run(name, seed, lost, goodput=0.5):
+    return {"contender": name, "seed": seed, "goodput": goodput, "lost_steps": 0, "finished": True,
+            "weights_equal": False, "faults": [{"kind": "preempt", "lost_node_s": lost}]}
+
+
+def test_merge_joins_one_seed_records_and_pairs_ratios_by_seed():
+    merged = cm.merge([_record([_run("baseline", 1, 100.0), _run("inprocess", 1, 10.0)]),
+                       _record([_run("baseline", 2, 200.0), _run("inprocess", 2, 40.0)])])
+    assert merged["seeds"] == [1, 2]
+    inproc = merged["contenders"]["inprocess"]
+    assert inproc["seeds"] == [1, 2]
+    # Ratios pair by seed: 10/100 and 40/200, not the medians' 25/150.
+    assert inproc["ratio_to_baseline"]["lost_node_s_per_fault"] == pytest.approx(
+        {"median": 0.15, "min": 0.1, "max": 0.2})
+    assert len(merged["machine"]) == 2
+
+
+def test_merge_refuses_different_settings_and_a_run_twice():
+    with pytest.raises(ValueError, match="different configurations \\(steps\\)"):
+        cm.merge([_record([_run("baseline", 1, 1.0)]), _record([_run("baseline", 2, 1.0)], steps=40)])
+    with pytest.raises(ValueError, match="baseline seed 1 is in more than one record"):
+        cm.merge([_record([_run("baseline", 1, 1.0)]), _record([_run("baseline", 1, 2.0)])])
