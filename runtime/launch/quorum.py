@@ -12,7 +12,11 @@ disk) is still in Slurm's job, so it is waited for as before.
 The watch runs in the rendezvous host's launcher only (one per allocation: one Slurm query at
 a time, not one per node). It looks at Slurm once this node has had no worker for
 :data:`IDLE_S` (the agent is between worker groups, in a rendezvous round; a round that forms
-takes a few seconds) and then every :data:`CHECK_S` while that lasts. When the job holds fewer
+takes a few seconds) and then every :data:`CHECK_S` while that lasts; not once this node's
+workers have all finished (torch's agent then waits in its exit barrier for the other nodes'
+agents, not in a rendezvous: the training is done, and a lost node that never comes to the
+barrier must not turn a finished job into a requeue; the campaign saw it after a cut link
+left one node to finish alone). When the job holds fewer
 nodes than MIN, it ends the agent; the launcher then ends the allocation as a node failure,
 which records the outcome and requeues the job (:mod:`runtime.ending.outcome`).
 
@@ -29,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc.contract.slurm import SlurmClient, SlurmError
 from runtime.env import SlurmEnv
@@ -43,6 +47,9 @@ log = logging.getLogger("hpc.launch")
 IDLE_S = 10.0    # no worker on this node this long: the agent waits in a rendezvous round
 CHECK_S = 5.0    # then ask Slurm this often while it lasts
 POLL_S = 1.0     # how often the node's own workers are looked at (cheap: /proc)
+
+# Set once this launcher's agent enters torch's exit barrier: its workers all succeeded.
+_FINISHED = threading.Event()
 
 
 def short_of_min(state: str, job_nodes: Sequence[str], min_nodes: int) -> str | None:
@@ -71,14 +78,18 @@ class QuorumWatch(threading.Thread):
         job: Slurm's view of the job: ``(state, nodes)``, or None when it cannot be read.
         act: Ends the agent (the launcher sends itself SIGQUIT; torch's agent ends on it).
         clock: Monotonic seconds (tests pass their own).
+        finished: Whether this node's workers have all finished successfully (the agent waits
+            in its exit barrier, not in a rendezvous: never acted on).
     """
 
     def __init__(self, *, min_nodes: int, working: Callable[[], bool],
                  job: Callable[[], tuple[str, Sequence[str]] | None], act: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic, idle_s: float = IDLE_S,
-                 check_s: float = CHECK_S, poll_s: float = POLL_S) -> None:
+                 check_s: float = CHECK_S, poll_s: float = POLL_S,
+                 finished: Callable[[], bool] = lambda: False) -> None:
         super().__init__(name="hpc-quorum", daemon=True)
         self.min_nodes, self.working, self.job, self.act, self.clock = min_nodes, working, job, act, clock
+        self.finished = finished
         self.idle_s, self.check_s, self.poll_s = idle_s, check_s, poll_s
         self.short: str | None = None        # why it ended the agent
         self._idle_since: float | None = None
@@ -91,6 +102,8 @@ class QuorumWatch(threading.Thread):
         if self.short is not None:
             return self.short
         now = self.clock()
+        if self.finished():
+            return None   # the training is done here: the agent's exit barrier, no rendezvous
         if self.working():
             self._idle_since = None
             return None
@@ -119,6 +132,30 @@ class QuorumWatch(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def watch_exit_barrier() -> bool:
+    """Wraps torch's ``SimpleElasticAgent._exit_barrier`` (once per process) so that entering it
+    sets :data:`_FINISHED`; returns whether it could (another torch without that method: the
+    watch then cannot tell a finished node from a waiting one, as before)."""
+    try:
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    except ImportError:   # pragma: no cover - the launcher always has torch
+        return False
+    original = SimpleElasticAgent.__dict__.get("_exit_barrier")
+    if original is None:
+        log.warning("torch's agent has no _exit_barrier: the quorum watch cannot tell a node whose "
+                    "workers finished from one waiting in a rendezvous")
+        return False
+    if getattr(original, "hpc_quorum", False):
+        return True
+
+    def _exit_barrier(self: Any) -> Any:
+        _FINISHED.set()
+        return original(self)
+    _exit_barrier.hpc_quorum = True   # type: ignore[attr-defined]
+    SimpleElasticAgent._exit_barrier = _exit_barrier   # type: ignore[method-assign]
+    return True
 
 
 def start(plan: "LaunchPlan") -> QuorumWatch | None:
@@ -150,7 +187,9 @@ def start(plan: "LaunchPlan") -> QuorumWatch | None:
             return None
         return info.state.value, info.nodes
 
+    _FINISHED.clear()   # this agent's run (a launcher goes on in a new epoch after a failure)
+    watch_exit_barrier()
     watch = QuorumWatch(min_nodes=plan.nnodes[0], working=working, job=job,
-                        act=lambda: os.kill(os.getpid(), signal.SIGQUIT))
+                        act=lambda: os.kill(os.getpid(), signal.SIGQUIT), finished=_FINISHED.is_set)
     watch.start()
     return watch

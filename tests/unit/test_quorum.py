@@ -84,3 +84,36 @@ def test_workers_back_resets_the_idle_clock():
     f.workers = False
     f.run(w, 18)
     assert f.acted == 0, "the idle time counts from the last time workers ran"
+
+
+def test_a_node_whose_workers_finished_is_not_waiting_in_a_rendezvous():
+    # A cut link left node2 alone; its workers finished the training (world 1) and torch's
+    # agent waits in its exit barrier for node3's agent, which never comes. Slurm holds 1 node
+    # of MIN 2 by then: the watch must leave the finished job alone, not requeue it (campaign
+    # of 2026-11-26, seed 1: a node failure 12 s after the last step, a second allocation).
+    f = Fake(("node2",))
+    done = False
+    w = QuorumWatch(min_nodes=2, working=lambda: f.workers, job=lambda: ("RUNNING", f.nodes),
+                    act=lambda: setattr(f, "acted", f.acted + 1), clock=lambda: f.t,
+                    idle_s=10, check_s=5, finished=lambda: done)
+    f.run(w, 5)
+    f.workers, done = False, True
+    f.run(w, 60)
+    assert f.acted == 0 and w.short is None
+
+
+def test_entering_torchs_exit_barrier_marks_the_node_finished():
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    from runtime.launch import quorum
+
+    quorum._FINISHED.clear()
+    assert quorum.watch_exit_barrier() and quorum.watch_exit_barrier(), "idempotent"
+    agent = SimpleNamespace(_worker_group=SimpleNamespace(state="SUCCEEDED", group_world_size=1),
+                            _store=HashStore(), _exit_barrier_timeout=5.0, _in_exit_barrier=False)
+    assert not quorum._FINISHED.is_set()
+    SimpleElasticAgent._exit_barrier(agent)   # torch's own barrier, one agent: passes at once
+    assert quorum._FINISHED.is_set()
