@@ -17,8 +17,9 @@ steps (:func:`campaign_metrics.schedule`, one per seed):
 
 Contenders: ``baseline``, what users run today (``benchmarks/baseline/baseline.sbatch``:
 ``--requeue``, ``torchrun --nnodes 2:3 --max-restarts 3``, c10d, the script's own ``torch.save``
-and resume); ``restart``, ``hpc submit`` with today's restart path; ``inprocess`` and ``spare``
-when their flags exist in ``hpc submit --help`` (else recorded as not landed).
+and resume); ``restart``, ``hpc submit`` with today's restart path; ``inprocess``, ``spare`` and
+``inprocess_spare`` (both flags) when their flags exist in ``hpc submit --help`` (else recorded
+as not landed).
 
 Per run: the goodput ledger (``hpc report``'s for ours; for the baseline the same ledger built
 from its step records and Slurm's accounting, :func:`campaign_metrics.plain_events`), the
@@ -292,6 +293,10 @@ CONTENDERS: dict[str, Contender] = {
     "inprocess": Ours("inprocess", ("--recovery", "inprocess"), flag="--recovery"),
     # 2 ranked nodes + 1 hot spare: the same 3 nodes, a world size that stays 2.
     "spare": Ours("spare", ("--spare-nodes", "1"), flag="--spare-nodes", nodes="2"),
+    # The same with in-process recovery: the spare's workers wait as joiners and take a lost
+    # node's place with the state from a peer (runtime/launch/inprocess_spare.py).
+    "inprocess_spare": Ours("inprocess_spare", ("--recovery", "inprocess", "--spare-nodes", "1"),
+                            flag="--spare-nodes", nodes="2"),
 }
 
 
