@@ -33,7 +33,7 @@ Unless ``--no-signal``, a 2-node job first measures the warning signal (``scance
 cut instead (issue 12), as before.
 
     python benchmarks/recovery.py [--paths restart inprocess] [--faults worker_kill ...]
-        [--no-signal] [--json benchmarks/recovery.json [--merge]] [--only succession]
+        [--replacement wait|shrink] [--no-signal] [--json benchmarks/recovery.json [--merge]] [--only succession]
 """
 
 from __future__ import annotations
@@ -128,11 +128,16 @@ def inject(b: Bench, fault: str) -> tuple[str, int | None]:
     return "node3", None
 
 
-def run_cell(b: Bench, path: str, fault: str, timeout: float) -> dict[str, Any]:
-    """One job on ``path`` meets ``fault`` at step 10; the cell's figures (:func:`rc.judge`)."""
-    extra = ["--nodes", "2:3", "--max-restarts", "3"] + (["--recovery", "inprocess"] if path == "inprocess" else [])
+def run_cell(b: Bench, path: str, fault: str, timeout: float, replacement: str = "wait") -> dict[str, Any]:
+    """One job on ``path`` meets ``fault`` at step 10; the cell's figures (:func:`rc.judge`).
+    In-process with ``--replacement shrink``, the cell also waits (up to 90 s) for the
+    replacement to grow the world back, and records when and the members' pause for it."""
+    extra = ["--nodes", "2:3", "--max-restarts", "3"] + (
+        ["--recovery", "inprocess", "--replacement", replacement] if path == "inprocess" else [])
     job_id, job, t_submit = b.submit(*extra)
     cell: dict[str, Any] = {"path": path, "fault": fault, "slurm_job_id": job_id, "job_dir": job.name}
+    if path == "inprocess":
+        cell["replacement"] = replacement
     try:
         t1 = wait(lambda: rc.progress(job).get("step", 0) >= 1, 240, "the first step")
         cell["cold_start_s"] = round(rc.progress(job).get("time", t1) - t_submit, 3)
@@ -156,6 +161,9 @@ def run_cell(b: Bench, path: str, fault: str, timeout: float) -> dict[str, Any]:
         cell.update(w.result(timeout))
         cell["pids_kept"] = all(survivors[n] <= now[n] for n in survivors)
         cell["survivors_restarted"] = sum(len(survivors[n] - now[n]) for n in survivors)
+        if path == "inprocess" and replacement == "shrink" and victim is not None and w.done:
+            cell.update(rc.regrow(job, t, lambda: wait(lambda: rc.grown(rc.events(job), t), 90,
+                                                       "the replacement's grow")))
     except TimeoutError as e:   # the job never got to the fault: a broken cell, said as such
         cell.update(how="not_measured", reason=str(e))
     finally:
@@ -213,6 +221,9 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", choices=rc.PATHS, default=list(rc.PATHS))
     p.add_argument("--faults", nargs="+", choices=rc.FAULTS, default=list(rc.FAULTS))
     p.add_argument("--no-signal", action="store_true", help="skip the warning signal and requeue")
+    p.add_argument("--replacement", choices=("wait", "shrink"), default="wait",
+                   help="the in-process cells' --replacement (shrink: the survivors go on at world-1, the "
+                        "replacement joins at a later step boundary)")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="a cell not back to training this long after its fault is recorded as a timeout")
     p.add_argument("--json", default="")
@@ -251,7 +262,7 @@ def main() -> None:
             cells = []
             for path in args.paths:
                 for fault in args.faults:
-                    cell = run_cell(b, path, fault, args.timeout_s)
+                    cell = run_cell(b, path, fault, args.timeout_s, args.replacement)
                     cell["run"] = run["started"]
                     print(json.dumps(cell), flush=True)
                     cells.append(cell)

@@ -140,6 +140,25 @@ class Watch:
         return out
 
 
+def grown(evs: list[dict[str, Any]], t_fault: float) -> dict[str, Any] | None:
+    """The recovery that took a joiner back in after ``t_fault`` (``--replacement shrink``)."""
+    return next((e for e in evs if e.get("ev") == "inproc_recovery" and e.get("t", 0) > t_fault
+                 and "joiner" in str(e.get("reason", ""))), None)
+
+
+def regrow(job: Path, t_fault: float, waiting: Any) -> dict[str, Any]:
+    """``grown_back_s`` (fault -> the world whole again) and ``grow_pause_s`` (the members'
+    pause for that grow: its phases), or why not."""
+    try:
+        waiting()
+    except TimeoutError as e:
+        return {"grown_back_s": None, "grow_note": str(e)}
+    e = grown(events(job), t_fault)
+    assert e is not None
+    return {"grown_back_s": round(e["t"] - t_fault, 3), "grow_pause_s": round(e["t"] - e["t_detect"], 3),
+            "grown_world_size": e.get("world_size")}
+
+
 def merge(old: dict[str, Any], run: dict[str, Any], res: dict[str, Any],
           cells: list[dict[str, Any]]) -> dict[str, Any]:
     """``recovery.json``: this run's cells over those of ``old`` it did not measure (each cell

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.recovery_cells import Watch, merge, table
+from benchmarks.recovery_cells import Watch, grown, merge, table
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +100,11 @@ def test_the_verdict_names_each_target_missed():
     assert verdict("freeze", {**ok, "resume_s": 31.3, "pids_kept": False}) == \
         "misses: resume_s 31.30 > 10, survivors restarted"
     assert verdict("link_cut", {"how": "timeout", "resume_s": None}) == "misses: timeout"
+
+
+def test_the_grow_after_a_shrink_is_the_first_joiner_recovery_after_the_fault():
+    evs = [{"ev": "inproc_recovery", "t": 5.0, "t_detect": 4.0, "reason": "a joiner waits"},   # before
+           {"ev": "inproc_recovery", "t": 11.0, "t_detect": 10.2, "reason": "fault announced: worker died"},
+           {"ev": "inproc_recovery", "t": 19.0, "t_detect": 17.5, "reason": "a joiner waits", "world_size": 6}]
+    assert grown(evs, 10.0) == evs[2]
+    assert grown(evs[:2], 10.0) is None
