@@ -224,6 +224,9 @@ def main() -> None:
     p.add_argument("--replacement", choices=("wait", "shrink"), default="wait",
                    help="the in-process cells' --replacement (shrink: the survivors go on at world-1, the "
                         "replacement joins at a later step boundary)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="measure the cells this many times in one hold of the cluster (each cell printed; "
+                        "--json keeps the last pass's)")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="a cell not back to training this long after its fault is recorded as a timeout")
     p.add_argument("--json", default="")
@@ -260,12 +263,11 @@ def main() -> None:
             if not args.no_signal:
                 signal_cases(b, res)
             cells = []
-            for path in args.paths:
-                for fault in args.faults:
-                    cell = run_cell(b, path, fault, args.timeout_s, args.replacement)
-                    cell["run"] = run["started"]
-                    print(json.dumps(cell), flush=True)
-                    cells.append(cell)
+            for n, path, fault in [(n, p, f) for n in range(args.passes) for p in args.paths for f in args.faults]:
+                cell = run_cell(b, path, fault, args.timeout_s, args.replacement)
+                cell.update(run=run["started"], **({"pass": n + 1} if args.passes > 1 else {}))
+                print(json.dumps(cell), flush=True)
+                cells.append(cell)
     run["load_1m_after"] = load_1m()
     colds = [c["cold_start_s"] for c in cells if "cold_start_s" in c]
     if colds:
