@@ -86,8 +86,9 @@ def wait(pred, timeout: float, what: str) -> float:
 class Bench:
     """Submits the benchmark's jobs into a temporary ``HPC_HOME`` and cleans up after each."""
 
-    def __init__(self, env: dict[str, str], root: Path, sc: Any, cluster: Any) -> None:
+    def __init__(self, env: dict[str, str], root: Path, sc: Any, cluster: Any, batch: tuple[int, int] = (24, 2)) -> None:
         self.env, self.root, self.sc, self.cluster, self.n = env, root, sc, cluster, 0
+        self.batch = batch   # (global batch, micro-batch)
 
     def submit(self, *extra: str, steps: int = 400) -> tuple[str, Path, float]:
         self.n += 1
@@ -98,7 +99,7 @@ class Bench:
                             "--job-dir", str(job), "--checkpoint-every-steps", "4",
                             "--env", "HPC_PROGRESS_EVERY_S=0.01", *extra, "--", "--preset", "tiny",
                             "--max-steps", str(steps), "--step-sleep", "0.2",
-                            "--global-batch", "24", "--micro-batch", "2"],
+                            "--global-batch", str(self.batch[0]), "--micro-batch", str(self.batch[1])],
                            env=self.env, capture_output=True, text=True, cwd=REPO)
         if r.returncode:
             raise SystemExit(r.stdout + r.stderr)
@@ -224,6 +225,11 @@ def main() -> None:
     p.add_argument("--replacement", choices=("wait", "shrink"), default="wait",
                    help="the in-process cells' --replacement (shrink: the survivors go on at world-1, the "
                         "replacement joins at a later step boundary)")
+    p.add_argument("--global-batch", type=int, default=24,
+                   help="the trainer's global batch: with --replacement shrink it must be divisible by "
+                        "world x micro-batch at every world the job may shrink to (6, 5, 4: e.g. 60 with "
+                        "--micro-batch 1), or the trainer refuses the shrunk world")
+    p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--passes", type=int, default=1,
                    help="measure the cells this many times in one hold of the cluster (each cell printed; "
                         "--json keeps the last pass's)")
@@ -253,7 +259,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="hpc-recovery-") as tmp:
             root = Path(args.keep or tmp)
             root.mkdir(parents=True, exist_ok=True)
-            b = Bench({**env, "HPC_HOME": str(root)}, root, sc, cluster)
+            b = Bench({**env, "HPC_HOME": str(root)}, root, sc, cluster, (args.global_batch, args.micro_batch))
+            run["batch"] = {"global": args.global_batch, "micro": args.micro_batch}
             if args.only == "succession":
                 succession_cases(b, res)
                 print(json.dumps(res, indent=2))
