@@ -47,10 +47,13 @@ def plan_batches(global_batch: int, world_size: int, micro_batch: int) -> int:
     per_step = world_size * micro_batch
     if global_batch % per_step:
         ok = [m for m in range(1, global_batch // world_size + 1) if global_batch % (world_size * m) == 0]
+        none = ("none (global batch is smaller than the world size)" if global_batch < world_size else
+                f"none ({global_batch} is not a multiple of {world_size}: pick a global batch that every "
+                "world size the job may run at divides, e.g. after a shrink by one worker)")
         raise ValueError(
             f"global batch {global_batch} is not divisible by world_size x micro_batch = "
             f"{world_size} x {micro_batch} = {per_step}; micro-batch sizes that work at world size "
-            f"{world_size}: {ok or 'none (global batch is smaller than the world size)'}")
+            f"{world_size}: {ok or none}")
     return global_batch // per_step
 
 

@@ -102,3 +102,13 @@ def test_load_rejects_other_dataset() -> None:
         s.load_state_dict(ResumableSampler(11, global_batch=2).state_dict())
     with pytest.raises(ValueError, match="exceeds the dataset"):
         ResumableSampler(3, global_batch=4)
+
+
+def test_a_global_batch_the_world_does_not_divide_says_so_not_that_it_is_too_small():
+    # World 6 shrunk to 5 (an in-process shrink) with a global batch of 24: 24 > 5, but no
+    # micro-batch splits it over 5 ranks; the message said "smaller than the world size".
+    with pytest.raises(ValueError, match=r"none \(24 is not a multiple of 5") as e:
+        plan_batches(24, 5, 2)
+    assert "smaller" not in str(e.value)
+    with pytest.raises(ValueError, match="smaller than the world size"):
+        plan_batches(4, 5, 1)
