@@ -58,6 +58,10 @@ def outcomes(job_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+# One hostile job path with everything in it (spaces, quotes, shell metacharacters), as in
+# test_wandb.py: each hostile name was its own run (29 s each in CI of 8c3b77e, 4 in all); the
+# combined name breaks wherever any one of them would.
+@pytest.mark.parametrize("hostile_dir", ["job's \"dir\" with space; $HOME `x`"], indirect=True)
 def test_local_run_writes_the_job_dir_layout(hostile_dir: Path):
     job = hostile_dir / "job"
     p = hpc_run(job, "--seconds", "1")
