@@ -462,6 +462,7 @@ def test_workers_hung_in_their_sigterm_handler_are_killed_and_the_stop_recorded(
         assert not alive(int(pid)), "a worker outlived the job"
 
 
+@pytest.mark.waits   # its 10-s --rdzv-timeout (0.1 CPU-s of 11 s): CI's clock lane
 def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tmp_path: Path):
     """hpc run --nodes 2: node 1's launcher joins 90 s late (a node slow to start), the host's
     rendezvous waits --rdzv-timeout 10 s for it and fails. The recorded reason names node 1,
@@ -484,6 +485,7 @@ def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tm
     assert "never joined: node 1 (node rank 1)" in reason and "port in use" not in reason, reason
 
 
+@pytest.mark.waits   # a 20-s save and a 6-s kill time (2.5-3.1 CPU-s of 28-41 s each): CI's clock lane
 @pytest.mark.parametrize("stall", [False, True], ids=["healthy", "stalls"])
 def test_a_long_save_after_the_sigterm_is_let_finish_and_a_stalled_one_killed(tmp_path: Path, stall: bool):
     """The kill that follows a SIGTERM under hpc run (KILL_AFTER_S; 6 s here through
