@@ -344,9 +344,10 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
     log.log(logging.INFO if plan.local else NOTE, "allocation %d ended: %s (exit %d) %s",
             plan.allocation, kind, code, reason)
     slurm = SlurmEnv.from_env(os.environ)
-    if kind == "node_failure" and plan.node_rank != 0:
+    if (kind == "node_failure" or end.extra.get("follow_node0")) and plan.node_rank != 0:
         # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
-        # the store too. Only if node 0 records nothing was it really lost.
+        # the store too. Only if node 0 records nothing was it really lost. (follow_node0: the
+        # rendezvous failed here while its host answered, so the host records the end.)
         theirs = node0_outcome(plan.job_dir, plan.allocation, timeout_s=NODE0_OUTCOME_WAIT_S)
         if theirs is not None:
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)

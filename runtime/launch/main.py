@@ -50,8 +50,9 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import (health, inprocess_agent, inprocess_lifelines, inprocess_silent,
-                            inprocess_spare, quorum, rdzv_failure, rendezvous, spares)
+from runtime.launch import (health, host_store, inprocess_agent, inprocess_lifelines,
+                            inprocess_silent, inprocess_spare, quorum, rdzv_failure, rendezvous,
+                            spares)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -220,6 +221,16 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     if spec.recovery == "inprocess":
         os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint),
                           **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
+    join_timeout_s = rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)["join_timeout"]
+    if not plan.is_rdzv_host and plan.launchers > 1:
+        # A node that arrives after the host gave up must not knock at a gone store for minutes.
+        gone = host_store.await_host(plan.rdzv_endpoint, timeout_s=join_timeout_s,
+                                     ended=functools.partial(_host_ended, plan))
+        if gone is not None:
+            log.error("%s", gone)
+            ended = _host_ended(plan) is not None
+            return outcome.AgentEnd("failed" if ended else "rendezvous", gone, time.time(),
+                                    ended=time.time(), extra={"follow_node0": True} if ended else {})
     if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
         return inprocess_spare.run_spare(plan, inproc_events)   # joiners, no torch agent
     lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
@@ -281,6 +292,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     started = time.time()
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
+    follow_node0 = False   # a rendezvous error while the host answered: node 0 records the end
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
@@ -303,10 +315,17 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             # problem (port in use, bad address).
             result = "failed"
             reason = rdzv_failure.explain(
-                e, endpoint=plan.rdzv_endpoint, timeout_s=rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)
-                ["join_timeout"], min_nodes=plan.nnodes[0],
+                e, endpoint=plan.rdzv_endpoint, timeout_s=join_timeout_s, min_nodes=plan.nnodes[0],
                 nodes=list(names) or [f"node {i}" for i in range(plan.launchers)],
                 joined=rdzv_failure.joined(read_events(plan.job_dir), plan.allocation, epoch))
+        elif not (fence is not None and fence.acted):
+            # Another node: the host's loss only if its store does not answer (host_store.py).
+            answered = rdzv_failure.explain_non_host(
+                e, endpoint=plan.rdzv_endpoint, answered=host_store.answers(plan.rdzv_endpoint),
+                timeout_s=join_timeout_s)
+            if answered is not None:
+                log.warning("%s", answered)
+                result, reason, follow_node0 = "failed", answered, True
     except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
         if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
             log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)
@@ -336,7 +355,14 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         below_min.stop()
         if below_min.short is not None and not (fence is not None and fence.acted):
             result, reason = "rendezvous", below_min.short   # a node failure: requeue
-    return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes, ended=ended)
+    return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes, ended=ended,
+                            extra={"follow_node0": True} if follow_node0 else {})
+
+
+def _host_ended(plan: LaunchPlan) -> str | None:
+    """The allocation's outcome as node 0 recorded it ("kind: reason"), if it has."""
+    theirs = outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=0)
+    return None if theirs is None else f"{theirs.kind}: {theirs.reason}"
 
 
 def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.AgentEnd,

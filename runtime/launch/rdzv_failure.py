@@ -1,4 +1,4 @@
-"""What to tell the user when the rendezvous on this node (its host) fails.
+"""What to tell the user when the rendezvous on this node fails (on its host, or another node).
 
 The rendezvous host's own round can fail in two ways that call for different actions. Either
 the store could not be served here (the port is taken by another job, the address is wrong):
@@ -11,6 +11,10 @@ both read "port in use? set --rdzv-port", which sent the user after the wrong th
 Which nodes arrived: each launcher records ``rdzv_join`` in ``events.jsonl`` (allocation,
 rendezvous epoch, node rank) just before its agent joins the round. :func:`joined` reads them,
 :func:`explain` (pure) writes the reason the outcome records.
+
+On any other node a rendezvous error is the host's loss only when the host's store does not
+answer (:func:`runtime.launch.host_store.answers`); when it does, :func:`explain_non_host`
+(pure) says what the error was instead, and the node follows the host's recorded outcome.
 """
 
 from __future__ import annotations
@@ -57,3 +61,25 @@ def explain(error: BaseException, *, endpoint: str, timeout_s: float, min_nodes:
                 f"longer {TIMEOUT_FLAG})")
     return (f"{waited}; every node's launcher set out to join, so they could not reach {endpoint} "
             f"or left the round (see their logs; `hpc doctor` checks the network)")
+
+
+def explain_non_host(error: BaseException, *, endpoint: str, answered: bool, timeout_s: float) -> str | None:
+    """The reason a node other than the host records for a failed rendezvous, or None when
+    the host's store did not answer (then the host is lost: succession, or a node failure) (pure).
+
+    Args:
+        error: What torch's agent raised.
+        endpoint: ``host:port`` of the rendezvous.
+        answered: Whether the host's store answered just after the error.
+        timeout_s: The join timeout the agent had.
+    """
+    if not answered:
+        return None
+    name = type(error).__name__
+    head = f"the rendezvous failed while its host {endpoint} answered, so the host is not lost ({name}: {error})"
+    if "Closed" in name or "GracefulExit" in name:
+        return f"{head}: the others closed the rendezvous, the job is ending; this node follows node 0's outcome"
+    if name == "RendezvousTimeoutError":
+        return (f"{head}: fewer nodes than the job's MIN joined within {timeout_s:g} s ({TIMEOUT_FLAG} "
+                "sets it); the host's outcome names the nodes that did not")
+    return f"{head}: a configuration or protocol error, not a lost node (see this node's log)"

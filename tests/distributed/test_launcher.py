@@ -6,6 +6,7 @@ about: the job's outcome, logs, restarts, and that no worker outlives its agent.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shlex
@@ -464,25 +465,37 @@ def test_workers_hung_in_their_sigterm_handler_are_killed_and_the_stop_recorded(
 
 @pytest.mark.waits   # its 10-s --rdzv-timeout (0.1 CPU-s of 11 s): CI's clock lane
 def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tmp_path: Path):
-    """hpc run --nodes 2: node 1's launcher joins 90 s late (a node slow to start), the host's
+    """hpc run --nodes 2: node 1's launcher joins 30 s late (a node slow to start), the host's
     rendezvous waits --rdzv-timeout 10 s for it and fails. The recorded reason names node 1,
-    the 10 s and --rdzv-timeout; before, it asked whether the port was in use. (Node 1 would
-    go on knocking at the gone store for minutes: ended once the host has recorded.)"""
+    the 10 s and --rdzv-timeout; before, it asked whether the port was in use. Node 1, late,
+    gives up at once, naming the host and its timeout; before, it knocked at the gone store
+    for ~110 s (torch's connect retries) and then ended as a node failure."""
     job, marker = tmp_path / "job", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "1", "--job-dir", str(job),
-           "--nodes", "2", "--rdzv-timeout", "10", "--env", "HPC_TEST_SLOW_JOIN=1:90", "--",
+           "--nodes", "2", "--rdzv-timeout", "10", "--env", "HPC_TEST_SLOW_JOIN=1:30", "--",
            "--out", str(job), "--steps", "3"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=marked_env(marker), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: outcomes(job), timeout=80, what="the host's outcome")
+        proc.wait(timeout=120)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
         kill_leftovers(marker)
     reason = outcomes(job)[0]["reason"]
     assert "timed out" in reason and "within 10 s" in reason and "--rdzv-timeout" in reason, reason
     assert "never joined: node 1 (node rank 1)" in reason and "port in use" not in reason, reason
+    late = [ln for f in job.glob("logs/alloc-0/node-*.log") for ln in f.read_text().splitlines()
+            if "[hpc launch node 1]" in ln]
+    came = next(ln for ln in late if "joining the rendezvous 30s late" in ln)
+    gave_up = next((ln for ln in late if "ended this allocation before this node could join" in ln), None)
+    assert gave_up is not None and "the rendezvous host 127.0.0.1:" in gave_up and \
+        "at most 10 s, --rdzv-timeout" in gave_up, "\n".join(late[-20:])
+    stamp = lambda ln: datetime.datetime.strptime(ln[:23], "%Y-%m-%d %H:%M:%S,%f")   # noqa: E731
+    assert (stamp(gave_up) - stamp(came)).total_seconds() < 30 + 20, (came, gave_up)
+    assert not outcomes(job)[1:], outcomes(job)   # node 1 follows the host's record, adds none
 
 
 @pytest.mark.waits   # a 20-s save and a 6-s kill time (2.5-3.1 CPU-s of 28-41 s each): CI's clock lane

@@ -48,3 +48,28 @@ def test_a_store_that_could_not_be_served_still_names_the_port_flag() -> None:
                                endpoint="node1:29400", timeout_s=600, min_nodes=2,
                                nodes=["node1", "node2"], joined={0})
     assert "--rdzv-port" in why and "address in use" in why and "--rdzv-timeout" not in why
+
+
+class RendezvousClosedError(Exception):
+    pass
+
+
+class RendezvousError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error, says", [
+    (RendezvousTimeoutError("no decision within 10 s"), "fewer nodes than the job's MIN joined within 10 s (--rdzv-timeout"),
+    (RendezvousClosedError("closed"), "the others closed the rendezvous, the job is ending"),
+    (RendezvousError("bad config"), "a configuration or protocol error, not a lost node"),
+], ids=["timeout", "closed", "other"])
+def test_a_non_host_whose_host_answered_says_what_the_error_was_not_a_lost_host(error, says) -> None:
+    reason = rdzv_failure.explain_non_host(error, endpoint="node1:29500", answered=True, timeout_s=10)
+    assert reason is not None and says in reason, reason
+    assert "while its host node1:29500 answered" in reason and "not lost" in reason, reason
+    assert str(error) in reason, reason
+
+
+def test_a_non_host_whose_host_did_not_answer_leaves_it_to_the_host_loss_path() -> None:
+    for error in (RendezvousTimeoutError("t"), RendezvousConnectionError("c"), RendezvousClosedError("x")):
+        assert rdzv_failure.explain_non_host(error, endpoint="n:1", answered=False, timeout_s=10) is None
