@@ -68,6 +68,7 @@ def test_run_on_damaged_records_finishes_and_records_its_own_outcome(tmp_path: P
         assert "outcomes.jsonl, line 4: not UTF-8" in report.stderr, report.stderr
 
 
+@pytest.mark.waits   # 13 CPU-s of 43 s at load 5 (2 cores): mostly waits; CI's clock lane
 def test_heartbeat_dir_of_a_killed_launcher_is_cleaned_by_the_next_start(tmp_path: Path) -> None:
     job = tmp_path / "job"
     cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir",

@@ -213,6 +213,7 @@ def test_signal_to_hpc_run_saves_stops_and_leaves_no_process(tmp_path: Path, sig
 SAVER = REPO / "tests" / "distributed" / "scripts" / "usr2_saver.py"
 
 
+@pytest.mark.waits   # 12 CPU-s of 34 s at load 2 (2 cores): mostly waits; CI's clock lane
 def test_ctrl_c_warns_a_plain_script_which_saves_and_resumes_with_the_printed_command(tmp_path: Path):
     """The first Ctrl-C reaches the workers as SIGUSR2, the signal docs/own-script.md teaches
     scripts to handle (this one does not handle SIGTERM): it saves and exits 75, the summary
@@ -328,6 +329,7 @@ def test_terminal_hangup_stops_the_job_and_leaves_no_process(tmp_path: Path):
             p.wait()
 
 
+@pytest.mark.waits   # 11 CPU-s of 26 s at load 2 (2 cores): mostly waits; CI's clock lane
 def test_killed_hpc_run_leaves_no_process_and_the_job_resumes(tmp_path: Path):
     job, marker = tmp_path / "job", uuid.uuid4().hex
     p = start_training(job, marker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

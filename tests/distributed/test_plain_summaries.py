@@ -55,6 +55,7 @@ def outcome(job: Path) -> dict:
     return [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()][-1]
 
 
+@pytest.mark.waits   # 10 CPU-s of 32 s at load 3 (2 cores): mostly waits; CI's clock lane
 def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_path: Path) -> None:
     job = tmp_path / "finish"
     steps, sleep = 80, 0.1                     # 8 s of steps; the warning comes at step 10

@@ -17,6 +17,7 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
@@ -41,6 +42,7 @@ def _member(store: dist.TCPStore, me: str) -> Membership:
     return m
 
 
+@pytest.mark.waits   # a leader's silence bound: 0.2 CPU-s of 7 s; CI's clock lane
 def test_a_follower_waits_for_a_leader_held_by_a_busy_member_and_opens_no_second_generation():
     server = _server()
     hold_s = 4 * SILENT_S + 1   # far past the follower's silence bound
@@ -80,6 +82,7 @@ m.reform(7, 0, reason="fault")
 """
 
 
+@pytest.mark.waits   # a leader's silence bound: 1.5 CPU-s of 11 s; CI's clock lane
 def test_a_follower_leaves_a_leader_that_died_while_deciding_within_its_silence_bound():
     server = _server()
     server.set(proto.busy("n2/busy"), f"{time.time() + 600:.3f}")
