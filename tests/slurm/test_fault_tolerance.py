@@ -216,25 +216,6 @@ def test_real_preemption_saves_requeues_and_resumes_exactly(env, slurm_cluster, 
     assert_same_as_baseline(sigterm, baseline)
 
 
-def test_time_limit_requeues_itself_across_allocations(env, slurm_cluster, tmp_path, baseline):
-    # slurmctld checks for due warnings every 30 s and sends one at the first check within
-    # lead + 30 s of the end, so with --time 2 and a 30 s lead it comes 60-90 s into each
-    # allocation, and an allocation starts training 10-17 s in (2 nodes x 2 workers on this
-    # 2-CPU host). 40 steps of 2.3 s (92 s) never fit in one such window (with 2 s and a quick
-    # start-up they once did, the warning coming at the last step); they fit in two or three.
-    job = tmp_path / "timelimit"
-    job_id = submit(env, job, "--nodes", "2", "--time", "2", "--signal-lead", "30",
-                    train=("--step-sleep", "2.3"))
-    wait_done(env, job_id, job, timeout=600)
-    kinds = [o["kind"] for o in outcomes(job)]
-    assert kinds.count("time_limit") >= 1 and kinds[-1] == "finished", outcomes(job)
-    steps = [o["step"] for o in outcomes(job)]
-    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"each allocation saved progress: {steps}"
-    allocations = [o["allocation"] for o in outcomes(job)]
-    assert allocations == list(range(len(allocations))), "each allocation recorded once, in order"
-    assert_same_as_baseline(job, baseline)
-
-
 def test_node_crash_tp2_x_dp2_survivors_continue_at_dp1_x_tp2(env, slurm_cluster, tmp_path, elastic_baseline):
     """TP 2 x DP 2 on 2 nodes x 2 processes (a TP pair per node, ``--nodes 1:2``); the second
     node crashes. The survivors go on without a requeue at DP 1 x TP 2 (only the data-parallel
@@ -387,14 +368,29 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
 PROBE = REPO / "tests" / "distributed" / "scripts" / "stall_probe.py"
 
 
-def test_an_unmarked_45s_pause_on_two_nodes_is_left_alone(env, slurm_cluster, tmp_path):
-    """Issue 23 on the cluster: rank 0 (node1) works 45 s in its own code at step 30, not
-    marked with session.phase, under the default --stall-timeout auto (a 20-s step deadline).
-    Rank 1 (node2) waits for it in a collective. Its node's watch finds rank 0 alive and
-    outside any collective and publishes it as busy; node2's watch hears it and waits. The job
-    finishes with the weights of the same run without the pause (run locally at the same world
-    size, meanwhile): no stall, no restart, no requeue, no exclusion; the log says it ran long.
+@pytest.mark.timeout(900)   # the pause job's bounds, then the rest of the time-limit job's 600 s
+def test_an_unmarked_45s_pause_on_two_nodes_is_left_alone_and_a_time_limit_requeues_itself(
+        env, slurm_cluster, tmp_path, baseline):
+    """Two jobs at once on the same nodes, both mostly waiting on a clock (the pause, Slurm's
+    time-limit warnings), where each had its own turn of the cluster:
+
+    * Issue 23 on the cluster: rank 0 (node1) works 45 s in its own code at step 30, not
+      marked with session.phase, under the default --stall-timeout auto (a 20-s step deadline).
+      Rank 1 (node2) waits for it in a collective. Its node's watch finds rank 0 alive and
+      outside any collective and publishes it as busy; node2's watch hears it and waits. The job
+      finishes with the weights of the same run without the pause (run locally at the same world
+      size, meanwhile): no stall, no restart, no requeue, no exclusion; the log says it ran long.
+    * A job longer than its time limit (``--time 2``) saves on each warning and requeues itself
+      across allocations until it finishes with the uninterrupted run's weights and samples.
+      slurmctld checks for due warnings every 30 s and sends one at the first check within
+      lead + 30 s of the end, so with --time 2 and a 30 s lead it comes 60-90 s into each
+      allocation, and an allocation starts training 10-17 s in (2 nodes x 2 workers on this
+      2-CPU host). 40 steps of 2.3 s (92 s) never fit in one such window (with 2 s and a quick
+      start-up they once did, the warning coming at the last step); they fit in two or three.
     """
+    timelimit = tmp_path / "timelimit"
+    timelimit_id = submit(env, timelimit, "--nodes", "2", "--time", "2", "--signal-lead", "30",
+                          train=("--step-sleep", "2.3"))
     job, plain = tmp_path / "paused", tmp_path / "plain"
     job.mkdir()
     probe = ("--steps", "40", "--step-s", "0.05")
@@ -419,3 +415,13 @@ def test_an_unmarked_45s_pause_on_two_nodes_is_left_alone(env, slurm_cluster, tm
     a, b = (json.loads((j / "result.json").read_text()) for j in (job, plain))
     assert a["final_step"] == b["final_step"] == 40 and a["worlds"] == [2] * 40
     assert a["weights"] == b["weights"], "the pause changed the training"
+
+    # The time limit
+    wait_done(env, timelimit_id, timelimit, timeout=600)
+    kinds = [o["kind"] for o in outcomes(timelimit)]
+    assert kinds.count("time_limit") >= 1 and kinds[-1] == "finished", outcomes(timelimit)
+    steps = [o["step"] for o in outcomes(timelimit)]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), f"each allocation saved progress: {steps}"
+    allocations = [o["allocation"] for o in outcomes(timelimit)]
+    assert allocations == list(range(len(allocations))), "each allocation recorded once, in order"
+    assert_same_as_baseline(timelimit, baseline)
