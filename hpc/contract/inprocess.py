@@ -37,6 +37,8 @@ key                               writer                     reader
 ``lifelines`` (at ``ROOT``)       the store host's launcher  workers, launchers: the port of its
                                   (its lifeline listener)    lifeline listener (a closed line: dead)
 ``done``                          rank 0, the job finished   waiting joiners: leave, not needed
+``sharded``                       rank 0 of a sharded job    leaders: ranks are kept (joiners fill
+                                  (FSDP2 under recovery)     the lost ranks), :func:`plan_members`
 ================================  =========================  ========================================
 
 The leader of ``G`` (its first arrival) closes the membership by the pure rule
@@ -202,6 +204,11 @@ JOINER_RANK = 1 << 20   # a joiner's old_rank is this + its join index (after ev
 GENERATION = "generation"
 CURRENT = "current"     # under ROOT (no namespace): the namespace of the running round
 DONE = "done"
+SHARDED = "sharded"     # "1": rank r owns shard r; a re-form keeps every member's rank
+COPY_EVERY_ENV = "HPC_INPROC_COPY_EVERY"    # FSDP2: copy the shards to the peer every N steps
+COPY_MAX_MB_ENV = "HPC_INPROC_COPY_MAX_MB"  # FSDP2: bound of the peer copies' host memory per rank
+DEFAULT_COPY_EVERY = 1
+DEFAULT_COPY_MAX_MB = 4096.0
 
 
 def namespace(master_addr: str, master_port: int | str) -> str:
@@ -378,11 +385,13 @@ def admit(joiners: Sequence[Arrival], *, members: int, max_world: int,
 
 
 def plan_members(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str],
-                 reason: str) -> Members:
+                 reason: str, keep_ranks: bool = False) -> Members:
     """The closed generation for these arrivals (pure).
 
     Ranks follow the old ranks (joiners last, in their arrival order); the state comes from the
-    lowest-ranked member holding the newest step.
+    lowest-ranked member holding the newest step. With ``keep_ranks`` (a sharded job: rank
+    ``r`` owns shard ``r``) every member keeps its old rank where it fits the new world and
+    joiners fill the ranks of the lost members, lowest first.
 
     Raises:
         ValueError: When nobody arrived, or nobody holds any step (only joiners).
@@ -391,6 +400,19 @@ def plan_members(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str],
     for a in arrivals:
         seen.setdefault(a.uid, a)
     ordered = sorted(seen.values(), key=lambda a: (a.old_rank, list(seen).index(a.uid)))
+    if keep_ranks:
+        n = len(ordered)
+        slots: list[Arrival | None] = [None] * n
+        rest = []
+        for a in ordered:
+            if 0 <= a.old_rank < n and slots[a.old_rank] is None:
+                slots[a.old_rank] = a
+            else:
+                rest.append(a)
+        free = iter(i for i, a in enumerate(slots) if a is None)
+        for a in rest:
+            slots[next(free)] = a
+        ordered = [a for a in slots if a is not None]
     if not ordered:
         raise ValueError(f"generation {gen}: nobody arrived")
     step = max(a.step for a in ordered)

@@ -234,7 +234,8 @@ class Membership:
         scanned = start + next((i for i, j in enumerate(joiners) if j.uid not in done), len(joiners))
         if taken:
             reason = "; ".join(x for x in (reason, f"joined: {', '.join(j.uid for j in taken)}") if x)
-        members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason)
+        members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
+                                     keep_ranks=self.store.check([proto.SHARDED]))
         self.store.set(proto.JOIN_ADMITTED, str(scanned))
         self.store.set(proto.members(gen), proto.encode(members))
         self.store.set(proto.GENERATION, str(gen))

@@ -1,0 +1,87 @@
+"""The pure rules of FSDP2 peer copies: who keeps whose copy (a ring over nodes), which step every
+shard still has after a loss, and the ranks a sharded re-form keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpc.contract.inprocess import JOINER_RANK, Arrival, plan_members
+from runtime.worker.inprocess.peers import LIVE, OWN, PEER, Holding, NoCopy, agree, holders, owners
+
+
+def test_ring_over_two_nodes_of_two_keeps_each_copy_on_the_other_node():
+    ring = holders(["a", "a", "b", "b"])
+    assert ring == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert owners(ring, 0) == [2]
+
+
+def test_ring_over_three_nodes_and_non_contiguous_ranks():
+    assert holders(["a", "b", "c"]) == {0: 1, 1: 2, 2: 0}
+    assert holders(["a", "b", "a", "b"]) == {0: 1, 2: 3, 1: 0, 3: 2}
+
+
+def test_uneven_nodes_still_put_every_copy_on_another_node():
+    nodes = ["a", "a", "a", "b"]
+    ring = holders(nodes)
+    assert all(nodes[h] != nodes[r] for r, h in ring.items())
+    assert sorted(ring) == [0, 1, 2, 3]
+
+
+def test_one_node_keeps_no_copy():
+    assert holders(["a", "a", "a"]) == {}
+
+
+def test_lost_rank_comes_from_its_copy_and_survivors_ahead_roll_back():
+    # Rank 2 died at step 7 (the others at 7); copies were made at steps 4 and 6.
+    held = [Holding(0, live=7, own=(4, 6), peer={2: (4, 6)}),
+            Holding(1, live=7, own=(4, 6), peer={3: (4, 6)}),
+            Holding(2),   # the joiner
+            Holding(3, live=7, own=(4, 6), peer={1: (4, 6)})]
+    plan = agree(held, 4, lost=[2])
+    assert plan.step == 6
+    assert plan.sources == {0: (0, OWN), 1: (1, OWN), 2: (0, PEER), 3: (3, OWN)}
+    assert plan.sends() == [(0, 2)]
+
+
+def test_the_newest_step_every_shard_has_wins_over_a_copy_still_in_flight():
+    # Rank 0 received step 8's copy of rank 2; rank 1's copy of rank 3 is at 6 only.
+    held = [Holding(0, live=8, own=(6, 8), peer={2: (6, 8)}),
+            Holding(1, live=8, own=(6, 8), peer={3: (6,)}),
+            Holding(2),
+            Holding(3),
+            ]
+    plan = agree(held, 4)
+    assert plan.step == 6 and plan.sources[3] == (1, PEER)
+
+
+def test_no_loss_keeps_live_state():
+    held = [Holding(r, live=5, own=(4,)) for r in range(2)]
+    plan = agree(held, 2)
+    assert plan.step == 5 and plan.sources == {0: (0, LIVE), 1: (1, LIVE)}
+
+
+def test_both_copies_lost_names_the_shards_without_copy():
+    held = [Holding(0), Holding(1, live=7, own=(6,), peer={3: (6,)}),
+            Holding(2), Holding(3, live=7, own=(6,), peer={1: (6,)})]
+    with pytest.raises(NoCopy) as e:
+        agree(held, 4, lost=[0, 2])
+    assert e.value.missing == (0, 2)
+    assert "rank(s) 0, 2 have no copy left" in str(e.value)
+
+
+def test_shards_at_different_steps_only_is_no_plan_either():
+    held = [Holding(0, live=5), Holding(1, live=6)]
+    with pytest.raises(NoCopy, match="no step is held for every shard"):
+        agree(held, 2)
+
+
+def _arr(uid: str, rank: int, step: int) -> Arrival:
+    return Arrival(uid, rank, step, "h")
+
+
+def test_sharded_re_form_keeps_ranks_and_the_joiner_takes_the_lost_one():
+    arrivals = [_arr("s0", 0, 7), _arr("s1", 1, 7), _arr("s3", 3, 7), _arr("j", JOINER_RANK, -1)]
+    kept = plan_members(1, arrivals, old=["s0", "s1", "s2", "s3"], reason="x", keep_ranks=True)
+    assert kept.uids == ("s0", "s1", "j", "s3")
+    plain = plan_members(1, arrivals, old=["s0", "s1", "s2", "s3"], reason="x")
+    assert plain.uids == ("s0", "s1", "s3", "j")   # DDP: ranks close up, joiners last
