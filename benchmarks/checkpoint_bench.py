@@ -24,7 +24,12 @@ are paired within a round, taken close together in time):
 * ``disk_write``: the raw rate: each rank writes its share of the same bytes with fdatasync;
 * ``copy_floor``: each rank copies its local state into buffers that exist (CPU) or, with
   ``--device cuda``, into pinned host buffers on a side stream: the floor of an async save's
-  blocking part.
+  blocking part;
+* ``peer_*``: in-process recovery's FSDP2 peer copies (each rank its own "node"):
+  ``peer_snapshot_s`` the snapshot on the step's path, ``peer_exchange_s`` until the copy
+  reached the peer (side thread), ``peer_host_bytes`` the host memory the copies hold per rank
+  (two own snapshots and two copies of a peer's shards), and the copy interval that keeps the
+  snapshot under 1 % of a 100-ms step.
 
 Ratios are printed with a 95 % confidence interval (Student t over the per-round ratios) and the
 spread (min..max); a line says when a figure cannot be trusted (interval wider than +-20 % of the
@@ -299,6 +304,7 @@ def steady_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
                         and not old.name.endswith(f"-{here}.pt"):
                     shutil.rmtree(old) if old.is_dir() else old.unlink()
         barrier()
+    times.update(_peer_copy_rounds(torch, dist, world, model, optim, args.rounds))
     total = torch.tensor([local_bytes], dtype=torch.int64)
     dist.all_reduce(total, group=ckpt._ctl)  # noqa: SLF001 (a CPU group, whatever the device)
     if rank == 0:
@@ -309,6 +315,32 @@ def steady_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
             print(f"per round {k:20} " + " ".join(f"{x:.4f}" for x in v), flush=True)
     ckpt.close()
     dist.destroy_process_group()
+
+
+def _peer_copy_rounds(torch: Any, dist: Any, world: int, model: Any, optim: Any,
+                      rounds: int) -> dict[str, list[float]]:
+    """In-process recovery's FSDP2 peer copies (:mod:`runtime.worker.inprocess.shard_copy`),
+    each rank its own "node" (a ring over ranks): the snapshot on the step's path, the exchange
+    with the peer on the side thread, and the host memory the copies hold per rank."""
+    from runtime.worker.inprocess.shard_copy import PeerCopies
+
+    rank = dist.get_rank()
+    copies = PeerCopies([model], [optim], {}, every=1, max_bytes=1 << 62, node=f"bench-node{rank}")
+    out: dict[str, list[float]] = {"peer_snapshot_s": [], "peer_exchange_s": [], "peer_host_bytes": []}
+    for i in range(rounds + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        copies.after_step(1000 + i)   # the step path: the snapshot, then the exchange starts
+        block = time.perf_counter() - t0
+        copies.settle()
+        total = time.perf_counter() - t0
+        if i == 0:
+            continue   # the side group's creation (once per generation) is not a round
+        out["peer_snapshot_s"].append(_slowest(dist, world, block))
+        out["peer_exchange_s"].append(_slowest(dist, world, total))
+        out["peer_host_bytes"].append(float(copies.held_bytes()))
+    copies.unbind()
+    return out
 
 
 def _spawn_entry(rank: int, world: int, port: int, args: argparse.Namespace, path: str, which: str) -> None:
@@ -400,6 +432,12 @@ def main(argv: list[str] | None = None) -> None:
           + " ".join("yes" if f["warm_before_first_save"] else "no" for f in firsts))
     print("first save without a warm-up (the old path), blocking: "
           + " ".join(f"{f['first_cold_block_s']:.3f}" for f in firsts) + " s")
+    snap, exch = r["peer_snapshot_s"], r["peer_exchange_s"]
+    every = max(1, math.ceil(snap / (0.01 * 0.1)))   # <= 1 % of a 100-ms step, on average
+    print(f"in-process recovery, FSDP2 peer copies: host memory {r['peer_host_bytes'] / 1e6:.1f} MB per rank "
+          f"({r['state_bytes'] / world / 1e6:.1f} MB of shards: 2 own snapshots + 2 copies of a peer's); "
+          f"snapshot on the step's path {snap:.4f} s, exchange with the peer (side thread) {exch:.4f} s; "
+          f"<= 1 % of a 100-ms step needs HPC_INPROC_COPY_EVERY >= {every}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after ({cores} cores)")
     targets = {"steady_async_block_over_copy_floor": "<= 1.5", "first_async_block_over_copy_floor": "<= 3",
                "sync_save_throughput_over_raw_write": ">= 0.8"}
@@ -411,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"    ^ cannot be trusted: {why}")
     if args.json:
         record = {k: r[k] for k in ("state_bytes", "sync_save_s", "async_block_s", "async_total_s", "load_s",
-                                    "rank0_torch_save_s", "plain_dcp_save_s", "disk_write_s", "copy_floor_s")}
+                                    "rank0_torch_save_s", "plain_dcp_save_s", "disk_write_s", "copy_floor_s",
+                                    "peer_snapshot_s", "peer_exchange_s", "peer_host_bytes")}
         record.update(
             command="python " + " ".join(["benchmarks/checkpoint_bench.py", *(argv if argv is not None else sys.argv[1:])]),
             device=args.device, world_size=world, rounds=args.rounds, started_utc=time.strftime(

@@ -55,6 +55,7 @@ from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, s
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
 from runtime.worker.inprocess.membership import Excluded
+from runtime.worker.inprocess.peers import ShardedFallback
 from runtime.worker.progress import ProgressMeter
 from runtime.stopping import STOP_KINDS
 from runtime.worker.wandb_sink import make_sink, run_metadata
@@ -425,14 +426,15 @@ class Session:
 
     def _leave_in_process(self, what: str) -> None:
         """Falls back to the restart path for state in-process recovery cannot carry yet
-        (sharded: no peer copy of a lost rank's shards), and says so in the log."""
+        (a mesh of its own: HSDP, TP, PP), and says so in the log."""
         assert self._inproc is not None
         if self._inproc.joining:
             raise RuntimeError(f"this worker joins an in-process job, but the job has {what}, which "
                                "in-process recovery does not carry yet; use --recovery restart")
         if self.is_rank0:
-            log.warning("in-process recovery of %s is not built yet (peer copies of shards, issue "
-                        "26): this job recovers by restart (--recovery restart behaviour)", what)
+            log.warning("in-process recovery of %s is not built yet (its sub-groups are not made "
+                        "again in-process, issue 26): this job recovers by restart (--recovery "
+                        "restart behaviour)", what)
         self._inproc.close()
         self._inproc = None
         if self._watcher is not None:
@@ -489,6 +491,11 @@ class Session:
             self._rec.emit("inproc_left_out", reason=str(e)[:300])
             self._beat.close()
             raise SystemExit(0) from None
+        except ShardedFallback as e:   # the disk checkpoint is the fallback: the restart path
+            self._beat.leave()
+            log.error("in-process recovery: %s", e)
+            self._rec.emit("inproc_fallback", reason=str(e)[:600], step=held)
+            raise
         except BaseException:
             self._beat.leave()
             raise
@@ -554,8 +561,8 @@ class Session:
         if fsdp or self.mesh is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            if self._inproc is not None:
-                self._leave_in_process("an FSDP2 model (s.wrap(fsdp=True)) or a mesh")
+            if self._inproc is not None and self.mesh is not None:
+                self._leave_in_process("a mesh (Session(parallel=...))")
 
             mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -673,7 +680,12 @@ class Session:
         """A joiner's restore: the state from the members' memory (no file is read)."""
         assert self._inproc is not None and self._joined_at is not None
         t0 = time.time()
-        self.step, moved = self._inproc.receive()
+        try:
+            self.step, moved = self._inproc.receive()
+        except ShardedFallback as e:
+            log.error("in-process join: %s", e)
+            self._rec.emit("inproc_fallback", reason=str(e)[:600])
+            raise
         got = self._inproc.received_session
         self._origin = got.get("origin")
         self._poll_every = int(got.get("poll_every") or 1)
@@ -761,6 +773,8 @@ class Session:
             self._beat.step_done(self.step, now - tick if done > 1 else None, compute)
             tick = now
             try:
+                if self._inproc is not None:   # FSDP2: the peer copy of the shards, when due
+                    self._inproc.after_step(self.step)
                 if self._boundary(start, stop, done, step_times):
                     return
                 if self._grow_due and self.step < stop:

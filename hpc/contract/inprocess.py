@@ -39,6 +39,8 @@ key                               writer                     reader
 ``done``                          rank 0, the job finished   waiting joiners: leave, not needed
 ``sharded``                       rank 0 of a sharded job    leaders: ranks are kept (joiners fill
                                   (FSDP2 under recovery)     the lost ranks), :func:`plan_members`
+``fallback``                      a worker that found the    launchers: replace nobody, end the
+                                  state not in memory (why)  joiners, torch's restart path
 ================================  =========================  ========================================
 
 The leader of ``G`` (its first arrival) closes the membership by the pure rule
@@ -205,6 +207,7 @@ GENERATION = "generation"
 CURRENT = "current"     # under ROOT (no namespace): the namespace of the running round
 DONE = "done"
 SHARDED = "sharded"     # "1": rank r owns shard r; a re-form keeps every member's rank
+FALLBACK = "fallback"   # why the workers gave up in-process recovery (launchers: restart path)
 COPY_EVERY_ENV = "HPC_INPROC_COPY_EVERY"    # FSDP2: copy the shards to the peer every N steps
 COPY_MAX_MB_ENV = "HPC_INPROC_COPY_MAX_MB"  # FSDP2: bound of the peer copies' host memory per rank
 DEFAULT_COPY_EVERY = 1

@@ -26,6 +26,9 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
 - when every local worker has ended: all that did not die finished, so the node finished; if
   none is left that could (every local worker died), torch's restart path runs, and the log
   and ``events.jsonl`` say why (``inproc_fallback``);
+- when the workers gave up in-process recovery (``fallback`` in the store: e.g. an FSDP2 shard
+  with no peer copy left), a dead worker is not replaced and the waiting joiners are ended: the
+  workers end and torch's restart path (the last checkpoint) runs, with an ``inproc_fallback``;
 - when the dead worker was the last living member of the generation (every member died), no
   joiner is started and the waiting ones are ended: a joiner is taken in by a member, so it
   would wait forever; the workers end and torch's restart path (the last checkpoint) runs,
@@ -266,7 +269,9 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 store = self._space(worker_group)   # the workers' view
                 gen, uids = inprocess_silent.generation(store)
                 left = [u for u in uids if u != who and not store.check([proto.dead(u)])]
-                if uids and not left:
+                gave_up = store.get(proto.FALLBACK).decode(errors="replace") \
+                    if store.check([proto.FALLBACK]) else ""
+                if (uids and not left) or gave_up:
                     replace = None
                 if replace and replacement == proto.WAIT:   # before the death: the re-form waits for it
                     store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
@@ -276,7 +281,14 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             except Exception as e:   # noqa: BLE001 - the survivors still see their collectives fail
                 log.warning("in-process recovery: cannot announce the dead worker: %s", e)
                 return False
-            if replace is None:
+            if replace is None and gave_up:   # the workers found the state not in memory
+                if not self.__dict__.get("_gave_up"):
+                    self.__dict__["_gave_up"] = True
+                    fallback = f"the workers gave up in-process recovery: {gave_up}"
+                    log.warning("in-process recovery: %s", fallback)
+                    if events is not None:
+                        events.emit("inproc_fallback", reason=fallback[:800], gen=gen)
+            elif replace is None:
                 fallback = (f"every member of generation {gen} is dead ({len(uids)}; the last: {why}): "
                             "no process holds the state in memory, a joiner has no one to take it in "
                             "from; torch's restart path from the last checkpoint")

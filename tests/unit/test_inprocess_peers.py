@@ -85,3 +85,22 @@ def test_sharded_re_form_keeps_ranks_and_the_joiner_takes_the_lost_one():
     assert kept.uids == ("s0", "s1", "j", "s3")
     plain = plan_members(1, arrivals, old=["s0", "s1", "s2", "s3"], reason="x")
     assert plain.uids == ("s0", "s1", "s3", "j")   # DDP: ranks close up, joiners last
+
+
+def test_copy_options_default_and_refuse_bad_values_naming_the_variable():
+    from runtime.worker.inprocess.shard_copy import options
+
+    assert options({}) == (1, 4096 * 2**20)
+    assert options({"HPC_INPROC_COPY_EVERY": "5", "HPC_INPROC_COPY_MAX_MB": "0.5"}) == (5, 2**19)
+    with pytest.raises(ValueError, match="HPC_INPROC_COPY_EVERY='0'"):
+        options({"HPC_INPROC_COPY_EVERY": "0"})
+
+
+def test_copies_over_the_memory_bound_are_refused_with_the_value_and_the_limit():
+    from runtime.worker.inprocess.shard_copy import CopyLimit, check_bound
+
+    assert check_bound(2**20, kept=1, max_bytes=4 * 2**20, rank=3) == 4 * 2**20   # 2 own + 2 kept
+    with pytest.raises(CopyLimit) as e:
+        check_bound(2**20, kept=1, max_bytes=3 * 2**20, rank=3)
+    assert "need 4.0 MB" in str(e.value) and "HPC_INPROC_COPY_MAX_MB=3 MB" in str(e.value) \
+        and "rank 3" in str(e.value)

@@ -176,6 +176,15 @@ class StepGuard:
         work.add_done_callback(finished)
         return mine
 
+    def track(self, key: int, gen: int) -> None:
+        """Counts a gloo operation of generation ``gen`` as in flight (FSDP2's guarded comms)."""
+        with self._lock:
+            self._inflight[key] = gen
+
+    def untrack(self, key: int) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
     def in_flight(self, *, before_gen: int | None = None) -> int:
         """How many of this guard's gloo operations have not finished (of generations before
         ``before_gen``, or all)."""

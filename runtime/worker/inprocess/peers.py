@@ -90,6 +90,10 @@ class Plan:
         return [(src, shard) for shard, (src, kind) in sorted(self.sources.items()) if kind == PEER]
 
 
+class ShardedFallback(RuntimeError):
+    """The sharded state cannot be carried in memory; the disk checkpoint must be used."""
+
+
 class NoCopy(RuntimeError):
     """No step at which every shard is somewhere (the disk checkpoint is the fallback).
 

@@ -18,6 +18,16 @@ collective at a step boundary the Session calls :meth:`InProcess.recover`, which
 5. **re-wrap**: each DDP model is rebuilt around the same module on the new group (same
    parameters, so the user's optimizer and references stay valid), with the guard's hook.
 
+FSDP2 models (``s.wrap(model, fsdp=True)``, no mesh of their own) hold no replica anywhere:
+each rank's shards are also kept in a rank's host memory on another node
+(:mod:`runtime.worker.inprocess.shard_copy`), the re-form keeps every member's rank (joiners
+fill the lost ranks), stage 4 becomes an agreement on the newest step every shard still has
+(:mod:`runtime.worker.inprocess.peers`) with the lost ranks' shards sent by the holders of
+their copies and survivors ahead of that step rolled back to their own snapshot, and stage 5
+re-binds FSDP2 to the new group (:mod:`runtime.worker.inprocess.fsdp_guard`). A sharded world
+that cannot keep its size, or a shard with no copy left (a rank and its copy's holder both
+lost), raises :class:`ShardedFallback`: the disk checkpoint (the restart path) is taken.
+
 Each stage's end time is returned for ``events.jsonl`` (:class:`Recovered`).
 
 The same stages admit a joiner (a worker its launcher restarted, a hot spare's): the members
@@ -31,6 +41,7 @@ order the joiner's start, ``wrap`` and ``restore`` run them, then the transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -48,8 +59,9 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import lifeline, sockets, transfer
+from runtime.worker.inprocess import fsdp_guard, lifeline, peers, shard_copy, sockets, transfer
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
+from runtime.worker.inprocess.peers import ShardedFallback
 from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
 log = logging.getLogger("hpc.inprocess")
@@ -81,6 +93,7 @@ class Recovered:
     bytes_moved: int = 0
     received: bool = False
     stages: dict[str, float] = field(default_factory=dict)
+    shards: dict[int, tuple[int, str]] = field(default_factory=dict)   # FSDP2: shard -> (rank, from)
 
 
 class InProcess:
@@ -117,6 +130,8 @@ class InProcess:
         self.models: list[Any] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.small: dict[str, Any] = {}
+        self.copies: shard_copy.PeerCopies | None = None   # FSDP2: the peer copies of the shards
+        self._plan: peers.Plan | None = None                # FSDP2: the last recovery's agreement
         self._events: Any = None
         self._watch: FaultWatch | None = None
         self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
@@ -190,6 +205,10 @@ class InProcess:
         """A joiner, after its model, optimizers and small state are attached: receives the
         source's state (no file is read). Returns (the step to go on from, bytes moved)."""
         assert self.joined is not None, "receive() is for a joiner, after join_group()"
+        if self.copies is not None:
+            step, moved = self._transfer_shards(self.joined, held=None)
+            self.joining = False
+            return step, moved
         moved = self._transfer(self.joined, held=-1)
         self.joining = False
         return self.joined.step, moved
@@ -234,14 +253,15 @@ class InProcess:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.models, self.optimizers, self.small = [], [], {}
+        sharded: list[torch.nn.Module] = []
         for name, obj in state.items():
             if isinstance(obj, DDP):
                 self.models.append(obj)
                 obj.register_comm_hook(None, self.guard.comm_hook)
             elif isinstance(obj, torch.nn.Module):
                 if _sharded(obj):
-                    raise RuntimeError("in-process recovery of FSDP2 models is not built yet "
-                                       "(peer shard copies, issue 26); use --recovery restart")
+                    fsdp_guard.install(obj, self.guard)
+                    sharded.append(obj)
                 self.models.append(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 self.optimizers.append(obj)
@@ -249,6 +269,17 @@ class InProcess:
             else:
                 self.small[name] = obj
         self.guard.small_state = dict(self.small)
+        if sharded:
+            every, max_bytes = shard_copy.options(os.environ)
+            self.copies = shard_copy.PeerCopies(sharded, self.optimizers, self.small, every=every,
+                                                max_bytes=max_bytes, node=shard_copy.node_key(os.environ),
+                                                timeout_s=self.timeout.total_seconds())
+            self.store.set(proto.SHARDED, "1")   # re-forms keep ranks (rank r owns shard r)
+
+    def after_step(self, step: int) -> None:
+        """The step boundary after ``step`` steps (every rank): the FSDP2 peer copy when due."""
+        if self.copies is not None:
+            self.copies.after_step(step)
 
     # -- recovery --------------------------------------------------------------------------
     def recover(self, step: int, why: str, *, dirty: bool,
@@ -271,7 +302,7 @@ class InProcess:
         rec = Recovered(members=None, rank=-1, reason=why, t_detect=time.time())  # type: ignore[arg-type]
         if dirty:
             self.guard.rollback()
-        old_rank = self.rank
+        old_rank, old_world = self.rank, self.world_size
         with self._breaking:
             if self._watch is not None:
                 self._watch.stop()
@@ -291,8 +322,19 @@ class InProcess:
         self._watch_faults()
         (regroup or self.rewrap)()
         rec.t_group = time.time()
-        rec.received = rank != members.source
-        rec.bytes_moved = self._transfer(members, held=step)
+        if self.copies is not None:
+            if members.world_size != old_world:
+                raise self._give_up(
+                    f"the FSDP2 model's world would change from {old_world} to {members.world_size} "
+                    "ranks (no replacement joined); in-process recovery carries sharded state only "
+                    "at the same world size: the restart path from the last checkpoint")
+            s_step, rec.bytes_moved = self._transfer_shards(members, held=step)
+            rec.shards = dict(self._plan.sources) if self._plan is not None else {}
+            members = dataclasses.replace(members, step=s_step)
+            rec.received = rec.bytes_moved > 0
+        else:
+            rec.received = rank != members.source
+            rec.bytes_moved = self._transfer(members, held=step)
         rec.t_transfer = time.time()
         rec.members, rec.rank = members, rank
         return rec
@@ -309,6 +351,8 @@ class InProcess:
         (:mod:`runtime.worker.inprocess.sockets`). The cost is a few threads per recovery.
         """
         old: list[Any] = list(extra)
+        if self.copies is not None:
+            old.append(self.copies.unbind())
         for m in self.models:
             for attr in ("reducer", "logger", "process_group"):
                 if attr in m.__dict__:
@@ -349,11 +393,66 @@ class InProcess:
             self.received_session = dict(received.get("session") or {})
         return moved
 
+    def _give_up(self, why: str) -> ShardedFallback:
+        """Tells the launchers (``fallback`` in the store: replace nobody, restart from the
+        checkpoint) and returns the error to raise."""
+        try:
+            self.store.set(proto.FALLBACK, why)
+        except Exception as e:   # noqa: BLE001 - the store is gone: the launchers' own rules hold
+            log.warning("cannot tell the launchers that in-process recovery gave up: %s", e)
+        return ShardedFallback(why)
+
+    def _transfer_shards(self, members: Members, *, held: int | None) -> tuple[int, int]:
+        """FSDP2: agrees on the newest step every shard has, and every rank takes its shards
+        from where they are (live, its own snapshot, or the holder of its copy).
+
+        Returns:
+            (the agreed step, bytes this rank sent).
+
+        Raises:
+            ShardedFallback: A shard is nowhere (names it); the disk checkpoint is the fallback.
+        """
+        assert self.copies is not None
+        self.copies.settle(timeout_s=5.0)
+        mine = self.copies.holding(self.rank, held)
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, (mine.rank, mine.live, mine.own, dict(mine.peer)))
+        held_all = [peers.Holding(r, live=live, own=tuple(own), peer=peer) for r, live, own, peer in box]
+        try:
+            plan = peers.agree(held_all, self.world_size)
+        except peers.NoCopy as e:
+            raise self._give_up(f"no peer copy to recover the FSDP2 shards in memory: {e}; the "
+                                "restart path from the last checkpoint") from e
+        self._plan = plan
+        moved, state = 0, None
+        for holder, owner in plan.sends():
+            if self.rank == holder:
+                moved += transfer.send_state(self.copies.snapshot_of(owner, plan.step), dst=owner)
+            elif self.rank == owner:
+                state = transfer.recv_state(src=holder)
+        source, kind = plan.sources[self.rank]
+        if kind == peers.OWN:
+            state = self.copies.snapshot_of(None, plan.step)
+        if state is not None:
+            self.copies.load(state)
+        self.copies.drop_after(plan.step)
+        box2 = [self.session_state() if self.session_state is not None and self.rank == members.source
+                else None]
+        dist.broadcast_object_list(box2, src=members.source)
+        if self.joining:
+            self.received_session = dict(box2[0] or {})
+        log.info("in-process recovery: FSDP2 shards at step %d: this rank's from %s (rank %d); "
+                 "%d bytes sent; no checkpoint read", plan.step, kind, source, moved)
+        return plan.step, moved
+
     def rewrap(self) -> None:
         """Rebuilds each DDP wrapper in place on the new default group, with the guard's hook."""
         from runtime.worker import ddp as ddp_build
 
         for m in self.models:
+            if _sharded(_module(m)):
+                fsdp_guard.rebind(m)
+                continue
             rebuild = getattr(m, "rebuild", None)
             if rebuild is not None:
                 rebuild()
@@ -369,6 +468,8 @@ class InProcess:
             self._watch.stop(join=True)
         lifeline.close_line(self._line)   # ends on purpose: not a death
         self._line = None
+        if self.copies is not None:   # a peer copy in flight must not end during the exit
+            self.copies.settle(timeout_s=DRAIN_S)
         left = self.guard.drain(DRAIN_S, before_gen=self.gen)
         if left:
             log.warning("in-process recovery: %d all-reduce(s) of an old generation still running "
@@ -393,7 +494,8 @@ class InProcess:
             held=held, dirty=dirty, source=m.source, left=list(m.left), t_detect=round(rec.t_detect, 4),
             t_abort=round(rec.t_abort, 4), t_reform=round(rec.t_reform, 4),
             t_group=round(rec.t_group, 4), t_transfer=round(rec.t_transfer, 4),
-            bytes=rec.bytes_moved)
+            bytes=rec.bytes_moved,
+            **({"shards": {str(k): list(v) for k, v in rec.shards.items()}} if rec.shards else {}))
 
 
     def record_join(self, job_dir: Any, allocation: int, *, t_asked: float, t_taken: float,

@@ -101,3 +101,43 @@ def load_into(received: Any, loaders: dict[str, Callable[[Any], None]]) -> None:
     for key, load in loaders.items():
         if key in received:
             load(received[key])
+
+
+def send_state(state: Any, *, dst: int, group: Any = None, tag: int = 0) -> int:
+    """Sends ``state`` to rank ``dst`` alone (point to point); returns the bytes sent."""
+    tensors: list[torch.Tensor] = []
+    skeleton = split(state, tensors)
+    dist.send_object_list([skeleton], dst=dst, group=group)
+    moved = 0
+    for dtype, idx in _by_dtype(skeleton):
+        flat = _flatten_dense_tensors([tensors[i].reshape(-1) for i in idx])
+        dist.send(flat, dst=dst, group=group, tag=tag)
+        moved += flat.numel() * flat.element_size()
+    return moved
+
+
+def recv_state(*, src: int, group: Any = None, tag: int = 0) -> Any:
+    """Receives what :func:`send_state` sent from rank ``src``."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    skeleton = box[0]
+    slots: list[_Slot] = []
+    _slots(skeleton, slots)
+    tensors: list[torch.Tensor | None] = [None] * (max((s.index for s in slots), default=-1) + 1)
+    shapes = {s.index: s.shape for s in slots}
+    for dtype, idx in _by_dtype(skeleton):
+        parts = [torch.empty(shapes[i], dtype=dtype).reshape(-1) for i in idx]
+        flat = torch.empty(sum(p.numel() for p in parts), dtype=dtype)
+        dist.recv(flat, src=src, group=group, tag=tag)
+        for i, t in zip(idx, _unflatten_dense_tensors(flat, parts)):
+            tensors[i] = t.reshape(shapes[i]).clone()
+    return join(skeleton, tensors)   # type: ignore[arg-type]
+
+
+def _by_dtype(skeleton: Any) -> list[tuple[torch.dtype, list[int]]]:
+    slots: list[_Slot] = []
+    _slots(skeleton, slots)
+    by: dict[torch.dtype, list[int]] = {}
+    for s in sorted(slots, key=lambda s: s.index):
+        by.setdefault(s.dtype, []).append(s.index)
+    return [(d, by[d]) for d in sorted(by, key=str)]

@@ -1,6 +1,6 @@
-"""A Session script with an FSDP2 model under ``HPC_RECOVERY=inprocess`` (tests): in-process
-recovery does not carry sharded state yet, so the Session must fall back to the restart path
-and say so, and the job must train. Prints ``INPROC=<on|off>`` after wrapping."""
+"""A Session script with an FSDP2 model under ``HPC_RECOVERY=inprocess`` (tests): on one node
+no peer copy of the shards can be kept, and the log must say so; the job must train. Prints
+``INPROC=<on|off>`` after wrapping."""
 
 import torch
 

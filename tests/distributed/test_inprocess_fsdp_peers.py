@@ -1,0 +1,124 @@
+"""FSDP2 under ``hpc run --recovery inprocess``: a lost rank's shards come from their peer copy.
+
+Two local "nodes" x 2 processes (real launchers, torch's elastic agent, gloo), an FSDP2 model
+with AdamW. Each rank keeps a copy of the shards of the rank at its place on the other node.
+
+- One worker of node 1 is SIGKILLed: its launcher starts it again as a joiner, the survivors
+  (same PIDs) and the joiner agree on the newest step every shard has, the joiner receives its
+  shards from the holder of its copy on node 0, no checkpoint file is read, and the job ends
+  with weights bit-equal to an uninterrupted run beside it.
+- Both holders of a shard (rank 0 and rank 2 hold each other's copies) are SIGKILLed at once:
+  no copy of their shards is left, so the new generation falls back to the restart path, an
+  ``inproc_fallback`` event names the shards, and the job resumes from the last checkpoint and
+  finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_inprocess_join import lines
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_fsdp_train.py"
+STEPS = 14
+
+
+def hpc_run(out: Path, job: Path, *extra: str) -> subprocess.Popen[str]:
+    out.mkdir()
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="60",
+               HPC_INPROC_COPY_EVERY="2")
+    return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2",
+                             "--nproc-per-node", "2", "--recovery", "inprocess", "--max-restarts", "3",
+                             "--job-dir", str(job), *extra,
+                             "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_ranks(run: subprocess.Popen, out: Path, ranks: set[int], after: int, deadline: float) -> list[int]:
+    """SIGKILLs the workers of ``ranks`` at once, when each has run ``after`` steps."""
+    while True:
+        assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+        ran = lines(out)
+        pick = {r[0]["rank"]: pid for pid, r in ran.items() if r and r[0]["rank"] in ranks and len(r) >= after}
+        if set(pick) == ranks:
+            for pid in pick.values():
+                os.kill(pid, signal.SIGKILL)
+            return sorted(pick.values())
+        time.sleep(0.05)
+
+
+def events(job: Path) -> list[dict]:
+    return [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+
+
+def results(out: Path) -> dict[int, dict]:
+    return {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
+
+
+def test_a_killed_ranks_shards_come_from_the_peer_copy_and_the_weights_are_the_uninterrupted_ones(tmp_path: Path):
+    t0 = time.time()
+    plain = hpc_run(tmp_path / "plain out", tmp_path / "plain job")   # the uninterrupted run, beside
+    out, job = tmp_path / "out", tmp_path / "job dir"
+    run = hpc_run(out, job)
+    try:
+        killed = kill_ranks(run, out, {2}, 5, time.time() + 240)
+        originals = set(lines(out))
+        text, _ = run.communicate(timeout=240)
+        plain_text, _ = plain.communicate(timeout=240)
+    finally:
+        for p in (run, plain):
+            if p.poll() is None:
+                p.kill()
+    assert run.returncode == 0, text[-5000:]
+    assert plain.returncode == 0, plain_text[-3000:]
+    got = results(out)
+    joiners = set(got) - originals
+    assert len(joiners) == 1 and set(got) == (originals - set(killed)) | joiners, (sorted(got), killed)
+    assert {r["step"] for r in got.values()} == {STEPS} and {r["world"] for r in got.values()} == {4}
+    expected = results(tmp_path / "plain out")
+    assert {r["weights"] for r in got.values()} == {next(iter(expected.values()))["weights"]}, \
+        "not the uninterrupted run's weights"
+    ckpt = str(job / "checkpoints")
+    for r in got.values():   # no checkpoint file read to recover or to join
+        assert not [f for f in r["opened_while_recovering"] if f.startswith(ckpt)], r
+    rec = [e for e in events(job) if e["ev"] == "inproc_recovery"]
+    assert len(rec) == 1 and rec[0]["world_size"] == 4, rec
+    assert rec[0]["shards"]["2"] == [0, "peer"], rec   # rank 2's shards from rank 0's copy (node 0)
+    assert rec[0]["step"] % 2 == 0 and rec[0]["step"] >= 4, rec   # a copy step (every 2)
+    joiner = got[next(iter(joiners))]
+    assert joiner["rank"] == 2 and joiner["copies_made"] > 0, joiner
+    print(f"peer-copy recovery: step {rec[0]['step']}, {rec[0]['bytes']} bytes from rank 0; copy "
+          f"{joiner['copy_bytes']} bytes/rank, held {joiner['held_bytes']} bytes; test took "
+          f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+
+
+def test_both_copies_of_a_shard_lost_falls_back_to_the_checkpoint_and_says_which(tmp_path: Path):
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job dir"
+    run = hpc_run(out, job, "--checkpoint-every-steps", "4")
+    try:
+        kill_ranks(run, out, {0, 2}, 6, time.time() + 240)
+        text, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, text[-5000:]
+    ev = events(job)
+    fallback = [e for e in ev if e["ev"] == "inproc_fallback"]
+    assert any("rank(s) 0, 2 have no copy left" in e["reason"] for e in fallback), fallback
+    restored = [e for e in ev if e["ev"] == "restore_end" and e.get("from_checkpoint")]
+    assert restored and restored[-1]["step"] >= 4, "the restart path did not resume from the checkpoint"
+    assert {r["step"] for r in results(out).values()} == {STEPS}
+    print(f"both copies lost -> fallback, resumed from step {restored[-1]['step']}; test took "
+          f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
