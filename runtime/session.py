@@ -509,7 +509,8 @@ class Session:
         self._recent = []
         self.step = rec.members.step
         self._hand_over_sink(old_rank)
-        if self.is_rank0 and self._progress is None:
+        # A new rank 0, or a sharded recovery that went back to its peer copies' step.
+        if self.is_rank0 and (self._progress is None or self._progress.step > self.step):
             self._progress = ProgressMeter(total_steps=self._progress_total, start_step=self.step,
                                            every_s=LINE_MAX_S)
         phases = {"detect_t": rec.t_detect, "abort_s": rec.t_abort - rec.t_detect,

@@ -313,7 +313,7 @@ class SaveSchedule:
 
     def due(self, step: int, now: float, *, last_step: int | None, last_time: float) -> bool:
         """Whether a save is due at ``step`` (pure; ``now``/``last_time`` in seconds)."""
-        if step == last_step:
+        if last_step is not None and step <= last_step:   # saved once (a rollback recomputes it)
             return False
         if self.every_steps is not None and step % self.every_steps == 0:
             return True

@@ -95,7 +95,8 @@ def test_a_killed_ranks_shards_come_from_the_peer_copy_and_the_weights_are_the_u
     rec = [e for e in events(job) if e["ev"] == "inproc_recovery"]
     assert len(rec) == 1 and rec[0]["world_size"] == 4, rec
     assert rec[0]["shards"]["2"] == [0, "peer"], rec   # rank 2's shards from rank 0's copy (node 0)
-    assert rec[0]["step"] % 2 == 0 and rec[0]["step"] >= 4, rec   # a copy step (every 2)
+    # A copy step (every 2); the kill may land during an exchange: the copy before it is used.
+    assert rec[0]["step"] % 2 == 0 and rec[0]["step"] >= 2, rec
     joiner = got[next(iter(joiners))]
     assert joiner["rank"] == 2 and joiner["copies_made"] > 0, joiner
     print(f"peer-copy recovery: step {rec[0]['step']}, {rec[0]['bytes']} bytes from rank 0; copy "

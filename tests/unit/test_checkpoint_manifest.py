@@ -98,6 +98,9 @@ def test_schedule_with_fake_clock() -> None:
             last = clock
     assert saved == [4, 8, 12, 16]
     assert not SaveSchedule(every_steps=1).due(5, 0, last_step=5, last_time=0)
+    # An in-process recovery that went back to its FSDP2 peer copies recomputes steps it saved:
+    # the saved step is not saved again (a step is saved once, never overwritten).
+    assert not SaveSchedule(every_steps=2).due(4, 0, last_step=6, last_time=0)
     with pytest.raises(ValueError):
         SaveSchedule(every_min=0)
 

@@ -407,7 +407,7 @@ class InProcess:
         from where they are (live, its own snapshot, or the holder of its copy).
 
         Returns:
-            (the agreed step, bytes this rank sent).
+            (the agreed step, bytes this rank sent or received).
 
         Raises:
             ShardedFallback: A shard is nowhere (names it); the disk checkpoint is the fallback.
@@ -430,6 +430,7 @@ class InProcess:
                 moved += transfer.send_state(self.copies.snapshot_of(owner, plan.step), dst=owner)
             elif self.rank == owner:
                 state = transfer.recv_state(src=holder)
+                moved += shard_copy.nbytes(state)
         source, kind = plan.sources[self.rank]
         if kind == peers.OWN:
             state = self.copies.snapshot_of(None, plan.step)
@@ -442,7 +443,7 @@ class InProcess:
         if self.joining:
             self.received_session = dict(box2[0] or {})
         log.info("in-process recovery: FSDP2 shards at step %d: this rank's from %s (rank %d); "
-                 "%d bytes sent; no checkpoint read", plan.step, kind, source, moved)
+                 "%d bytes moved; no checkpoint read", plan.step, kind, source, moved)
         return plan.step, moved
 
     def rewrap(self) -> None:
