@@ -13,9 +13,10 @@ default 1) each rank, at the step boundary after the optimizer step:
    place on the next node (:func:`runtime.worker.inprocess.peers.holders`), and receives the
    copies it keeps for its owners.
 
-**Double-buffered**: each rank keeps its two newest own snapshots and, per owner, the newest
-*complete* copy plus the one in flight; a copy replaces the older one only once it arrived
-whole, so a fault during an exchange leaves the previous copy intact. At most one exchange is
+**Double-buffered**: each rank keeps its two newest own snapshots (a new snapshot is written
+into the buffers of the older one: no allocation on the step's path once warm) and, per owner,
+the newest *complete* copy plus the one in flight; a copy replaces the older one only once it
+arrived whole, so a fault during an exchange leaves the previous copy intact. At most one exchange is
 in flight: a boundary that finds the previous one unfinished waits for it (every rank sends at
 the same steps, so none may skip alone). With one node there is no other node: no copy is kept,
 and the log says so once.
@@ -174,14 +175,14 @@ class PeerCopies:
             return
         self.settle()   # at most one exchange in flight
         t0 = time.perf_counter()
-        snap = self.snapshot(step)
-        size = nbytes(snap)
+        size = self.live_bytes()
         check_bound(size, kept=len(peers.owners(self.ring, self.rank)), max_bytes=self.max_bytes,
                     rank=self.rank)
+        with self._lock:   # the oldest own snapshot's buffers take the new one (double buffering)
+            spare = self.own.pop(min(self.own)) if len(self.own) >= KEEP else None
+        snap = self.snapshot(step, reuse=spare)
         with self._lock:
             self.own[step] = snap
-            for old in sorted(self.own)[:-KEEP]:
-                del self.own[old]
         self.bytes_per_copy = size
         self.snapshot_s += time.perf_counter() - t0
         self._thread = threading.Thread(target=self._exchange, args=(step, snap), daemon=True,
@@ -221,12 +222,22 @@ class PeerCopies:
         self.copies_made += 1
         self.copy_s += time.perf_counter() - t0
 
-    def snapshot(self, step: int) -> dict[str, Any]:
-        """This rank's whole state at ``step`` (copies, in host memory)."""
+    def live_bytes(self) -> int:
+        """The bytes of this rank's shards now (parameters and optimizer state, local parts)."""
+        params = sum(_local(p).numel() * _local(p).element_size() for m in self.models for p in m.parameters())
+        optim = sum(_local(v).numel() * _local(v).element_size() for o in self.optimizers
+                    for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        return params + optim
+
+    def snapshot(self, step: int, reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """This rank's whole state at ``step`` (copies, in host memory), into the buffers of
+        ``reuse`` (an older snapshot) where they fit: no allocation in the steady state."""
+        old_params = reuse["params"] if reuse else [[] for _ in self.models]
+        old_optims = reuse["optims"] if reuse else [None for _ in self.optimizers]
         with torch.no_grad():
-            params = [[_local(p).detach().to("cpu", copy=True) for p in m.parameters()]
-                      for m in self.models]
-        optims = [_clone_optim(o.state_dict()) for o in self.optimizers]
+            params = [[_into(old[i] if i < len(old) else None, _local(p)) for i, p in enumerate(m.parameters())]
+                      for m, old in zip(self.models, old_params)]
+            optims = [_clone_optim(o.state_dict(), old) for o, old in zip(self.optimizers, old_optims)]
         return {"step": step, "params": params, "optims": optims,
                 "small": {k: copy.deepcopy(v.state_dict()) for k, v in self.small.items()},
                 "rng": rng.capture()}
@@ -280,12 +291,28 @@ class PeerCopies:
                 del self.kept[o]
 
 
-def _clone_optim(sd: Mapping[str, Any]) -> dict[str, Any]:
+def _into(dst: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+    """``src`` copied into ``dst`` when it fits (same shape and dtype), else into a new CPU tensor."""
+    if dst is not None and dst.shape == src.shape and dst.dtype == src.dtype:
+        return dst.copy_(src)
+    return src.detach().to("cpu", copy=True)
+
+
+def _clone_optim(sd: Mapping[str, Any], reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    old = reuse["state"] if reuse else {}
     state = {}
     for idx, entry in sd["state"].items():
-        state[idx] = {k: ({_DT: _local(v).detach().to("cpu", copy=True)} if type(v).__name__ == "DTensor"
-                          else v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
-                          else copy.deepcopy(v)) for k, v in entry.items()}
+        was = old.get(idx, {})
+        out = {}
+        for k, v in entry.items():
+            prev = was.get(k)
+            if type(v).__name__ == "DTensor":
+                out[k] = {_DT: _into(prev.get(_DT) if isinstance(prev, dict) else None, _local(v))}
+            elif isinstance(v, torch.Tensor):
+                out[k] = _into(prev if isinstance(prev, torch.Tensor) else None, v)
+            else:
+                out[k] = copy.deepcopy(v)
+        state[idx] = out
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
 
 
