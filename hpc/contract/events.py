@@ -28,7 +28,9 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
 ``crash``              rank 0     the training raised (``error``, ``step``)
 ``session_end``        rank 0     the worker tears down (``ok``)
 ``inproc_detect``      launcher   ``--recovery inprocess``: a worker died (``pid``, ``rank``,
-                                  ``exit``), announced in the store for generation ``gen``
+                                  ``exit``), announced in the store for generation ``gen``; or,
+                                  from a peer, ``workers`` announced dead: ``by: lifeline``
+                                  (connection closed; ``launcher_gone``) or ``lost_node`` (beacon)
 ``inproc_fallback``    launcher   every local worker is gone: torch's restart path (``reason``)
 ``inproc_recovery``    new rank 0 an in-process recovery: ``gen``, ``world_size`` (was
                                   ``old_world_size``), ``step`` gone on from, ``held``, ``left``,

@@ -82,7 +82,13 @@ def story(events: Iterable[Mapping[str, Any]]) -> list[str]:
     lines = []
     for e in evs:
         ev = e.get("ev")
-        if ev == "inproc_detect":
+        if ev == "inproc_detect" and "workers" in e:   # announced by a peer: lifeline or beacon
+            how = ("its lifeline closed" + (" with its launcher's (node lost)" if e.get("launcher_gone") else "")
+                   if e.get("by") == "lifeline" else
+                   f"node {e.get('lost_node', '?')} lost (beacon still {e.get('silent_s', '?')}s)")
+            lines.append(f"allocation {e.get('alloc', 0)}: worker(s) {', '.join(e.get('workers') or []) or 'none'} "
+                         f"announced dead by {e.get('node', '?')}: {how}; generation {e.get('gen')}")
+        elif ev == "inproc_detect":
             lines.append(f"allocation {e.get('alloc', 0)}: worker pid {e.get('pid')} (rank "
                          f"{e.get('rank')}) on {e.get('node', '?')} died ({e.get('exit', '?')}), "
                          f"announced to generation {e.get('gen')}")

@@ -77,3 +77,16 @@ def test_hpc_status_notes_the_running_allocations_recoveries(tmp_path: Path):
     job.mkdir()
     (job / "events.jsonl").write_text(json.dumps(DETECT) + "\n" + json.dumps(RECOVERY) + "\n")
     assert "1 in-process recovery, last: generation 1, world 3 -> 2, step 9" in running_notes(job)
+
+
+def test_a_death_announced_by_a_lifeline_or_a_beacon_names_the_workers_and_how():
+    # Before, these read "worker pid None (rank None) ... died (?)".
+    lifeline = {"t": 1.0, "ev": "inproc_detect", "alloc": 0, "node": "node1", "by": "lifeline",
+                "workers": ["node3/4832"], "lost_node": "node3", "launcher": "node3/4687",
+                "launcher_gone": True, "gen": 0}
+    beacon = {"t": 6.0, "ev": "inproc_detect", "alloc": 0, "node": "node1", "lost_node": "node3",
+              "lost_rank": 2, "silent_s": 5.47, "workers": [], "gen": 1}
+    a, b = inproc.story([lifeline, beacon])
+    assert a == ("allocation 0: worker(s) node3/4832 announced dead by node1: its lifeline closed with its "
+                 "launcher's (node lost); generation 0")
+    assert "none announced dead by node1: node node3 lost (beacon still 5.47s)" in b and "None" not in a + b
