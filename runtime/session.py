@@ -775,7 +775,7 @@ class Session:
             tick = now
             try:
                 if self._inproc is not None:   # FSDP2: the peer copy of the shards, when due
-                    self._inproc.after_step(self.step)
+                    self._inproc.after_step(self.step, self._recent[-1] if self._recent else None)
                 if self._boundary(start, stop, done, step_times):
                     return
                 if self._grow_due and self.step < stop:

@@ -104,3 +104,17 @@ def test_copies_over_the_memory_bound_are_refused_with_the_value_and_the_limit()
         check_bound(2**20, kept=1, max_bytes=3 * 2**20, rank=3)
     assert "need 4.0 MB" in str(e.value) and "HPC_INPROC_COPY_MAX_MB=3 MB" in str(e.value) \
         and "rank 3" in str(e.value)
+
+
+def test_a_snapshot_over_one_percent_of_the_steps_between_copies_is_said_once_with_the_interval(caplog):
+    from runtime.worker.inprocess.shard_copy import PeerCopies
+
+    copies = PeerCopies([], [], {}, every=2, max_bytes=1, node="a")
+    copies.snapshot_s, copies.snapshots = 0.006, 3        # 2 ms a snapshot
+    copies._check_overhead(0.1)                            # every 2 steps of 100 ms: 1 %, fine
+    assert not caplog.records
+    copies.every = 1                                       # 2 % of one step
+    copies._check_overhead(0.1)
+    copies._check_overhead(0.1)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "HPC_INPROC_COPY_EVERY=2 or more" in said[0], said

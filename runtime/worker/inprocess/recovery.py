@@ -26,7 +26,8 @@ fill the lost ranks), stage 4 becomes an agreement on the newest step every shar
 their copies and survivors ahead of that step rolled back to their own snapshot, and stage 5
 re-binds FSDP2 to the new group (:mod:`runtime.worker.inprocess.fsdp_guard`). A sharded world
 that cannot keep its size, or a shard with no copy left (a rank and its copy's holder both
-lost), raises :class:`ShardedFallback`: the disk checkpoint (the restart path) is taken.
+lost), raises :class:`~runtime.worker.inprocess.peers.ShardedFallback`: the disk checkpoint (the
+restart path) is taken (:mod:`runtime.worker.inprocess.shard_transfer`).
 
 Each stage's end time is returned for ``events.jsonl`` (:class:`Recovered`).
 
@@ -59,9 +60,9 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import fsdp_guard, lifeline, peers, shard_copy, sockets, transfer
+from runtime.worker.inprocess import (fsdp_guard, lifeline, peers, shard_copy, shard_transfer, sockets,
+                                      transfer)
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
-from runtime.worker.inprocess.peers import ShardedFallback
 from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
 log = logging.getLogger("hpc.inprocess")
@@ -276,10 +277,10 @@ class InProcess:
                                                 timeout_s=self.timeout.total_seconds())
             self.store.set(proto.SHARDED, "1")   # re-forms keep ranks (rank r owns shard r)
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, step_s: float | None = None) -> None:
         """The step boundary after ``step`` steps (every rank): the FSDP2 peer copy when due."""
         if self.copies is not None:
-            self.copies.after_step(step)
+            self.copies.after_step(step, step_s)
 
     # -- recovery --------------------------------------------------------------------------
     def recover(self, step: int, why: str, *, dirty: bool,
@@ -324,8 +325,8 @@ class InProcess:
         rec.t_group = time.time()
         if self.copies is not None:
             if members.world_size != old_world:
-                raise self._give_up(
-                    f"the FSDP2 model's world would change from {old_world} to {members.world_size} "
+                raise shard_transfer.give_up(
+                    self.store, f"the FSDP2 model's world would change from {old_world} to {members.world_size} "
                     "ranks (no replacement joined); in-process recovery carries sharded state only "
                     "at the same world size: the restart path from the last checkpoint")
             s_step, rec.bytes_moved = self._transfer_shards(members, held=step)
@@ -393,58 +394,18 @@ class InProcess:
             self.received_session = dict(received.get("session") or {})
         return moved
 
-    def _give_up(self, why: str) -> ShardedFallback:
-        """Tells the launchers (``fallback`` in the store: replace nobody, restart from the
-        checkpoint) and returns the error to raise."""
-        try:
-            self.store.set(proto.FALLBACK, why)
-        except Exception as e:   # noqa: BLE001 - the store is gone: the launchers' own rules hold
-            log.warning("cannot tell the launchers that in-process recovery gave up: %s", e)
-        return ShardedFallback(why)
-
     def _transfer_shards(self, members: Members, *, held: int | None) -> tuple[int, int]:
-        """FSDP2: agrees on the newest step every shard has, and every rank takes its shards
-        from where they are (live, its own snapshot, or the holder of its copy).
-
-        Returns:
-            (the agreed step, bytes this rank sent or received).
-
-        Raises:
-            ShardedFallback: A shard is nowhere (names it); the disk checkpoint is the fallback.
-        """
+        """FSDP2's stage 4 (:mod:`runtime.worker.inprocess.shard_transfer`), then the source's
+        session state to a joiner. Returns (the agreed step, bytes moved)."""
         assert self.copies is not None
-        self.copies.settle(timeout_s=5.0)
-        mine = self.copies.holding(self.rank, held)
-        box: list[Any] = [None] * self.world_size
-        dist.all_gather_object(box, (mine.rank, mine.live, mine.own, dict(mine.peer)))
-        held_all = [peers.Holding(r, live=live, own=tuple(own), peer=peer) for r, live, own, peer in box]
-        try:
-            plan = peers.agree(held_all, self.world_size)
-        except peers.NoCopy as e:
-            raise self._give_up(f"no peer copy to recover the FSDP2 shards in memory: {e}; the "
-                                "restart path from the last checkpoint") from e
-        self._plan = plan
-        moved, state = 0, None
-        for holder, owner in plan.sends():
-            if self.rank == holder:
-                moved += transfer.send_state(self.copies.snapshot_of(owner, plan.step), dst=owner)
-            elif self.rank == owner:
-                state = transfer.recv_state(src=holder)
-                moved += shard_copy.nbytes(state)
-        source, kind = plan.sources[self.rank]
-        if kind == peers.OWN:
-            state = self.copies.snapshot_of(None, plan.step)
-        if state is not None:
-            self.copies.load(state)
-        self.copies.drop_after(plan.step)
-        box2 = [self.session_state() if self.session_state is not None and self.rank == members.source
-                else None]
-        dist.broadcast_object_list(box2, src=members.source)
+        self._plan, moved = shard_transfer.recover_shards(self.copies, self.store, rank=self.rank,
+                                                          world=self.world_size, held=held)
+        box = [self.session_state() if self.session_state is not None and self.rank == members.source
+               else None]
+        dist.broadcast_object_list(box, src=members.source)
         if self.joining:
-            self.received_session = dict(box2[0] or {})
-        log.info("in-process recovery: FSDP2 shards at step %d: this rank's from %s (rank %d); "
-                 "%d bytes moved; no checkpoint read", plan.step, kind, source, moved)
-        return plan.step, moved
+            self.received_session = dict(box[0] or {})
+        return self._plan.step, moved
 
     def rewrap(self) -> None:
         """Rebuilds each DDP wrapper in place on the new default group, with the guard's hook."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ from runtime.worker.inprocess import peers, transfer
 log = logging.getLogger("hpc.inprocess")
 _DT = "__dtensor_local__"   # marks a DTensor's local tensor in a snapshot's optimizer state
 KEEP = 2                    # snapshots (own) and copies (per owner) kept: double buffering
+OVERHEAD_TARGET = 0.01      # the Session's step overhead target: the snapshot's share is said above it
 
 
 class CopyLimit(ValueError):
@@ -134,6 +136,8 @@ class PeerCopies:
         self.copies_made = 0
         self.copy_s = 0.0            # the side thread's time, summed
         self.snapshot_s = 0.0        # the step path's time (the snapshots), summed
+        self.snapshots = 0
+        self._warned = False
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -164,8 +168,15 @@ class PeerCopies:
         return group
 
     # -- the copies --------------------------------------------------------------------------
-    def after_step(self, step: int) -> None:
-        """At the step boundary after ``step`` steps: snapshot and send when due (every rank)."""
+    def after_step(self, step: int, step_s: float | None = None) -> None:
+        """At the step boundary after ``step`` steps: snapshot and send when due (every rank).
+
+        Args:
+            step: Steps done.
+            step_s: The last step's time, if known: a snapshot costing more than
+                :data:`OVERHEAD_TARGET` of the steps between copies is said once, with the
+                ``HPC_INPROC_COPY_EVERY`` that would meet it.
+        """
         if step % self.every:
             return
         if not self._bound_once:
@@ -185,9 +196,25 @@ class PeerCopies:
             self.own[step] = snap
         self.bytes_per_copy = size
         self.snapshot_s += time.perf_counter() - t0
+        self.snapshots += 1
+        self._check_overhead(step_s)
         self._thread = threading.Thread(target=self._exchange, args=(step, snap), daemon=True,
                                         name="hpc-peer-copy")
         self._thread.start()
+
+    def _check_overhead(self, step_s: float | None) -> None:
+        if self._warned or step_s is None or step_s <= 0 or self.snapshots < 3:
+            return
+        mean = self.snapshot_s / self.snapshots
+        share = mean / (self.every * step_s)
+        if share > OVERHEAD_TARGET:
+            self._warned = True
+            need = math.ceil(mean / (OVERHEAD_TARGET * step_s))
+            log.warning("in-process recovery: the FSDP2 peer copy's snapshot takes %.1f ms on the step's "
+                        "path every %d step(s) of %.0f ms (%.1f %% of the step time, over %.0f %%): set "
+                        "%s=%d or more (a lost rank then goes back up to that many steps)", mean * 1e3,
+                        self.every, step_s * 1e3, share * 100, OVERHEAD_TARGET * 100,
+                        proto.COPY_EVERY_ENV, need)
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Waits for the exchange in flight (all of it, or ``timeout_s``)."""
