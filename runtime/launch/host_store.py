@@ -28,6 +28,7 @@ from runtime.launch.rdzv_failure import TIMEOUT_FLAG
 
 log = logging.getLogger("hpc.launch")
 
+STORE_LOST_S = 10.0   # a store silent this long (seen from a node that is not its host): its host is lost
 PROBE_S = 5.0      # a store that does not answer one request in this long is silent (the fence: 10 s)
 LOOK_EVERY_S = 1.0  # how often a node waiting for its host's store looks again
 

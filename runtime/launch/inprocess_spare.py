@@ -13,22 +13,34 @@ checkpoint read. The launcher then records ``workers_started`` (the spare's join
 goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
 launcher does, and ends with them. A job that finishes first releases the joiners (``done``):
 they exit 0, not needed.
+
+A spare's launcher watches its host's store as a member node's fence does
+(:data:`runtime.launch.host_store.STORE_LOST_S`): the store carries the joiners' whole world,
+so when it has not answered that long (and a request of its own confirms it), the host is lost:
+the joiners are stopped, an ``inproc_fallback`` says why, and the launcher restarts itself into
+the lost-host path (``relaunch``: a request to a silent store may never return, so the loop
+that made it cannot be relied on to end) and ends as a node that lost its rendezvous host
+(under Slurm: the succession; under hpc run: a node failure) instead of waiting on a silent
+store with no end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from hpc.contract import inprocess as proto
 from runtime.ending import outcome
-from runtime.launch import inprocess_agent
+from runtime.launch import host_store, inprocess_agent
 
 log = logging.getLogger("hpc.launch")
 POLL_S = 0.5
@@ -51,12 +63,14 @@ def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, npr
     return env
 
 
-def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
+def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.AgentEnd:
     """Starts this spare node's joiners and watches them until they end.
 
     Args:
         plan: The node's :class:`runtime.launch.plan.LaunchPlan`.
         events: The launcher's ``EventLog``.
+        relaunch: Replaces this launcher with one on the lost-host path (does not return);
+            called from the store watch once the host is lost and the joiners are stopped.
     """
     import torch.distributed as dist
 
@@ -79,9 +93,13 @@ def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
     uids = {proto.uid(me, p.pid) for p in procs}
     joined, announced = False, set()
     store = None
+    watch = _HostWatch(plan.rdzv_endpoint, lambda silent: _host_lost(plan, events, procs, silent, relaunch))
+    watch.start()
     while any(p.poll() is None for p in procs):
         try:
-            if store is None and raw.check([proto.ROOT + proto.CURRENT]):
+            current = raw.check([proto.ROOT + proto.CURRENT])
+            watch.answered_at = time.monotonic()
+            if store is None and current:
                 store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
             if store is not None and not joined and _taken_in(store, uids):
                 joined = True
@@ -99,6 +117,7 @@ def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
         except Exception as e:   # noqa: BLE001 - the store host is gone: the workers end by themselves
             log.debug("in-process hot spare: store: %s", e)
         time.sleep(POLL_S)
+    watch.stop()
     codes = tuple(p.returncode for p in procs)
     if all(c == 0 for c in codes):
         if not joined:
@@ -106,6 +125,53 @@ def run_spare(plan: Any, events: Any) -> outcome.AgentEnd:
         return outcome.AgentEnd("succeeded", "", started, ended=time.time())
     return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
                             exit_codes=tuple(c for c in codes if c), ended=time.time())
+
+
+class _HostWatch(threading.Thread):
+    """Calls ``on_lost(silent_s)`` once the store has not answered :data:`host_store.STORE_LOST_S`
+    (the spare's loop sets ``answered_at`` after each answer) and a probe of its own confirms it."""
+
+    def __init__(self, endpoint: str, on_lost: Callable[[float], None]) -> None:
+        super().__init__(name="hpc-spare-store-watch", daemon=True)
+        self.endpoint, self.on_lost = endpoint, on_lost
+        self.answered_at = time.monotonic()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(1.0):
+            silent = time.monotonic() - self.answered_at
+            if silent < host_store.STORE_LOST_S:
+                continue
+            if host_store.answers(self.endpoint):
+                self.answered_at = time.monotonic()   # slow, not silent
+            elif not self._stop_event.is_set():
+                self.on_lost(silent)
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def _host_lost(plan: Any, events: Any, procs: list[subprocess.Popen], silent: float,
+               relaunch: Callable[[], None]) -> None:
+    """The host's store is silent: stops the joiners, then this launcher (``relaunch``)."""
+    host = plan.rdzv_endpoint.rpartition(":")[0]
+    why = (f"the rendezvous store has not answered for {silent:.0f}s: its host {host} is lost; "
+           f"this hot spare's joiners waited in it and are stopped")
+    log.warning("in-process hot spare: %s", why)
+    if events is not None:
+        events.emit("inproc_fallback", reason=why, spare=True)
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)   # its own session (start_new_session)
+        except ProcessLookupError:
+            pass
+    for p in procs:   # reaped before the exec: no zombie left under the new image
+        try:
+            p.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            pass
+    relaunch()
 
 
 def _taken_in(store: Any, uids: set[str]) -> bool:

@@ -86,7 +86,7 @@ def rdzv_conf(max_nodes: int, join_timeout_s: int = RDZV_CONF["join_timeout"]) -
 
 
 # A rendezvous store silent this long (from a node that is not its host): the host is lost.
-STORE_LOST_S = 10.0
+STORE_LOST_S = host_store.STORE_LOST_S
 
 
 def _logs_specs(plan: LaunchPlan, tee: RankTee) -> Any:
@@ -232,7 +232,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             return outcome.AgentEnd("failed" if ended else "rendezvous", gone, time.time(),
                                     ended=time.time(), extra={"follow_node0": True} if ended else {})
     if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
-        return inprocess_spare.run_spare(plan, inproc_events)   # joiners, no torch agent
+        return inprocess_spare.run_spare(plan, inproc_events,   # joiners, no torch agent
+                                         relaunch=lambda: _restart_launcher([], epoch))
     lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
     if spec.recovery == "inprocess":
         if plan.is_rdzv_host:
@@ -276,12 +277,12 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                                                       host=socket.gethostname())
         watchdog.on_lost_after_s = inprocess_silent.LOST_S
     watchdog.start()
-    # In-process recovery keeps its membership in the rendezvous store: its host's loss is
-    # watched for under hpc run too (no succession there: the job ends as a node failure).
+    # The host's loss is watched for under hpc run too, whatever the recovery (no succession
+    # there: the job ends as a node failure instead of hanging on the silent store).
     fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None,
-                   events=inproc_events, rdzv_host=plan.rdzv_endpoint.rsplit(":", 1)[0]) \
-        if plan.launchers > 1 and (board is not None or spec.recovery == "inprocess") else None
+                   events=inproc_events, rdzv_host=plan.rdzv_endpoint.rsplit(":", 1)[0],
+                   rdzv_endpoint=plan.rdzv_endpoint) if plan.launchers > 1 else None
     if fence is not None:
         fence.relaunch = lambda: not forwarder.received
         fence.start()
@@ -469,11 +470,13 @@ class _Fence(threading.Thread):
     """
 
     def __init__(self, board: succession.Board | None, epoch: int, *, members: int, is_host: bool,
-                 tracker: Any = None, events: Any = None, rdzv_host: str = "") -> None:
+                 tracker: Any = None, events: Any = None, rdzv_host: str = "",
+                 rdzv_endpoint: str = "") -> None:
         super().__init__(name="hpc-fence", daemon=True)
         self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
         self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
         self.events, self.rdzv_host = events, rdzv_host   # in-process only: its events log
+        self.rdzv_endpoint = rdzv_endpoint   # asked once more before the host is named lost
         self.fell_back = False        # it recorded the in-process fallback
         self.replaced: str | None = None
         self.host_lost: str | None = None
@@ -492,7 +495,14 @@ class _Fence(threading.Thread):
             if why is not None:
                 self.replaced = why
             else:
-                self.host_lost = self._store_lost()
+                lost = self._store_lost()
+                # The beacon's silence, confirmed by a request of its own (a loaded machine's
+                # beacon may fall behind while the store still answers): no healthy job ended.
+                if lost is not None and self.rdzv_endpoint and host_store.answers(self.rdzv_endpoint):
+                    log.warning("%s, but it answers a request now: not lost", lost)
+                    self.tracker.store_ok_at = time.monotonic()
+                    lost = None
+                self.host_lost = lost
             if self.acted:
                 if self.host_lost is not None and self.events is not None:
                     self.fell_back = True
