@@ -20,6 +20,10 @@ worker of the waiting nodes (the restart path):
   launcher names no one until it has watched :data:`LOST_S` without a gap of its own (it was
   frozen, or cut off from the store): back from a gap, everyone would look silent to it.
 
+A crashed node whose processes ended (their kernel closed their sockets) is announced sooner,
+at once, by its workers' lifelines (:mod:`.inprocess_lifelines`); the beacon remains the path
+for a node that goes silent without closing anything.
+
 When the store itself is out of reach (the lost node hosts it) nothing is announced: the
 beacon names nobody lost while it cannot reach the store, and the job takes the restart path.
 """
