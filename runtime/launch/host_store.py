@@ -55,6 +55,8 @@ def answers(endpoint: str, timeout_s: float = PROBE_S) -> bool:
     request runs on a daemon thread, so this returns in about ``timeout_s`` whatever torch's
     client does.
     """
+    import torch.distributed as dist   # before the clock: the bound is the store's, not the import's
+
     host, port = _split(endpoint)
     start = time.monotonic()
     if not _listening(host, port, timeout_s):
@@ -63,8 +65,6 @@ def answers(endpoint: str, timeout_s: float = PROBE_S) -> bool:
 
     def ask() -> None:
         try:
-            import torch.distributed as dist
-
             left = max(1.0, timeout_s - (time.monotonic() - start))
             store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left),
                                   wait_for_workers=False)
