@@ -8,6 +8,9 @@ with AdamW. Each rank keeps a copy of the shards of the rank at its place on the
   newest step every shard has, each joiner receives its shards from the holder of its copy on
   node 0, no checkpoint file is read, and the job ends with weights bit-equal to an
   uninterrupted run beside it.
+- A whole node is lost (its launcher and its worker SIGKILLed, 2 nodes x 1 process and a hot
+  spare node): the spare's worker joins at the lost rank's place and receives its shards from
+  the copy on the surviving node; the survivor keeps its PID, weights bit-equal.
 - Both holders of a shard (rank 0 and rank 2 hold each other's copies) are SIGKILLed at once:
   no copy of their shards is left, so the new generation falls back to the restart path, an
   ``inproc_fallback`` event names the shards, and the job resumes from the last checkpoint and
@@ -27,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_inprocess_join import lines
+from tests.distributed.test_spares_local import launcher_pid
 
 pytestmark = pytest.mark.distributed
 
@@ -35,12 +39,12 @@ SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_fsdp_train.py"
 STEPS = 14
 
 
-def hpc_run(out: Path, job: Path, *extra: str) -> subprocess.Popen[str]:
+def hpc_run(out: Path, job: Path, *extra: str, nproc: int = 2, window_s: int = 60) -> subprocess.Popen[str]:
     out.mkdir()
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="60",
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S=str(window_s),
                HPC_INPROC_COPY_EVERY="2")
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2",
-                             "--nproc-per-node", "2", "--recovery", "inprocess", "--max-restarts", "3",
+                             "--nproc-per-node", str(nproc), "--recovery", "inprocess", "--max-restarts", "3",
                              "--job-dir", str(job), *extra,
                              "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -105,6 +109,46 @@ def test_a_nodes_killed_workers_shards_come_from_the_peer_copies_and_the_weights
     assert joiner["copies_made"] > 0, joiner   # the joiners keep copies again
     print(f"peer-copy recovery: step {rec[0]['step']}, {rec[0]['bytes']} bytes moved by rank 0; copy "
           f"{joiner['copy_bytes']} bytes/rank, held {joiner['held_bytes']} bytes; test took "
+          f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+
+
+def test_a_lost_nodes_shards_go_to_a_hot_spare_from_the_peer_copy(tmp_path: Path):
+    t0 = time.time()
+    plain = hpc_run(tmp_path / "plain out", tmp_path / "plain job", nproc=1, window_s=5)
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, "--spare-nodes", "1", nproc=1, window_s=5)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            ran = lines(out)
+            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+            if victim is not None:
+                break
+            time.sleep(0.05)
+        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: launcher and worker
+        os.kill(victim, signal.SIGKILL)
+        text, _ = run.communicate(timeout=240)
+        plain_text, _ = plain.communicate(timeout=240)
+    finally:
+        for p in (run, plain):
+            if p.poll() is None:
+                p.kill()
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == STEPS, (outcome, text[-5000:])
+    assert plain.returncode == 0, plain_text[-3000:]
+    got = results(out)
+    assert survivor in got and len(got) == 2, (sorted(got), survivor)   # the survivor kept its PID
+    [spare] = set(got) - {survivor}
+    assert got[spare]["rank"] == 1 and {r["step"] for r in got.values()} == {STEPS}
+    expected = results(tmp_path / "plain out")
+    assert {r["weights"] for r in got.values()} == {next(iter(expected.values()))["weights"]}
+    for r in got.values():
+        assert not [f for f in r["opened_while_recovering"] if f.startswith(str(job / "checkpoints"))], r
+    rec = [e for e in events(job) if e["ev"] == "inproc_recovery"]
+    assert len(rec) == 1 and rec[0]["shards"]["1"] == [0, "peer"], rec
+    print(f"lost node -> spare: shards of step {rec[0]['step']} from rank 0's copy; test took "
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 
