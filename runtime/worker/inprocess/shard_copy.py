@@ -359,9 +359,9 @@ def _as_dtensors(sd: Mapping[str, Any], optim: torch.optim.Optimizer) -> dict[st
 
 
 def node_key(environ: Mapping[str, str]) -> str:
-    """This rank's node: torch's node rank (``GROUP_RANK``) where set, else the host name."""
+    """This rank's node: its host and torch's node rank (``GROUP_RANK``; several local "nodes"
+    share a host in tests, and a hot spare's worker may have no node rank)."""
     import socket
 
-    group = environ.get("GROUP_RANK", "")
-    return f"node{group}" if group else socket.gethostname()
+    return f"{socket.gethostname()}/{environ.get('GROUP_RANK', '') or '-'}"
 
