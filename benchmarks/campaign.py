@@ -455,9 +455,10 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
         "threads": (result or {}).get("threads"),
         "repairs": inj.log, "trace": trace, "inproc_recoveries": recoveries,
     }
+    record = cm.with_trace_steps_twice(record)   # a crashed host's last events are lost
     print(f"  [{contender.name} seed {seed}] done in {record['wall_s']:.0f} s: finished {finished}, "
           f"goodput {ledger.goodput * 100:.1f}%, allocated {ledger.allocated_node_s:.0f} node-s, "
-          f"lost per fault {[round(f['lost_node_s']) for f in costs]}, steps twice {ledger.lost_steps}, "
+          f"lost per fault {[round(f['lost_node_s']) for f in costs]}, steps twice {record['lost_steps']}, "
           f"worlds {worlds}", flush=True)
     return record, ledger
 

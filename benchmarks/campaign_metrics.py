@@ -151,6 +151,27 @@ def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float,
     return next((p[0] for p in after[first_new:] if p[1] > ref), None)
 
 
+def steps_twice(trace: Sequence[tuple[float, int, Any]]) -> int:
+    """Steps computed twice as the campaign saw the job (pure): at each new worker group, the
+    steps done before it from the group's first observed step on.
+
+    A lower bound (the trace samples the progress: a group's first steps may go unseen), as
+    the ledger's count is another: the ledger reads rank 0's events, and a crashed node's last
+    seconds of them are lost with it (in-process seed 1: the rendezvous host's crash at step 45,
+    a restart from step 40, and the ledger's last record of the host said step 35). The
+    campaign keeps the larger of the two.
+    """
+    done, total, seen = -1, 0, set()
+    for _, step, group in sorted(trace, key=lambda p: p[0]):
+        key = tuple(group) if isinstance(group, list) else group
+        if key not in seen:
+            seen.add(key)
+            if done >= 0:
+                total += max(0, done - (int(step) - 1))
+        done = max(done, int(step))
+    return total
+
+
 def node_seconds(allocations: Iterable[Any], t0: float, t1: float) -> float:
     """Node-seconds allocated in ``[t0, t1]`` (ledger allocations: ``start``, ``node_ends``)."""
     total = 0.0
@@ -238,10 +259,22 @@ def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> 
     return out
 
 
+def with_trace_steps_twice(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The run with ``lost_steps`` the larger of the ledger's count (kept as
+    ``lost_steps_ledger``) and :func:`steps_twice` of its trace (idempotent)."""
+    out = dict(run)
+    ledger = int(out.get("lost_steps_ledger", out.get("lost_steps", 0)))
+    trace = [(float(p[0]), int(p[1]), p[3]) for p in out.get("trace") or ()]
+    out["lost_steps_ledger"], out["lost_steps"] = ledger, max(ledger, steps_twice(trace))
+    return out
+
+
 def merge(records: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> dict[str, Any]:
     """Campaign records (``campaign.py --json`` of one seed or more each) as one record.
 
-    The runs are joined (each already carries its weights check and Slurm's frame), summarized
+    The runs are joined (each already carries its weights check and Slurm's frame; steps
+    computed twice become the larger of the ledger's and the trace's count,
+    :func:`with_trace_steps_twice`), summarized
     again over all of them (ratios still pair a contender's run with the baseline's of the same
     seed), and each record's machine figures and configuration kept per record.
 
@@ -257,7 +290,7 @@ def merge(records: Sequence[Mapping[str, Any]], baseline: str = "baseline") -> d
     runs: list[Mapping[str, Any]] = []
     seen: set[tuple[str, int]] = set()
     for rec in records:
-        for r in rec.get("runs") or ():
+        for r in map(with_trace_steps_twice, rec.get("runs") or ()):
             key = (str(r["contender"]), int(r["seed"]))
             if key in seen:
                 raise ValueError(f"{key[0]} seed {key[1]} is in more than one record")

@@ -165,3 +165,15 @@ def test_merge_refuses_different_settings_and_a_run_twice():
         cm.merge([_record([_run("baseline", 1, 1.0)]), _record([_run("baseline", 2, 1.0)], steps=40)])
     with pytest.raises(ValueError, match="baseline seed 1 is in more than one record"):
         cm.merge([_record([_run("baseline", 1, 1.0)]), _record([_run("baseline", 1, 2.0)])])
+
+
+def test_steps_twice_from_the_trace_counts_a_restart_below_the_last_step_seen():
+    # Group A reached step 45; the rendezvous host crashed with rank 0's last events (the
+    # ledger's count: 0); group B restarted from the step-40 save: 41..45 computed twice.
+    trace = [(1.0, 30, "A"), (2.0, 45, "A"), (5.0, 41, "B"), (6.0, 50, "B"), (9.0, 51, "C")]
+    assert cm.steps_twice(trace) == 5     # C started beyond every step done: nothing twice
+    run = {"lost_steps": 0, "trace": [[t, s, 3, g] for t, s, g in trace]}
+    once = cm.with_trace_steps_twice(run)
+    assert (once["lost_steps"], once["lost_steps_ledger"]) == (5, 0)
+    assert cm.with_trace_steps_twice(once) == once, "idempotent"
+    assert cm.with_trace_steps_twice({"lost_steps": 8, "trace": run["trace"]})["lost_steps"] == 8
