@@ -82,9 +82,11 @@ STORE_ENV = "HPC_INPROC_STORE"      # host:port of the store that outlives the w
 RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --recovery)
 TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
 WINDOW_ENV = "HPC_INPROC_WINDOW_S"  # how long a leader waits for silent members of the old group
-FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail" before optimizer.step; "RANK:STEP:save"
+FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail|save|repeat", comma separated
 JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generation (no rank of its own)
 MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
+MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step before the restart path
+DEFAULT_MAX_REFORMS = 3
 
 RESTART = "restart"
 INPROCESS = "inprocess"
@@ -297,6 +299,8 @@ class Members:
         source: The rank that holds ``step`` and broadcasts the state.
         reason: Why the generation was opened (a fault, a join).
         left: Members of the previous generation not in this one.
+        in_row: How many generations in a row went on from this same ``step`` (this one
+            included): no step completed between their faults (:func:`in_row`).
     """
 
     gen: int
@@ -305,6 +309,7 @@ class Members:
     source: int
     reason: str = ""
     left: tuple[str, ...] = ()
+    in_row: int = 1
 
     @property
     def world_size(self) -> int:
@@ -328,7 +333,44 @@ def decode_members(raw: bytes | str) -> Members:
     d = json.loads(raw)
     return Members(gen=int(d["gen"]), uids=tuple(d["uids"]), step=int(d["step"]),
                    source=int(d["source"]), reason=str(d.get("reason", "")),
-                   left=tuple(d.get("left", ())))
+                   left=tuple(d.get("left", ())), in_row=int(d.get("in_row", 1)))
+
+
+def in_row(previous: Members | None, step: int) -> int:
+    """How many generations in a row go on from ``step``, the new one included (pure): one
+    more than the previous generation's count when it went on from the same step (no step
+    completed since: the failure repeats), else 1 (a step completed resets the count)."""
+    return previous.in_row + 1 if previous is not None and previous.step == step else 1
+
+
+def parse_max_reforms(raw: str) -> int:
+    """``HPC_INPROC_MAX_REFORMS``: re-forms in a row at one step before in-process recovery
+    gives up (the restart path takes over); empty: :data:`DEFAULT_MAX_REFORMS`.
+
+    Raises:
+        ValueError: Not an integer >= 1 (names the value).
+    """
+    if not raw.strip():
+        return DEFAULT_MAX_REFORMS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{MAX_REFORMS_ENV}={raw!r}: expected an integer >= 1 (re-forms in a row at "
+                         f"one step before the restart path; default {DEFAULT_MAX_REFORMS})")
+    return n
+
+
+def repeats(members: Members, max_reforms: int) -> str | None:
+    """Why in-process recovery gives up at ``members`` (pure): the generation is past
+    ``max_reforms`` re-forms in a row at one step (a failure that repeats, e.g. a bad batch,
+    would loop forever), or None to go on."""
+    if members.in_row <= max_reforms:
+        return None
+    return (f"{members.in_row} re-forms in a row at step {members.step} without a step completed "
+            f"(at most {max_reforms}, {MAX_REFORMS_ENV}): the failure repeats: {members.reason}; "
+            "torch's restart path from the last checkpoint (bounded by --max-restarts)")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ So after a failed step a rank holds the whole state of the step *before* it, and
 step completed holds the state after it; the re-form takes the newest (one step is computed
 twice at most). ``HPC_TEST_INPROC_FAULT=RANK:STEP:kill|fail`` injects a fault right after the
 reduction and before the optimizer step; ``RANK:STEP:save`` makes the rank leave as it starts
-the save after ``STEP`` steps, while its peers enter the save's collectives (tests only).
+the save after ``STEP`` steps, while its peers enter the save's collectives; ``RANK:STEP:repeat``
+fails that step's all-reduce on that rank every time the rank runs it, before the reduction (a
+failure that repeats: the re-forms go on from that step each time). Several faults: comma
+separated (tests only).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class StepGuard:
         self.joiners = False      # rank 0's fault watch saw a joiner the world has room for
         self._saved: dict[str, Any] = {}
         self._saved_rng: Any = None
-        self._fault = _parse_fault(os.environ.get(proto.FAULT_ENV, ""))
+        self._faults = _parse_faults(os.environ.get(proto.FAULT_ENV, ""))
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation
@@ -139,6 +142,9 @@ class StepGuard:
     def _all_reduce(self, process_group: Any, bucket: Any) -> torch.futures.Future:
         tensor = bucket.buffer()
         if self.failed:   # the group is broken: do not wait on it again in this step
+            return _done(tensor)
+        if (self.rank, self.step, "repeat") in self._faults:
+            self.fail(f"injected repeating fault in step {self.step}'s all-reduce")
             return _done(tensor)
         group = process_group or dist.group.WORLD
         gen = self.gen   # a late failure of this operation says nothing about a later generation
@@ -227,32 +233,29 @@ class StepGuard:
         Raises:
             PeerLost: The fault is set for this rank and ``steps_done``.
         """
-        if self._fault is None:
-            return
-        rank, step, kind = self._fault
-        if kind == "save" and rank == self.rank and step == steps_done:
-            self._fault = None
+        if (self.rank, steps_done, "save") in self._faults:
+            self._faults.remove((self.rank, steps_done, "save"))
             raise PeerLost("injected fault: left as the save started (its peers are in its collectives)")
 
     def _inject(self) -> None:
-        if self._fault is None:
+        fault = next((f for f in self._faults if f[:2] == (self.rank, self.step)
+                      and f[2] in ("kill", "fail")), None)
+        if fault is None:
             return
-        rank, step, kind = self._fault
-        if kind == "save" or rank != self.rank or step != self.step:
-            return
-        self._fault = None
-        if kind == "kill":
+        self._faults.remove(fault)
+        if fault[2] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         self.fail("injected fault between the reduction and the optimizer step")
 
 
-def _parse_fault(raw: str) -> tuple[int, int, str] | None:
-    if not raw:
-        return None
-    rank, step, kind = raw.split(":")
-    if kind not in ("kill", "fail", "save"):
-        raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail or save")
-    return int(rank), int(step), kind
+def _parse_faults(raw: str) -> list[tuple[int, int, str]]:
+    out = []
+    for one in filter(None, (x.strip() for x in raw.split(","))):
+        rank, step, kind = one.split(":")
+        if kind not in ("kill", "fail", "save", "repeat"):
+            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save or repeat")
+        out.append((int(rank), int(step), kind))
+    return out
 
 
 class FaultWatch(threading.Thread):

@@ -19,6 +19,7 @@ for the replacement a launcher promised for a dead member.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -236,10 +237,18 @@ class Membership:
             reason = "; ".join(x for x in (reason, f"joined: {', '.join(j.uid for j in taken)}") if x)
         members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
                                      keep_ranks=self.store.check([proto.SHARDED]))
+        members = dataclasses.replace(members, in_row=proto.in_row(self._last_closed(), members.step))
         self.store.set(proto.JOIN_ADMITTED, str(scanned))
         self.store.set(proto.members(gen), proto.encode(members))
         self.store.set(proto.GENERATION, str(gen))
         return members
+
+    def _last_closed(self) -> Members | None:
+        """The last generation a re-form closed (None before the first re-form)."""
+        if not self.store.check([proto.GENERATION]):
+            return None
+        key = proto.members(int(self.store.get(proto.GENERATION)))
+        return proto.decode_members(self.store.get(key)) if self.store.check([key]) else None
 
     def _joiners(self, start: int) -> list[Arrival]:
         """The joiners from index ``start`` whose records are written (in join order)."""

@@ -91,7 +91,8 @@ class Plan:
 
 
 class ShardedFallback(RuntimeError):
-    """The sharded state cannot be carried in memory; the disk checkpoint must be used."""
+    """In-process recovery gives up and the disk checkpoint must be used: the sharded state
+    cannot be carried in memory, or a failure repeats at one step (the restart path)."""
 
 
 class NoCopy(RuntimeError):

@@ -29,6 +29,14 @@ that cannot keep its size, or a shard with no copy left (a rank and its copy's h
 lost), raises :class:`~runtime.worker.inprocess.peers.ShardedFallback`: the disk checkpoint (the
 restart path) is taken (:mod:`runtime.worker.inprocess.shard_transfer`).
 
+A failure that repeats (a bad batch, a rank that fails the same step every time) would loop
+through re-forms for ever: each generation counts how many generations in a row went on from
+its step (``Members.in_row``, one agreement for every member), and past ``max_reforms``
+(``HPC_INPROC_MAX_REFORMS``, default 3) the members give up in-process recovery as a sharded
+world without a copy does (:func:`~runtime.worker.inprocess.shard_transfer.give_up`): the
+launchers replace nobody and torch's restart path, bounded by ``--max-restarts``, goes on from
+the last checkpoint. A step completed in between resets the count.
+
 Each stage's end time is returned for ``events.jsonl`` (:class:`Recovered`).
 
 The same stages admit a joiner (a worker its launcher restarted, a hot spare's): the members
@@ -113,12 +121,13 @@ class InProcess:
     def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
                  step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
                  reconnect: Callable[[], Any] | None = None, joining: bool = False,
-                 max_world: int = 0) -> None:
+                 max_world: int = 0, max_reforms: int = proto.DEFAULT_MAX_REFORMS) -> None:
         self.store = store
         self.reconnect = reconnect
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.joining = joining            # this process joins a running generation
+        self.max_reforms = max_reforms    # re-forms in a row at one step before the restart path
         self.host = socket.gethostname()
         self.me = proto.uid(self.host, os.getpid())
         self.membership = Membership(store, self.me, host=self.host, window_s=window_s,
@@ -155,6 +164,7 @@ class InProcess:
         bound = (lambda: float(fixed)) if fixed else step_bound_s
         joining = environ.get(proto.JOIN_ENV, "") == "1"
         max_world = int(environ.get(proto.MAX_WORLD_ENV, "") or 0)
+        max_reforms = proto.parse_max_reforms(environ.get(proto.MAX_REFORMS_ENV, ""))
         raw = connect(address)
         if environ.get("MASTER_PORT"):
             space = proto.namespace(environ.get("MASTER_ADDR", ""), environ["MASTER_PORT"])
@@ -166,7 +176,7 @@ class InProcess:
             return dist.PrefixStore(space, connect(address))
         made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
-                   max_world=max_world)
+                   max_world=max_world, max_reforms=max_reforms)
         made.space, made.raw, made.address = space, raw, address
         return made
 
@@ -192,6 +202,7 @@ class InProcess:
         members = self.membership.join(timeout_s=timeout_s)
         if members is None:
             return None
+        self._give_up_if_repeating(members)
         rank = members.rank_of(self.me)
         assert rank is not None
         self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
@@ -314,6 +325,7 @@ class InProcess:
         rec.t_abort = time.time()
         members = self.membership.reform(step, old_rank, reason=why)
         rec.t_reform = time.time()
+        self._give_up_if_repeating(members)
         rank = members.rank_of(self.me)
         assert rank is not None
         self.rank, self.world_size = rank, members.world_size
@@ -339,6 +351,17 @@ class InProcess:
         rec.t_transfer = time.time()
         rec.members, rec.rank = members, rank
         return rec
+
+    def _give_up_if_repeating(self, members: Members) -> None:
+        """Every member of ``members`` alike (the count is in the agreed record): past
+        ``max_reforms`` re-forms in a row at one step, gives up in-process recovery.
+
+        Raises:
+            ShardedFallback: The failure repeats (names the count, the step and the error).
+        """
+        why = proto.repeats(members, self.max_reforms)
+        if why is not None:
+            raise shard_transfer.give_up(self.store, why)
 
     def _abort(self, extra: list[Any]) -> None:
         """Unregisters every group of the old generation, keeps it, and breaks the connections
