@@ -67,20 +67,36 @@ def test_rendezvous_node_crash_survivors_go_on_in_the_same_allocation(env, slurm
     assert (job / ".rdzv" / "alloc-0" / "current.json").exists()
 
 
-def test_rendezvous_node_cut_stops_itself_and_only_the_majority_commits(env, slurm_cluster, tmp_path,
-                                                                        elastic_baseline):
-    """MIN 1, so node1 alone could train on: only the fence keeps it from a second group."""
-    job = tmp_path / "headcut"
+def test_rendezvous_node_cut_the_majority_goes_on_alone_and_two_nodes_requeue_without_split_brain(
+        env, slurm_cluster, tmp_path, elastic_baseline):
+    """Two jobs whose rendezvous host is node1 (the first node of both) and one cut of node1's
+    link for both (one start-up and one cut for the two, where each had its own):
+
+    * ``--nodes 1:3`` on node1-3: MIN 1, so node1 alone could train on: only the fence keeps it
+      from a second group; node2 and node3 elect a new host and go on in the same allocation,
+      and only they commit checkpoints after the cut;
+    * ``--nodes 1:2`` on node1-2: no majority without node1, so nobody goes on alone: node2
+      records the node failure and the job is requeued and resumes; node1 never trained alone.
+    """
+    job, two = tmp_path / "headcut", tmp_path / "twocut"
     job_id = submit({**env, "HPC_PROGRESS_EVERY_S": "0.5"}, job, "--nodes", "1:3",
                     "--max-restarts", "3", train=("--step-sleep", "0.3", *ELASTIC))
-    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
-    assert progress(job)["world_size"] == 6
+    two_id = submit(env, two, "--nodes", "1:2", "--max-restarts", "3",
+                    train=("--step-sleep", "0.3", *ELASTIC))
+    wait_until(lambda: latest_step(job) >= 6 and latest_step(two) >= 6, 300,
+               "both jobs training to checkpoint step 6")
+    assert progress(job)["world_size"] == 6 and progress(two)["world_size"] == 4
     cut_step = latest_step(job)
     wall0 = time.time()
     slurm_cluster.cut("node1")
     resumed_s = _resumed_after(job, 4, wall0, 240)
     print(f"\nrendezvous node cut -> survivors training again: {resumed_s:.1f} s")
+    wait_until(lambda: any(o["kind"] == "node_failure" for o in outcomes(two)), 240,
+               "the two-node job's survivor's node_failure record")
     wait_done(env, job_id, job, timeout=500)
+    wait_done(env, two_id, two, timeout=600)
+
+    # --nodes 1:3: the majority went on; node1 stopped itself
     assert_same_as_baseline(job, elastic_baseline, weights=False)
     assert restarts(env, job_id) in (0, -1)
     later = [m for m in _manifests(job) if m["step"] > cut_step + 2]
@@ -90,22 +106,11 @@ def test_rendezvous_node_cut_stops_itself_and_only_the_majority_commits(env, slu
     assert "stops and records nothing" in node1_log, node1_log[-3000:]
     assert "replaced by epoch 1" in node1_log or "cut off" in node1_log, node1_log[-3000:]
 
-
-def test_two_nodes_rendezvous_cut_no_split_brain_requeues(env, slurm_cluster, tmp_path,
-                                                          elastic_baseline):
-    job = tmp_path / "twocut"
-    job_id = submit(env, job, "--nodes", "1:2", "--max-restarts", "3",
-                    train=("--step-sleep", "0.3", *ELASTIC))
-    wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
-    assert progress(job)["world_size"] == 4
-    slurm_cluster.cut("node1")
-    wait_until(lambda: any(o["kind"] == "node_failure" for o in outcomes(job)), 240,
-               "the survivor's node_failure record")
-    wait_done(env, job_id, job, timeout=600)
-    assert_same_as_baseline(job, elastic_baseline, weights=False)
-    assert outcomes(job)[-1]["kind"] == "finished"
-    assert restarts(env, job_id) >= 1 or len(outcomes(job)) >= 2   # requeued once, resumed
-    alloc0 = [m for m in _manifests(job) if m["allocation"] == 0]
+    # --nodes 1:2: no split brain, requeued
+    assert_same_as_baseline(two, elastic_baseline, weights=False)
+    assert outcomes(two)[-1]["kind"] == "finished"
+    assert restarts(env, two_id) >= 1 or len(outcomes(two)) >= 2   # requeued once, resumed
+    alloc0 = [m for m in _manifests(two) if m["allocation"] == 0]
     assert all(m["world_size"] == 4 for m in alloc0), alloc0    # node1 never trained alone
 
 
