@@ -31,6 +31,8 @@ log = logging.getLogger("hpc.launch")
 STORE_LOST_S = 10.0   # a store silent this long (seen from a node that is not its host): its host is lost
 PROBE_S = 5.0      # a store that does not answer one request in this long is silent (the fence: 10 s)
 LOOK_EVERY_S = 1.0  # how often a node waiting for its host's store looks again
+CONNECT_S = 2.0    # a live host's kernel accepts a connection in ms (one SYN resend fits): a
+                   # crashed node's address, whose packets go nowhere, costs no more than this
 
 
 def _split(endpoint: str) -> tuple[str, int]:
@@ -59,7 +61,7 @@ def answers(endpoint: str, timeout_s: float = PROBE_S) -> bool:
 
     host, port = _split(endpoint)
     start = time.monotonic()
-    if not _listening(host, port, timeout_s):
+    if not _listening(host, port, min(timeout_s, CONNECT_S)):
         return False
     got: list[bool] = []
 
