@@ -91,7 +91,7 @@ DEFAULT_MAX_REFORMS = 3
 RESTART = "restart"
 INPROCESS = "inprocess"
 RECOVERY_MODES = (RESTART, INPROCESS)
-# --replacement: when a restarted worker takes a dead one's place (see parse_replacement)
+# --replacement: when a restarted worker takes a dead one's place (validated by JobSpec.replacement)
 WAIT = "wait"        # the survivors' re-form waits for it: world kept, bit-equal numerics
 SHRINK = "shrink"    # the survivors go on at world-1 at once; it joins at a later step boundary
 REPLACEMENT_MODES = (WAIT, SHRINK)
@@ -121,27 +121,6 @@ def parse_recovery(value: object, flag: str = "--recovery") -> str:
         raise SpecError(flag, value, " or ".join(RECOVERY_MODES), f"{flag} {INPROCESS}",
                         "inprocess keeps the surviving workers and takes the state from a peer; "
                         "restart restarts every worker from the last checkpoint")
-    return str(text)
-
-
-def parse_replacement(value: object, flag: str = "--replacement") -> str:
-    """Validates a replacement mode (``--replacement``, under ``--recovery inprocess``).
-
-    ``wait``: a dead worker's launcher starts a replacement and the survivors' re-form waits
-    for it (its start-up: interpreter, ``import torch``, CUDA), so the world keeps its size and
-    the run stays bit-equal to an uninterrupted one. ``shrink``: the survivors re-form at once
-    without it (same samples in the same order, same global batch, float sums in another
-    order) and the replacement joins at a later step boundary (the hot spares' join path).
-
-    Raises:
-        SpecError: Anything but ``wait`` or ``shrink``.
-    """
-    text = str(value).strip().lower() if isinstance(value, str) else value
-    if text not in REPLACEMENT_MODES:
-        raise SpecError(flag, value, " or ".join(REPLACEMENT_MODES), f"{flag} {SHRINK}",
-                        "wait keeps the world's size through a re-form (weights bit-equal to an "
-                        "uninterrupted run); shrink goes on at once without the dead worker and "
-                        "takes its replacement in at a later step boundary (faster recovery)")
     return str(text)
 
 
