@@ -3,10 +3,12 @@
 # (unit, distributed, slurm; the slurm tier brings up a real 3-node Slurm cluster itself).
 # Extra arguments go to one pytest run, e.g. `bash scripts/test.sh -m unit`. Without any, three
 # lanes run at once: the slurm tier (which mostly waits on the test cluster), the local tests
-# that mostly wait on a clock (marker `waits`: pauses, grace periods, stall deadlines) followed
-# by the unit tier (one process, CPU-light: it fills the clock lane's idle time instead of
-# lengthening the longest lane), and the rest (distributed, gpu, unmarked tests under
-# tests/unit); the first two prefix their lines with [slurm] and [waits].
+# that mostly wait on a clock (marker `waits`: pauses, grace periods, stall deadlines) with the
+# in-process recovery tests (marker `inprocess`) and the unit tier (CPU-light: they fill the
+# clock lane's idle time instead of lengthening the longest lane), and the rest (distributed,
+# gpu, unmarked tests under tests/unit); the first two prefix their lines with [slurm] and
+# [waits]. CI of ee064ef: distributed 33:49, waits+unit 19:12, slurm 32:09; the `inprocess`
+# tests (~7 min there) moved from the first lane to the second.
 # HPC_TEST_LANES=1 runs everything in one pytest instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,14 +21,14 @@ fi
   PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
 slurm=$!
 ( set -o pipefail
-  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m "(waits or unit) and not slurm" -p no:cacheprovider 2>&1 | sed -u 's/^/[waits] /' ) &
+  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m "(waits or unit or inprocess) and not slurm" -p no:cacheprovider 2>&1 | sed -u 's/^/[waits] /' ) &
 waits=$!
 set +e
-.venv/bin/python -m pytest -m "not slurm and not waits and not unit"
+.venv/bin/python -m pytest -m "not slurm and not waits and not unit and not inprocess"
 local_rc=$?
 wait "$waits"
 waits_rc=$?
 wait "$slurm"
 slurm_rc=$?
-echo "test lanes: distributed+gpu exit $local_rc, waits+unit exit $waits_rc, slurm exit $slurm_rc"
+echo "test lanes: distributed+gpu exit $local_rc, waits+inprocess+unit exit $waits_rc, slurm exit $slurm_rc"
 [ "$local_rc" -eq 0 ] && [ "$waits_rc" -eq 0 ] && [ "$slurm_rc" -eq 0 ]

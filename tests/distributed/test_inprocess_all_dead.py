@@ -22,7 +22,7 @@ import pytest
 from tests.distributed.test_inprocess_join import lines
 from tests.distributed.test_inprocess_silent import hpc_run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 STEPS = 16
 

@@ -35,7 +35,7 @@ from tests.distributed.test_inprocess_join import lines
 from tests.distributed.test_inprocess_silent import SCRIPT, events, wait_for
 from tests.distributed.test_spares_local import launcher_pid
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
 

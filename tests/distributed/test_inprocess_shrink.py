@@ -28,7 +28,7 @@ import pytest
 from runtime.sampler import ResumableSampler
 from tests.distributed.test_inprocess_join import lines
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"

@@ -24,7 +24,7 @@ import pytest
 from tests.distributed.test_inprocess_join import lines
 from tests.distributed.test_spares_local import launcher_pid, launchers
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"

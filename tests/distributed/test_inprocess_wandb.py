@@ -27,7 +27,7 @@ import pytest
 from tests.distributed.test_inprocess_join import kill_when, lines
 from tests.wandb_offline import offline_env, read_files, read_run, run_files
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
