@@ -215,8 +215,11 @@ class Session:
                 dist.init_process_group(backend, timeout=self.timeout,
                                         device_id=self.device if backend == "nccl" else None)
             self._owns_group = True
-        self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
-            else dist.group.WORLD
+        if self._inproc is not None:   # its generation's group for CPU tensors (NCCL: made with it)
+            self.cpu_group = self._inproc.cpu_group
+        else:
+            self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
+                else dist.group.WORLD
         self._rec.emit("rendezvous", world_size=self.world_size)
         _show_hpc_logs(self.is_rank0)
         self._build_mesh()
@@ -376,17 +379,15 @@ class Session:
 
     # --- in-process recovery (--recovery inprocess) ----------------------------------------
     def _in_process(self, backend: str) -> Any:
-        """The in-process recovery this worker was started for, or None (restart path)."""
+        """The in-process recovery this worker was started for, or None (restart path).
+        On NCCL its communicators are aborted at a fault (:mod:`runtime.worker.inprocess.nccl`)."""
         if os.environ.get(proto.RECOVERY_ENV, proto.RESTART) != proto.INPROCESS:
-            return None
-        if backend != "gloo":
-            log.warning("in-process recovery on %s is not built yet (the NCCL abort, issue 26): "
-                        "this job recovers by restart", backend)
             return None
         from runtime.worker.inprocess.recovery import InProcess
 
         made = InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
-                                  timeout=self.timeout, step_bound_s=self._step_bound_s)
+                                  timeout=self.timeout, step_bound_s=self._step_bound_s,
+                                  backend=backend, device=self.device if backend == "nccl" else None)
         if made is not None:
             made.session_state = self._session_state
         return made
@@ -503,7 +504,7 @@ class Session:
         rank, world = rec.rank, rec.members.world_size
         self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        self.cpu_group = dist.group.WORLD
+        self.cpu_group = self._inproc.cpu_group
         self._pending_metrics.clear()
         self._row_in_flight = None
         self._recent = []
@@ -564,6 +565,8 @@ class Session:
 
             if self._inproc is not None and self.mesh is not None:
                 self._leave_in_process("a mesh (Session(parallel=...))")
+            elif self._inproc is not None and self._inproc.plan.backend != "gloo":
+                self._leave_in_process(f"an FSDP2 model on {self._inproc.plan.backend}")
 
             mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \

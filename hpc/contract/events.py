@@ -35,7 +35,8 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
 ``inproc_recovery``    new rank 0 an in-process recovery: ``gen``, ``world_size`` (was
                                   ``old_world_size``), ``step`` gone on from, ``held``, ``left``,
                                   and the stage ends ``t_detect/t_abort/t_reform/t_group/
-                                  t_transfer``, ``bytes`` moved
+                                  t_transfer``, ``bytes`` moved, the training ``backend``
+                                  (``nccl``: ``nccl_aborted``, NCCL backends aborted)
 =====================  =========  ==============================================================
 
 Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.

@@ -7,7 +7,9 @@ DDP's gradient all-reduces; :class:`StepGuard` runs them itself (a DDP comm hook
 - each all-reduce is bounded by the current stall deadline (gloo's per-operation timeout;
   gloo cannot be aborted, pytorch#130345, but a bounded operation ends by itself), and a
   failure (a peer died: its socket closed; or the bound ran out: a silent peer) marks the step
-  failed and hands DDP the local gradient instead of raising;
+  failed and hands DDP the local gradient instead of raising; on NCCL (whose own per-operation
+  timeout ends the process) the bound is a thread's that fails the step and aborts the
+  generation's communicators (:mod:`runtime.worker.inprocess.nccl`);
 - the optimizer's ``step`` is wrapped: on a failed step it does nothing, so the model and the
   optimizer stay exactly at the state the step started from;
 - the small registered state (sampler cursor, LR scheduler, counters, RNG) is copied at each
@@ -75,6 +77,7 @@ class StepGuard:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation
+        self.bound: Any = None    # NCCL: the bound of its all-reduces (runtime.worker.inprocess.nccl.Bound)
 
     # -- the step's start and end ------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -149,6 +152,8 @@ class StepGuard:
         group = process_group or dist.group.WORLD
         gen = self.gen   # a late failure of this operation says nothing about a later generation
         tensor.div_(group.size())
+        if self.bound is not None:
+            return self._all_reduce_nccl(group, tensor, gen)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         opts.timeout = timedelta(seconds=float(self.timeout_s()))
@@ -181,6 +186,19 @@ class StepGuard:
 
         work.add_done_callback(finished)
         return mine
+
+    def _all_reduce_nccl(self, group: Any, tensor: torch.Tensor, gen: int) -> torch.futures.Future:
+        """The NCCL all-reduce: no per-operation timeout (torch's watchdog would end the
+        process at it); the bound is :attr:`bound`'s, which fails the step and aborts the
+        generation's communicators. The future is NCCL's own (CUDA-aware: DDP's use of the
+        result waits on the operation's stream, not the CPU); an aborted operation ends it."""
+        try:
+            work = group.allreduce([tensor], dist.AllreduceOptions())
+        except Exception as e:   # noqa: BLE001 - an aborted or errored group: a failed step
+            self.fail(f"all-reduce: {_first_line(e)}", gen=gen)
+            return _done(tensor)
+        self.bound.watch(work, gen, float(self.timeout_s()))
+        return work.get_future().then(lambda f: f.value()[0])
 
     def track(self, key: int, gen: int) -> None:
         """Counts a gloo operation of generation ``gen`` as in flight (FSDP2's guarded comms)."""

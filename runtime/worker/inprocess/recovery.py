@@ -5,14 +5,16 @@ holds one :class:`InProcess`. Its process group lives under a generation's prefi
 that outlives the workers; after a failed step (:mod:`runtime.worker.inprocess.guard`) or a failed
 collective at a step boundary the Session calls :meth:`InProcess.recover`, which runs:
 
-1. **abort**: announce the fault in the store, unregister every process group of the old
-   generation (kept referenced, never destroyed) and break the training group's connections
+1. **abort**: announce the fault in the store, abort the old generation's NCCL communicators
+   (CUDA: :mod:`runtime.worker.inprocess.nccl`), unregister every process group of the old
+   generation (kept referenced, never destroyed) and break its gloo groups' connections
    (:mod:`runtime.worker.inprocess.sockets`): its operation still in flight, if any, ends now
    instead of at its bound or at a peer's exit, and peers still waiting on this rank in the
    old group fail at once;
 2. **re-form**: arrive at the next generation and learn its members, ranks and the step to go
    on from (:mod:`runtime.worker.inprocess.membership`);
-3. **group**: a new gloo group of the new world under the generation's prefix;
+3. **group**: a new group of the new world under the generation's prefix (gloo; or NCCL bound
+   to the rank's device, with a gloo side group for the control traffic and the transfer);
 4. **transfer**: the member holding that step broadcasts model, optimizers, the registered
    small state and its RNG (:mod:`runtime.worker.inprocess.transfer`); no file is read;
 5. **re-wrap**: each DDP model is rebuilt around the same module on the new group (same
@@ -68,8 +70,8 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import (fsdp_guard, lifeline, peers, shard_copy, shard_transfer, sockets,
-                                      transfer)
+from runtime.worker.inprocess import (fsdp_guard, lifeline, nccl, peers, shard_copy, shard_transfer,
+                                      sockets, transfer)
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
 from runtime.worker.inprocess.membership import Membership, joiners_waiting
 
@@ -101,6 +103,7 @@ class Recovered:
     t_transfer: float = 0.0
     bytes_moved: int = 0
     received: bool = False
+    nccl_aborted: int = 0     # NCCL backends of the old generation aborted at the recovery
     stages: dict[str, float] = field(default_factory=dict)
     shards: dict[int, tuple[int, str]] = field(default_factory=dict)   # FSDP2: shard -> (rank, from)
 
@@ -116,12 +119,18 @@ class InProcess:
             by the guard).
         step_bound_s: ``() -> seconds``: the bound of one training all-reduce now.
         window_s: How long a re-form waits for silent members.
+        backend: The training group's backend, ``gloo`` or ``nccl`` (:func:`nccl.plan`).
+        device: This rank's CUDA device (NCCL: the groups are bound to it).
     """
 
     def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
                  step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
                  reconnect: Callable[[], Any] | None = None, joining: bool = False,
-                 max_world: int = 0, max_reforms: int = proto.DEFAULT_MAX_REFORMS) -> None:
+                 max_world: int = 0, max_reforms: int = proto.DEFAULT_MAX_REFORMS,
+                 backend: str = "gloo", device: Any = None) -> None:
+        self.plan = nccl.plan(backend)
+        self.device = device
+        self.side: Any = None   # NCCL: the generation's gloo group (control traffic, state transfer)
         self.store = store
         self.reconnect = reconnect
         self.rank, self.world_size = rank, world_size
@@ -137,6 +146,8 @@ class InProcess:
         self.received_session: dict[str, Any] = {}
         self.guard = StepGuard({}, timeout_s=step_bound_s, rank=rank)
         self.guard.uid = self.me
+        if not self.plan.op_timeout:   # NCCL: the all-reduces' bound is a thread's, not a timeout
+            self.guard.bound = nccl.Bound(self._overdue)
         self.models: list[Any] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.small: dict[str, Any] = {}
@@ -150,11 +161,16 @@ class InProcess:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
-                 timeout: timedelta, step_bound_s: Callable[[], float]) -> InProcess | None:
-        """The recovery this worker was started for, or None (the restart path)."""
+                 timeout: timedelta, step_bound_s: Callable[[], float], backend: str = "gloo",
+                 device: Any = None) -> InProcess | None:
+        """The recovery this worker was started for, or None (the restart path). On NCCL
+        it sets the variables the NCCL path needs in this process (:func:`nccl.apply_env`),
+        before any group is made."""
         mode = environ.get(proto.RECOVERY_ENV, proto.RESTART) or proto.RESTART
         if proto.parse_recovery(mode, proto.RECOVERY_ENV) != proto.INPROCESS:
             return None
+        if nccl.plan(backend).abort_nccl:
+            nccl.apply_env(os.environ)
         address = environ.get(proto.STORE_ENV, "")
         if not address:
             raise RuntimeError(f"{proto.RECOVERY_ENV}=inprocess needs {proto.STORE_ENV}=host:port "
@@ -176,7 +192,7 @@ class InProcess:
             return dist.PrefixStore(space, connect(address))
         made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
-                   max_world=max_world, max_reforms=max_reforms)
+                   max_world=max_world, max_reforms=max_reforms, backend=backend, device=device)
         made.space, made.raw, made.address = space, raw, address
         return made
 
@@ -184,11 +200,18 @@ class InProcess:
     def gen(self) -> int:
         return self.membership.gen
 
+    @property
+    def cpu_group(self) -> Any:
+        """The generation's group for CPU tensors: the training group on gloo, its gloo side
+        group on NCCL."""
+        return self.side if self.side is not None else dist.group.WORLD
+
     # -- start -----------------------------------------------------------------------------
     def init_group(self) -> None:
         """The starting generation's process group, on the store (not on rank 0's own store,
         which would die with rank 0)."""
         self._init_pg(0, self.rank, self.world_size)
+        self._start_bound()
         self.membership.start(self.rank, self.world_size)
         if self.rank == 0 and getattr(self, "raw", None) is not None:   # where a spare's joiners look
             self.raw.set(proto.ROOT + proto.CURRENT, self.space)
@@ -207,6 +230,7 @@ class InProcess:
         assert rank is not None
         self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
         self._init_pg(members.gen, rank, members.world_size)
+        self._start_bound()
         self.guard.reset(members.gen)
         self._open_line()
         self._watch_faults()
@@ -250,14 +274,36 @@ class InProcess:
         with self._breaking:
             if self.guard.gen != gen:   # the recovery has begun: its new groups are not to break
                 return
+            aborted = nccl.abort_all() if self.plan.abort_nccl else 0
             n = sockets.break_connections(sockets.devices(self._before))
-        log.info("in-process recovery: fault of generation %d announced: %d connection(s) of its "
-                 "groups shut down", gen, n)
+        log.info("in-process recovery: fault of generation %d announced: %d NCCL backend(s) "
+                 "aborted, %d connection(s) of its gloo groups shut down", gen, aborted, n)
+
+    def _overdue(self, gen: int, bound_s: float) -> None:
+        """NCCL (the bound's thread): an all-reduce of generation ``gen`` ran past its bound
+        (a silent peer): the step fails and the generation's communicators are aborted, so
+        this rank's wait on that all-reduce ends now and the re-form follows."""
+        self.guard.fail(f"all-reduce did not finish within its bound ({bound_s:.1f}s): a silent peer",
+                        gen=gen)
+        self._break_generation(gen)
+
+    def _start_bound(self) -> None:
+        bound = self.guard.bound
+        if bound is not None and not bound.is_alive() and not bound.stopped.is_set():
+            bound.start()
 
     def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
+        """The generation's process group (and, on NCCL, its gloo side group, made here so a
+        joiner makes it in the same order)."""
         prefixed = dist.PrefixStore(proto.pg_prefix(gen), self.store)
-        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
-                                timeout=self.timeout)
+        if self.plan.device_bound:
+            dist.init_process_group(self.plan.backend, store=prefixed, rank=rank, world_size=world_size,
+                                    timeout=self.timeout, device_id=self.device)
+        else:
+            dist.init_process_group(self.plan.backend, store=prefixed, rank=rank, world_size=world_size,
+                                    timeout=self.timeout)
+        if self.plan.side_group:
+            self.side = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def attach(self, state: Mapping[str, Any]) -> None:
         """Takes the registered state: DDP models get the guard's hook, optimizers its wrap,
@@ -321,7 +367,7 @@ class InProcess:
             self.guard.gen = -1   # nothing said about the failed generation counts any more
         if not planned:
             self.membership.announce_fault(why)
-        self._abort(list(groups))
+        rec.nccl_aborted = self._abort(list(groups))
         rec.t_abort = time.time()
         members = self.membership.reform(step, old_rank, reason=why)
         rec.t_reform = time.time()
@@ -363,9 +409,11 @@ class InProcess:
         if why is not None:
             raise shard_transfer.give_up(self.store, why)
 
-    def _abort(self, extra: list[Any]) -> None:
-        """Unregisters every group of the old generation, keeps it, and breaks the connections
-        of every group of it (:func:`runtime.worker.inprocess.sockets.devices`).
+    def _abort(self, extra: list[Any]) -> int:
+        """Aborts the old generation's NCCL communicators (NCCL: :func:`nccl.abort_all`),
+        unregisters every group of it, keeps them, and breaks the connections of its gloo
+        groups (:func:`runtime.worker.inprocess.sockets.devices`). Returns how many NCCL
+        backends were aborted.
 
         Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without ending an
         operation). The old groups stay referenced here (never destroyed: a destructor waits
@@ -375,6 +423,10 @@ class InProcess:
         (:mod:`runtime.worker.inprocess.sockets`). The cost is a few threads per recovery.
         """
         old: list[Any] = list(extra)
+        aborted = nccl.abort_all() if self.plan.abort_nccl else 0   # before any group is unregistered
+        if self.side is not None:
+            old.append(self.side)
+            self.side = None
         if self.copies is not None:
             old.append(self.copies.unbind())
         for m in self.models:
@@ -389,7 +441,9 @@ class InProcess:
                 log.warning("unregistering the old process group: %s", e)
         _OLD_GROUPS.append(old)
         broken = sockets.break_connections(sockets.devices(self._before))
-        log.info("in-process recovery: the old generation's %d connection(s) shut down", broken)
+        log.info("in-process recovery: the old generation's %d NCCL backend(s) aborted, %d gloo "
+                 "connection(s) shut down", aborted, broken)
+        return aborted
 
     def _transfer(self, members: Members, *, held: int) -> int:
         """Every member loads the source's state (the source sends)."""
@@ -403,7 +457,8 @@ class InProcess:
                 "step": members.step,
                 "session": self.session_state() if self.session_state is not None else {},
             }
-        received, moved = transfer.broadcast_state(state, src=members.source, rank=self.rank)
+        received, moved = transfer.broadcast_state(state, src=members.source, rank=self.rank,
+                                                   group=self.side)
         if self.rank != members.source:
             for m, sd in zip(self.models, received["models"]):
                 _module(m).load_state_dict(sd)
@@ -451,6 +506,8 @@ class InProcess:
         finished job tells waiting joiners (hot spares) that they are not needed."""
         if self._watch is not None:
             self._watch.stop(join=True)
+        if self.guard.bound is not None:
+            self.guard.bound.stop()
         lifeline.close_line(self._line)   # ends on purpose: not a death
         self._line = None
         if self.copies is not None:   # a peer copy in flight must not end during the exit
@@ -479,7 +536,8 @@ class InProcess:
             held=held, dirty=dirty, source=m.source, left=list(m.left), t_detect=round(rec.t_detect, 4),
             t_abort=round(rec.t_abort, 4), t_reform=round(rec.t_reform, 4),
             t_group=round(rec.t_group, 4), t_transfer=round(rec.t_transfer, 4),
-            bytes=rec.bytes_moved,
+            bytes=rec.bytes_moved, backend=self.plan.backend,
+            **({"nccl_aborted": rec.nccl_aborted} if self.plan.abort_nccl else {}),
             **({"shards": {str(k): list(v) for k, v in rec.shards.items()}} if rec.shards else {}))
 
 
