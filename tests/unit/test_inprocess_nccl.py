@@ -155,3 +155,38 @@ def test_no_nccl_backend_on_a_gloo_group_means_nothing_to_abort():
     assert nccl.nccl_backends(pgs) == [] and nccl.abort_all(pgs) == 0
     works = [pgs[r].allreduce([torch.ones(2)]) for r in (0, 1)]
     assert all(w.wait() for w in works)   # unaffected: they still reduce
+
+
+def test_the_optimizer_step_waits_for_the_reduction_and_skips_a_step_failed_meanwhile():
+    # NCCL runs on its stream while the CPU goes on: without the wait, the optimizer would
+    # run (here: at once, on the unreduced gradient) before the all-reduce ended.
+    pgs = _two_ranks()
+    fired: list[int] = []
+    guard = _guard(30.0, fired)
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=1.0)
+    guard.guard_optimizer(opt)
+    try:
+        for failing in (False, True):
+            guard.begin(0)
+            before = w.detach().clone()
+            fut = guard.comm_hook(pgs[0], _Bucket(torch.full((4,), 2.0)))
+            w.grad = torch.ones(4)
+            done = threading.Event()
+            stepper = threading.Thread(target=lambda: (opt.step(), done.set()))
+            stepper.start()
+            assert not done.wait(0.5), "the optimizer stepped before the reduction ended"
+            if failing:   # the fault watch fails the step while the reduction is stuck
+                guard.fail("fault announced")
+            else:
+                pgs[1].allreduce([torch.full((4,), 2.0)]).wait()
+            assert done.wait(10), "the optimizer step did not go on"
+            stepper.join()
+            if failing:
+                assert torch.equal(w.detach(), before) and guard.failed
+                pgs[1].allreduce([torch.zeros(4)]).wait()   # let the stuck operation end
+            else:
+                assert fut.wait().tolist() == [3.0] * 4 and torch.equal(w.detach(), before - 1)
+                assert not guard.failed
+    finally:
+        guard.bound.stop()

@@ -78,6 +78,7 @@ class StepGuard:
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation
         self.bound: Any = None    # NCCL: the bound of its all-reduces (runtime.worker.inprocess.nccl.Bound)
+        self._posted: list[Any] = []   # NCCL: this step's all-reduces (the optimizer step waits for them)
 
     # -- the step's start and end ------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -85,6 +86,7 @@ class StepGuard:
         of the generation stays marked until the recovery (:meth:`reset`)."""
         self.step = step
         self.stepped = False
+        self._posted = []
         self._saved = {k: copy.deepcopy(v.state_dict()) for k, v in self.small_state.items()}
         self._saved_rng = rng.capture()
 
@@ -198,7 +200,32 @@ class StepGuard:
             self.fail(f"all-reduce: {_first_line(e)}", gen=gen)
             return _done(tensor)
         self.bound.watch(work, gen, float(self.timeout_s()))
+        self._posted.append(work)
         return work.get_future().then(lambda f: f.value()[0])
+
+    def wait_reduced(self, poll_s: float = 0.0005) -> None:
+        """NCCL: waits until this step's all-reduces finished, or the step failed.
+
+        An NCCL operation runs on its stream while the CPU goes on: the optimizer's kernels
+        would be queued behind an all-reduce that a lost peer never ends, and the abort that
+        ends it leaves a partly reduced gradient, which they would then apply as a completed
+        step. So the optimizer step waits here (the CPU; the GPU waited anyway) for the
+        reduction to end without error, and a step whose reduction failed or was aborted is a
+        failed step (the state stays at its start, as on gloo).
+        """
+        posted, self._posted = self._posted, []
+        for work in posted:
+            while not self.failed and not work.is_completed():
+                time.sleep(poll_s)
+            if self.failed:
+                return
+            try:
+                error = work.exception()
+            except Exception as e:   # noqa: BLE001
+                error = e
+            if error is not None:
+                self.fail(f"all-reduce: {_first_line(error)}")
+                return
 
     def track(self, key: int, gen: int) -> None:
         """Counts a gloo operation of generation ``gen`` as in flight (FSDP2's guarded comms)."""
@@ -235,6 +262,7 @@ class StepGuard:
         inner = optim.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            self.wait_reduced()
             self._inject()
             if self.failed:
                 return None

@@ -156,7 +156,7 @@ def nccl_backends(groups: Iterable[Any] | None = None) -> list[Any]:
     import torch
     import torch.distributed as dist
 
-    nccl_class = getattr(dist, "ProcessGroupNCCL", None)
+    nccl_class = getattr(dist.distributed_c10d, "ProcessGroupNCCL", None)
     if nccl_class is None:   # a build without NCCL
         return []
     if groups is None:
