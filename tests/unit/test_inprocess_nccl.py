@@ -6,7 +6,8 @@ of one world in two threads of this process), driven through the guard's own DDP
 the NCCL-style bound switched on: the bound is backend-agnostic (it queries
 ``Work.is_completed()``), so a silent peer's all-reduce must fail the step and call the abort
 once, and a slow peer's that finishes within the bound must not. The abort of a real NCCL
-communicator needs CUDA: tests/gpu/test_gpu_inprocess_nccl.py.
+communicator needs CUDA: tests/gpu/test_gpu_inprocess_nccl.py. The pure tests are marked
+``unit``; those on real gloo groups run with the distributed lane (as test_inprocess_sockets).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from runtime.worker.inprocess import nccl  # noqa: E402
 from runtime.worker.inprocess.guard import StepGuard  # noqa: E402
 
 
+@pytest.mark.unit
 def test_gloo_keeps_todays_path_and_nccl_aborts_with_a_side_group():
     g = nccl.plan("gloo")
     assert (g.abort_nccl, g.break_sockets, g.op_timeout, g.side_group, g.device_bound) == \
@@ -35,11 +37,13 @@ def test_gloo_keeps_todays_path_and_nccl_aborts_with_a_side_group():
         (True, True, False, True, True)
 
 
+@pytest.mark.unit
 def test_an_unknown_backend_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"'mpi'.*gloo, nccl.*--recovery restart"):
         nccl.plan("mpi")
 
 
+@pytest.mark.unit
 def test_the_environment_turns_the_watchdogs_teardown_off_and_keeps_the_users_values():
     changes, warnings = nccl.env_changes({})
     assert {c.name: (c.value, c.old) for c in changes} == {
@@ -67,6 +71,7 @@ class _Work:
         return self.done
 
 
+@pytest.mark.unit
 def test_the_bound_reports_each_late_generation_once_and_drops_finished_operations():
     now = [100.0]
     fired: list[tuple[int, float]] = []
