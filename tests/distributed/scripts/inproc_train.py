@@ -1,4 +1,4 @@
-"""A Session script with DDP (gloo) for the in-process recovery tests.
+"""A Session script with DDP (gloo on CPU, NCCL on CUDA) for the in-process recovery tests.
 
 Each rank appends one JSON line per step body it runs to ``OUT/steps-<pid>.jsonl`` (step, rank,
 world size, the global batch's first index and size) and, at the end, writes
@@ -92,14 +92,14 @@ with Session(seed=0, log_every=args.log_every) as s:
             idx = mine[i * args.micro:(i + 1) * args.micro]
             ctx = model.no_sync() if i < accum - 1 else torch.enable_grad()
             with ctx:
-                loss = nn.functional.mse_loss(model(X[idx]), Y[idx]) / accum
+                loss = nn.functional.mse_loss(model(X[idx].to(s.device)), Y[idx].to(s.device)) / accum
                 loss.backward()
         opt.step()
         if args.pause and [int(x) for x in args.pause.split(":")[:2]] == [s.rank, step]:
             time.sleep(float(args.pause.split(":")[2]))
         s.log(loss=loss.item())
         time.sleep(args.step_sleep)
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
     (out / f"result-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": s.rank, "world": s.world_size, "step": s.step, "weights": digest,
         "sampler": sampler.state_dict(), "opened_while_recovering": opened}))
