@@ -625,14 +625,47 @@ def _check_node(cluster: Cluster, node: str) -> None:
         raise ClusterError(f"unknown node {node!r}; nodes are {', '.join(cluster.node_names)}")
 
 
+def _tree_depth(pid: int) -> int:
+    """How many parents ``pid`` has up to init (0 once it is gone)."""
+    depth = 0
+    while pid > 1 and depth < 64:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        depth += 1
+    return depth
+
+
 def crash(cluster: Cluster, node: str) -> list[int]:
     """SIGKILL every process in the node's namespace (slurmd and all job processes there).
+
+    A node that crashes stops all its processes at one instant. Killed one by one, a process
+    of the node still running could see another die and act on it first (the step's
+    slurmstepd seeing its srun gone cancelled the step, seen in two in-process host-crash
+    runs), so every process is first frozen (SIGSTOP, until no new one appears), then killed.
+    Still unlike a power loss: the node's kernel stays up, so it closes the dead processes'
+    connections (peers see FIN/RST at once) and refuses new ones, where a dead node is silent.
 
     Returns:
         The pids that were killed.
     """
     _check_node(cluster, node)
-    pids = _netns_pids(node)
+    frozen: list[int] = []
+    for _ in range(20):   # a process forked while we freeze is frozen in the next look
+        new = [pid for pid in _netns_pids(node) if pid not in frozen]
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        frozen += new
+    # Leaves first: a parent killed before its stopped children would orphan their process
+    # group, and the kernel wakes such a group (SIGHUP + SIGCONT): srun woke and forced the
+    # step's termination on every node.
+    pids = sorted(frozen, key=_tree_depth, reverse=True)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
