@@ -19,7 +19,8 @@ count can prove (NCCL refuses two ranks of one communicator on one device):
   checkpoint read to recover.
 
 Not run on a GPU in this project yet (none was lent when it was written): the first run on a GPU
-node is this code's first evidence on real NCCL.
+node is this code's first evidence on real NCCL. The same two scenarios run on CPU with the NCCL
+plan's steps on gloo (tests/distributed/test_inprocess_nccl_plan.py).
 """
 
 from __future__ import annotations
@@ -69,10 +70,10 @@ def recoveries(job: Path) -> list[dict]:
     return [e for e in events if e["ev"] == "inproc_recovery"]
 
 
-def test_one_gpu_the_recovery_aborts_its_nccl_group_and_forms_a_new_one_in_the_same_process(tmp_path: Path):
-    need_cuda_devices(1)
+def fault_on_one_rank(tmp_path: Path, backend: str, **env: str) -> None:
+    """A fault injected on the only rank between its reduction and its optimizer step."""
     out, job = tmp_path / "out", tmp_path / "job"
-    run = hpc_run(out, job, 1, HPC_TEST_INPROC_FAULT="0:5:fail")
+    run = hpc_run(out, job, 1, HPC_TEST_INPROC_FAULT="0:5:fail", **env)
     text, _ = run.communicate(timeout=300)
     assert run.returncode == 0, text[-5000:]
     ran = lines(out)
@@ -82,14 +83,15 @@ def test_one_gpu_the_recovery_aborts_its_nccl_group_and_forms_a_new_one_in_the_s
     twice = [s for s, n in collections.Counter(x["step"] for x in ran[pid]).items() if n > 1]
     assert twice == [5], twice   # the failed step, computed again, and only it
     [rec] = recoveries(job)
-    assert rec["backend"] == "nccl" and rec["nccl_aborted"] >= 1, rec
+    assert rec["backend"] == backend and "nccl_aborted" in rec, rec
+    assert rec["nccl_aborted"] >= (1 if backend == "nccl" else 0), rec
     assert rec["step"] == 5 and rec["world_size"] == 1, rec
 
 
-def test_two_gpus_a_killed_peers_survivor_is_released_by_the_abort_and_keeps_its_pid(tmp_path: Path):
-    need_cuda_devices(2)
+def kill_one_of_two(tmp_path: Path, backend: str, **env: str) -> None:
+    """Rank 1 SIGKILLed mid-run; its launcher starts a joiner in its place."""
     out, job = tmp_path / "out", tmp_path / "job"
-    run = hpc_run(out, job, 2)
+    run = hpc_run(out, job, 2, **env)
     try:
         deadline = time.time() + 240
         while True:
@@ -116,8 +118,18 @@ def test_two_gpus_a_killed_peers_survivor_is_released_by_the_abort_and_keeps_its
     ckpt = str(job / "checkpoints")
     assert not [f for r in done.values() for f in r["opened_while_recovering"] if f.startswith(ckpt)]
     rec = recoveries(job)
-    assert rec and all(e["backend"] == "nccl" for e in rec), rec
-    assert rec[0]["nccl_aborted"] >= 1, rec
+    assert rec and all(e["backend"] == backend and "nccl_aborted" in e for e in rec), rec
+    assert rec[0]["nccl_aborted"] >= (1 if backend == "nccl" else 0), rec
     twice = [s for s, n in collections.Counter(x["step"] for x in lines(out)[survivor]).items() if n > 1]
     assert len(twice) <= 1, twice
     print(f"killed -> recovered {rec[-1]['t'] - killed_at:.2f} s (abort {rec[0]['t_abort'] - rec[0]['t_detect']:.3f} s)")
+
+
+def test_one_gpu_the_recovery_aborts_its_nccl_group_and_forms_a_new_one_in_the_same_process(tmp_path: Path):
+    need_cuda_devices(1)
+    fault_on_one_rank(tmp_path, "nccl")
+
+
+def test_two_gpus_a_killed_peers_survivor_is_released_by_the_abort_and_keeps_its_pid(tmp_path: Path):
+    need_cuda_devices(2)
+    kill_one_of_two(tmp_path, "nccl")

@@ -38,6 +38,17 @@ def test_gloo_keeps_todays_path_and_nccl_aborts_with_a_side_group():
 
 
 @pytest.mark.unit
+def test_the_test_plan_runs_the_nccl_steps_on_gloo_and_nothing_else():
+    assert nccl.plan_for("gloo", {}) == nccl.plan("gloo")
+    emulated = nccl.plan_for("gloo", {nccl.PLAN_ENV: "nccl"})
+    assert emulated.backend == "gloo" and not emulated.device_bound
+    assert (emulated.abort_nccl, emulated.op_timeout, emulated.side_group) == (True, False, True)
+    assert nccl.plan_for("nccl", {nccl.PLAN_ENV: "nccl"}) == nccl.plan("nccl")
+    with pytest.raises(ValueError, match="HPC_TEST_INPROC_PLAN='x'"):
+        nccl.plan_for("gloo", {nccl.PLAN_ENV: "x"})
+
+
+@pytest.mark.unit
 def test_an_unknown_backend_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"'mpi'.*gloo, nccl.*--recovery restart"):
         nccl.plan("mpi")
@@ -91,12 +102,12 @@ def test_the_bound_reports_each_late_generation_once_and_drops_finished_operatio
     assert b.check() == [1] and fired[-1] == (1, 1.0)
 
 
-def _two_ranks() -> list:
+def _two_ranks(timeout_s: float = 60) -> list:
     store = dist.HashStore()
     pgs: list = [None, None]
 
     def make(rank: int) -> None:
-        pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore("b", store), rank, 2, timedelta(seconds=60))
+        pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore("b", store), rank, 2, timedelta(seconds=timeout_s))
 
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -138,6 +149,21 @@ def test_a_silent_peers_all_reduce_fails_the_step_at_its_bound_and_aborts_once()
         pgs[1].allreduce([torch.zeros(4)]).wait()   # the peer answers: the operation ends
         guard.bound.stop()
     assert fut.wait().tolist() == [1.0] * 4 and fired == [0]
+
+
+def test_an_all_reduce_that_fails_fails_the_step_and_never_raises_into_ddp():
+    # The group's error (here gloo's own 1-s timeout; on NCCL an aborted communicator) must
+    # become a failed step with the local gradient, not an exception out of the backward
+    # pass: it was one (the survivor of a killed peer raised and was restarted).
+    pgs = _two_ranks(timeout_s=1.0)
+    fired: list[int] = []
+    guard = _guard(30.0, fired)
+    try:
+        fut = guard.comm_hook(pgs[0], _Bucket(torch.full((4,), 2.0)))
+        assert fut.wait().tolist() == [1.0] * 4   # the local (divided) gradient, no exception
+        assert guard.failed and guard.error.startswith("all-reduce:") and fired == [], guard.error
+    finally:
+        guard.bound.stop()
 
 
 def test_a_slow_peer_within_the_bound_is_left_alone():

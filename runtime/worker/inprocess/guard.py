@@ -201,7 +201,14 @@ class StepGuard:
             return _done(tensor)
         self.bound.watch(work, gen, float(self.timeout_s()))
         self._posted.append(work)
-        return work.get_future().then(lambda f: f.value()[0])
+
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()[0]
+            except Exception as e:   # noqa: BLE001 - an error of the group is a failed step, never DDP's
+                self.fail(f"all-reduce: {_first_line(e)}", gen=gen)
+                return tensor
+        return work.get_future().then(reduced)
 
     def wait_reduced(self, poll_s: float = 0.0005) -> None:
         """NCCL: waits until this step's all-reduces finished, or the step failed.

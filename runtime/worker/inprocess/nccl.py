@@ -92,6 +92,30 @@ def plan(backend: str) -> Plan:
                      f"{', '.join(BACKENDS)} (use --recovery restart for another backend)")
 
 
+PLAN_ENV = "HPC_TEST_INPROC_PLAN"   # tests: "nccl": the NCCL plan's steps on a gloo training group
+
+
+def plan_for(backend: str, environ: Mapping[str, str]) -> Plan:
+    """The plan for ``backend``; with ``HPC_TEST_INPROC_PLAN=nccl`` on gloo (tests, CPU), the
+    NCCL plan's steps that need no CUDA (the side group, the thread's bound, the optimizer's
+    wait, the abort's search, which finds no NCCL backend) on the gloo training group, so that
+    the NCCL path's plumbing runs in real multi-process recoveries on a machine with no GPU.
+
+    Raises:
+        ValueError: An unknown backend, or an unknown ``HPC_TEST_INPROC_PLAN``.
+    """
+    chosen = plan(backend)
+    wanted = environ.get(PLAN_ENV, "")
+    if not wanted:
+        return chosen
+    if wanted != "nccl":
+        raise ValueError(f"{PLAN_ENV}={wanted!r}: the only test plan is 'nccl' (or unset)")
+    if backend != "gloo":
+        return chosen
+    return Plan("gloo", abort_nccl=True, break_sockets=True, op_timeout=False, side_group=True,
+                device_bound=False)
+
+
 @dataclass(frozen=True)
 class EnvChange:
     """One variable the NCCL path sets: its value, the value it had, and why."""

@@ -121,14 +121,15 @@ class InProcess:
         window_s: How long a re-form waits for silent members.
         backend: The training group's backend, ``gloo`` or ``nccl`` (:func:`nccl.plan`).
         device: This rank's CUDA device (NCCL: the groups are bound to it).
+        plan: The plan, when not ``backend``'s own (:func:`nccl.plan_for`: tests).
     """
 
     def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
                  step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
                  reconnect: Callable[[], Any] | None = None, joining: bool = False,
                  max_world: int = 0, max_reforms: int = proto.DEFAULT_MAX_REFORMS,
-                 backend: str = "gloo", device: Any = None) -> None:
-        self.plan = nccl.plan(backend)
+                 backend: str = "gloo", device: Any = None, plan: nccl.Plan | None = None) -> None:
+        self.plan = plan or nccl.plan(backend)
         self.device = device
         self.side: Any = None   # NCCL: the generation's gloo group (control traffic, state transfer)
         self.store = store
@@ -169,7 +170,8 @@ class InProcess:
         mode = environ.get(proto.RECOVERY_ENV, proto.RESTART) or proto.RESTART
         if proto.parse_recovery(mode, proto.RECOVERY_ENV) != proto.INPROCESS:
             return None
-        if nccl.plan(backend).abort_nccl:
+        plan = nccl.plan_for(backend, environ)
+        if plan.backend == "nccl":
             nccl.apply_env(os.environ)
         address = environ.get(proto.STORE_ENV, "")
         if not address:
@@ -192,7 +194,7 @@ class InProcess:
             return dist.PrefixStore(space, connect(address))
         made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
-                   max_world=max_world, max_reforms=max_reforms, backend=backend, device=device)
+                   max_world=max_world, max_reforms=max_reforms, backend=backend, device=device, plan=plan)
         made.space, made.raw, made.address = space, raw, address
         return made
 
