@@ -222,8 +222,10 @@ class StepGuard:
         """
         posted, self._posted = self._posted, []
         for work in posted:
+            wait = 0.00002   # from 20 us up to poll_s: the wait adds little to a short step
             while not self.failed and not work.is_completed():
-                time.sleep(poll_s)
+                time.sleep(wait)
+                wait = min(2 * wait, poll_s)
             if self.failed:
                 return
             try:
