@@ -18,7 +18,7 @@ import pytest
 
 from tests.gpu.test_gpu_inprocess_nccl import fault_on_one_rank, kill_one_of_two
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 
 def test_a_fault_on_the_only_rank_recovers_in_process_through_the_nccl_plan(tmp_path: Path):
