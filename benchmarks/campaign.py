@@ -19,7 +19,9 @@ Contenders: ``baseline``, what users run today (``benchmarks/baseline/baseline.s
 ``--requeue``, ``torchrun --nnodes 2:3 --max-restarts 3``, c10d, the script's own ``torch.save``
 and resume); ``restart``, ``hpc submit`` with today's restart path; ``inprocess``, ``spare`` and
 ``inprocess_spare`` (both flags) when their flags exist in ``hpc submit --help`` (else recorded
-as not landed).
+as not landed); ``torchft``, torchft 0.2.0 where it is installed
+(``benchmarks/torchft/torchft.sbatch``: a lighthouse on the first node, one replica group per
+node healed live by its peers, ``--no-kill``, ``--requeue`` and its own ``torch.save``).
 
 Per run: the goodput ledger (``hpc report``'s for ours; for the baseline the same ledger built
 from its step records and Slurm's accounting, :func:`campaign_metrics.plain_events`), the
@@ -63,6 +65,8 @@ from hpc.contract.slurm_parse import expand_hostlist  # noqa: E402
 TRAIN = REPO / "examples" / "train_gpt.py"
 PLAIN = REPO / "benchmarks" / "baseline" / "train_plain.py"
 SBATCH = REPO / "benchmarks" / "baseline" / "baseline.sbatch"
+TFT_TRAIN = REPO / "benchmarks" / "torchft" / "train_torchft.py"
+TFT_SBATCH = REPO / "benchmarks" / "torchft" / "torchft.sbatch"
 CLUSTER_LOCK = Path("/run/hpc-test-cluster.lock")
 GLOBAL_BATCH, MICRO = 12, 2   # divides at world size 2 and 3
 
@@ -224,6 +228,94 @@ class Baseline(Contender):
         return json.loads((out / "result.json").read_text())["weights_sha256"]
 
 
+class TorchFT(Baseline):
+    """torchft 0.2.0 (``benchmarks/torchft/torchft.sbatch`` + ``train_torchft.py``): a lighthouse
+    on the first node, one replica group per node healed live by its peers, ``--no-kill``,
+    ``--requeue`` and the script's own ``torch.save`` for whole-job restarts.
+
+    Needs torchft in this interpreter (``benchmarks/torchft/install.sh``: the wheel without its
+    dependencies, so that the pinned CPU torch stays). A job that ends unfinished is submitted
+    again, as for the baseline. The lighthouse's node is the allocation's first (the
+    ``rdzv_loss`` fault's target, as the baseline's c10d host).
+    """
+
+    name = "torchft"
+    resubmits = True
+
+    @staticmethod
+    def installed() -> bool:
+        return importlib.util.find_spec("torchft") is not None
+
+    def submit(self, env, job, cfg):
+        job.mkdir(parents=True, exist_ok=True)
+        args = " ".join(self.args(cfg) + ["--step-sleep", str(cfg.step_sleep)])
+        tenv = {**env, "TFT_PYTHON": sys.executable, "TFT_TRAIN": str(TFT_TRAIN), "TFT_OUT": str(job),
+                "TFT_ARGS": args, "OMP_NUM_THREADS": str(cfg.threads)}
+        r = subprocess.run(["sbatch", "--parsable", "-N", "2-3", "-p", "debug", "-o",
+                            str(job / "slurm-%j.out"), str(TFT_SBATCH)], env=tenv, capture_output=True,
+                           text=True, check=True)
+        job_id = r.stdout.strip().split(";")[0]
+        (job / "slurm_job_id").write_text(job_id + "\n")
+        return job_id
+
+    @staticmethod
+    def args(cfg: Config) -> list[str]:
+        """train_torchft.py's arguments, the same for the runs and the reference."""
+        return ["--steps", str(cfg.steps), "--save-every", str(cfg.save_every), "--global-batch",
+                str(GLOBAL_BATCH), "--micro-batch", str(MICRO)]
+
+    def progress(self, job):
+        records = self.records(job)
+        for r in reversed(records):
+            if r.get("ev") == "step":
+                # One worker group per allocation: torchft heals a replica group live.
+                return int(r["step"]), int(r["world"]), float(r["t"]), (str(r.get("job", "")),
+                                                                        int(r.get("alloc", 0)))
+        return None
+
+    def is_worker(self, cmd):
+        return any(c.endswith(b"train_torchft.py") for c in cmd) and b"torch.distributed.run" not in cmd
+
+    def ledger(self, job, job_ids):
+        from hpc.report.ledger import build
+        runs: dict[int, dict[str, Any]] = {}
+        for job_id in job_ids:
+            for k, run in sorted(accounting_runs(job_id).items()):
+                runs[len(runs)] = {**run, "job_id": job_id, "restart": k,
+                                   "nodes": sorted(run.get("node_ends") or {})}
+        return build(cm.plain_events(cm.torchft_records(self.records(job)), runs), slurm_runs=runs)
+
+    def reference(self, world, cfg, out):
+        """``world`` replica groups on this machine, a lighthouse that waits for all of them
+        (``--min_replicas world``: every step at ``world`` participants, as uninterrupted)."""
+        import shutil
+        import socket
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
+        with open(out / "lighthouse.log", "w") as log:
+            lh = subprocess.Popen([str(lighthouse), "--min_replicas", str(world), "--join_timeout_ms", "60000",
+                                   "--bind", f"[::]:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc-per-node", "1", str(TFT_TRAIN), "--out", str(out),
+                                       *self.args(cfg)], cwd=REPO, env={**env, "REPLICA_GROUP_ID": str(r)},
+                                      stdout=subprocess.DEVNULL, stderr=open(out / f"r{r}.log", "w"))
+                     for r in range(world)]
+            for p in procs:
+                if p.wait(timeout=600):
+                    raise RuntimeError(f"torchft reference at {world} replica groups failed: see {out}")
+        finally:
+            lh.kill()
+            lh.wait()
+        return json.loads((out / "result.json").read_text())["weights_sha256"]
+
+
 class Ours(Contender):
     """``hpc submit`` of the example trainer; ``extra`` selects the recovery path."""
 
@@ -297,6 +389,8 @@ CONTENDERS: dict[str, Contender] = {
     # node's place with the state from a peer (runtime/launch/inprocess_spare.py).
     "inprocess_spare": Ours("inprocess_spare", ("--recovery", "inprocess", "--spare-nodes", "1"),
                             flag="--spare-nodes", nodes="2"),
+    # torchft 0.2.0 (issue 27's contender (e)), where it is installed.
+    "torchft": TorchFT(),
 }
 
 
@@ -571,6 +665,10 @@ def main() -> None:
     contenders, skipped = [], {}
     for name in args.contenders:
         c = CONTENDERS[name]
+        if isinstance(c, TorchFT) and not c.installed():
+            skipped[name] = "torchft is not installed in this interpreter (benchmarks/torchft/install.sh)"
+            print(f"skipping {name}: {skipped[name]}")
+            continue
         if isinstance(c, Ours) and not c.landed():
             skipped[name] = f"`hpc submit` has no {c.flag} yet (not landed)"
             print(f"skipping {name}: {skipped[name]}")

@@ -10,7 +10,8 @@ one definition, the same for every contender, and be unit tested on recorded inp
   after the same amount of training, so the schedules stay comparable.
 - :func:`plain_events`: the baseline script's own step records (``steps.jsonl``) and Slurm's
   allocations, written in the event vocabulary of :mod:`hpc.contract.events`, so that
-  :func:`hpc.report.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged.
+  :func:`hpc.report.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged;
+  :func:`torchft_records` puts the torchft contender's records in the same shape.
 - :func:`fault_costs`: the node-seconds a fault cost: every node-second allocated from the fault
   until the job completes a step beyond the last one it had done (detection, restart, start-up,
   restore, the lost steps computed again, and one step). Queue waits allocate no node and count
@@ -113,6 +114,32 @@ def plain_events(records: Iterable[Mapping[str, Any]], runs: Mapping[int, Mappin
         elif ev == "end":
             out.append({**base, "t": float(r["t"]), "ev": "session_end", "ok": True})
     out.sort(key=lambda e: e["t"])
+    return out
+
+
+def torchft_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The torchft trainer's records (``benchmarks/torchft/train_torchft.py``) in the baseline's
+    shape, for :func:`plain_events` (pure).
+
+    Every replica process writes ``start`` and ``restored``; a replica restarted by its node's
+    torchrun (a worker killed) writes them again mid-allocation and is then healed live by a
+    peer (``heal``) while the others train on. The ledger's worker group is one per allocation:
+    its first ``start`` and first ``restored``; the ``step``/``save``/``end`` lines (written by the
+    step's participating rank 0, whichever replica that is); ``restart`` is 0 (no whole-group
+    restart inside an allocation: torchrun restarts one replica group, not the job).
+    """
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, str, int]] = set()
+    for r in records:
+        ev = r.get("ev")
+        if ev in ("start", "restored"):
+            key = (str(ev), str(r.get("job", "")), int(r.get("alloc", 0)))
+            if key in seen:
+                continue
+            seen.add(key)
+        elif ev not in ("step", "save", "end"):
+            continue
+        out.append({**r, "restart": 0})
     return out
 
 

@@ -177,3 +177,56 @@ def test_steps_twice_from_the_trace_counts_a_restart_below_the_last_step_seen():
     assert (once["lost_steps"], once["lost_steps_ledger"]) == (5, 0)
     assert cm.with_trace_steps_twice(once) == once, "idempotent"
     assert cm.with_trace_steps_twice({"lost_steps": 8, "trace": run["trace"]})["lost_steps"] == 8
+
+
+# A torchft run recorded as benchmarks/torchft/train_torchft.py writes it: 3 replica groups
+# start (each writes start and restored), replica 0 is the participating rank 0 and logs steps
+# 1-4 (a save at 2); replica 1's worker is killed after step 3, torchrun restarts it on its node
+# (start, restored at the save's step 2), it is healed live to step 5 while the others go on,
+# and from step 5 replica 2 logs the steps (the participating ranks changed).
+TFT_RECORDS = [
+    {"ev": "start", "t": 2.0, "t_proc": 1.0, "alloc": 0, "restart": 0, "replica": 0, "node": "node1"},
+    {"ev": "start", "t": 2.2, "t_proc": 1.1, "alloc": 0, "restart": 0, "replica": 1, "node": "node2"},
+    {"ev": "start", "t": 2.4, "t_proc": 1.2, "alloc": 0, "restart": 0, "replica": 2, "node": "node3"},
+    {"ev": "restored", "t0": 3.0, "t": 4.0, "step": 0, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "restored", "t0": 3.1, "t": 4.1, "step": 0, "alloc": 0, "restart": 0, "replica": 1},
+    {"ev": "restored", "t0": 3.2, "t": 4.2, "step": 0, "alloc": 0, "restart": 0, "replica": 2},
+    {"ev": "step", "t": 5.0, "step": 1, "world": 3, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "step", "t": 6.0, "step": 2, "world": 3, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "save", "t0": 6.0, "t": 6.5, "step": 2, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "step", "t": 7.5, "step": 3, "world": 3, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "step", "t": 12.0, "step": 4, "world": 2, "alloc": 0, "restart": 0, "replica": 0},
+    {"ev": "start", "t": 13.0, "t_proc": 11.0, "alloc": 0, "restart": 1, "replica": 1, "node": "node2"},
+    {"ev": "restored", "t0": 13.5, "t": 14.0, "step": 2, "alloc": 0, "restart": 1, "replica": 1},
+    {"ev": "heal", "t": 15.0, "step": 5, "alloc": 0, "restart": 1, "replica": 1},
+    {"ev": "step", "t": 15.0, "step": 5, "world": 2, "alloc": 0, "restart": 0, "replica": 2},
+    {"ev": "step", "t": 16.0, "step": 6, "world": 3, "alloc": 0, "restart": 0, "replica": 2},
+    {"ev": "end", "t": 16.5, "step": 6, "alloc": 0, "restart": 0, "replica": 2},
+]
+TFT_RUNS = {0: {"start": 0.0, "end": 20.0, "nodes": ["node1", "node2", "node3"],
+                "node_ends": {"node1": 20.0, "node2": 20.0, "node3": 20.0}}}
+
+
+def test_a_torchft_replica_restarted_and_healed_live_is_no_new_worker_group_and_no_lost_step():
+    recs = cm.torchft_records(TFT_RECORDS)
+    assert [r["ev"] for r in recs[:2]] == ["start", "restored"], "each allocation's first start and restore"
+    assert sum(r["ev"] in ("start", "restored") for r in recs) == 2
+    assert all(r["restart"] == 0 for r in recs) and not any(r["ev"] == "heal" for r in recs)
+    ledger = build(cm.plain_events(recs, TFT_RUNS), slurm_runs=TFT_RUNS)
+    # Nothing was computed twice: the restarted replica was healed to the others' step.
+    assert ledger.lost_steps == 0 and ledger.allocations[0].restarts == 0
+    assert ledger.allocated_node_s == pytest.approx(60.0)
+    # The pause the kill cost (steps 3 -> 4: 4.5 s on 3 nodes) is in the ledger's productive
+    # time (the survivors were in their loop); the campaign charges it to the fault instead
+    # (fault_costs: until a step beyond the one at the fault). Read as the baseline's records,
+    # every replica's start (and the restarted one's restore at step 2) would be a worker group.
+    raw = build(cm.plain_events(TFT_RECORDS, TFT_RUNS), slurm_runs=TFT_RUNS)
+    assert raw.allocations[0].restarts > 0
+
+
+def test_a_torchft_requeue_is_a_new_worker_group_per_allocation():
+    second = [{**r, "alloc": 1, "t": r["t"] + 100.0, **({"t0": r["t0"] + 100.0} if "t0" in r else {})}
+              for r in TFT_RECORDS[:6]]
+    recs = cm.torchft_records(TFT_RECORDS[:10] + second)
+    assert [(r["ev"], r["alloc"]) for r in recs if r["ev"] in ("start", "restored")] == [
+        ("start", 0), ("restored", 0), ("start", 1), ("restored", 1)]
