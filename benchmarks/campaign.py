@@ -276,6 +276,10 @@ class TorchFT(Baseline):
     def is_worker(self, cmd):
         return any(c.endswith(b"train_torchft.py") for c in cmd) and b"torch.distributed.run" not in cmd
 
+    def recoveries(self, job):
+        """torchft's recoveries in place: each change of the step's participants."""
+        return cm.torchft_recoveries(self.records(job))
+
     def ledger(self, job, job_ids):
         from hpc.report.ledger import build
         runs: dict[int, dict[str, Any]] = {}

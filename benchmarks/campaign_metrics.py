@@ -11,7 +11,8 @@ one definition, the same for every contender, and be unit tested on recorded inp
 - :func:`plain_events`: the baseline script's own step records (``steps.jsonl``) and Slurm's
   allocations, written in the event vocabulary of :mod:`hpc.contract.events`, so that
   :func:`hpc.report.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged;
-  :func:`torchft_records` puts the torchft contender's records in the same shape.
+  :func:`torchft_records` puts the torchft contender's records in the same shape and
+  :func:`torchft_recoveries` finds its recoveries in place (a change of the participants).
 - :func:`fault_costs`: the node-seconds a fault cost: every node-second allocated from the fault
   until the job completes a step beyond the last one it had done (detection, restart, start-up,
   restore, the lost steps computed again, and one step). Queue waits allocate no node and count
@@ -140,6 +141,29 @@ def torchft_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
         elif ev not in ("step", "save", "end"):
             continue
         out.append({**r, "restart": 0})
+    return out
+
+
+def torchft_recoveries(records: Sequence[Mapping[str, Any]]) -> list[tuple[float, int]]:
+    """The torchft trainer's recoveries in place, for :func:`back_at` (pure): (time, step) of
+    the last step before each change of the participants (``world`` of its ``step`` records,
+    within one allocation): a replica group dropped from, or healed into, the quorum.
+
+    Why: torchft recovers without a new worker group, and a fault often lands while a step is
+    in flight: the survivors finish it at full strength, then stall until the quorum re-forms
+    without the lost group. Taken from the fault's step alone, the job looked back at that
+    in-flight step (a node crash cost 0.25 node-s in the first cluster run, the 5-s stall after
+    it not counted); from the recovery, it is back at the first step after the stall.
+    """
+    out: list[tuple[float, int]] = []
+    prev: Mapping[str, Any] | None = None
+    for r in records:
+        if r.get("ev") != "step":
+            continue
+        if (prev is not None and (prev.get("job"), prev.get("alloc")) == (r.get("job"), r.get("alloc"))
+                and int(prev["world"]) != int(r["world"])):
+            out.append((float(prev["t"]), int(prev["step"])))
+        prev = r
     return out
 
 

@@ -5,7 +5,8 @@ What a torchft user writes for data parallelism across replica groups (torchft's
 one process each, started by ``torchrun`` on every node, ``REPLICA_GROUP_ID`` = the node's index),
 a :class:`torchft.Manager` with :class:`torchft.ProcessGroupGloo` talking to the lighthouse that
 ``benchmarks/torchft/torchft.sbatch`` starts on the allocation's first node, torchft's
-:class:`~torchft.DistributedDataParallel` and :class:`~torchft.Optimizer` wrappers, and the
+:class:`~torchft.DistributedDataParallel` (its gradient hook's failure path mended:
+:func:`ddp_class`) and :class:`~torchft.Optimizer` wrappers, and the
 state-dict hooks the Manager uses to heal a replica live (a peer sends model, optimizer and LR
 schedule over HTTP; no restart of the others). torchft heals between replica groups but a
 whole-job requeue (a preemption, the lighthouse's node lost) needs a checkpoint: the
@@ -53,6 +54,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "baseline"))
 import train_plain as plain  # noqa: E402  (the same model, data order and records)
 
 
+def ddp_class():
+    """torchft's ``DistributedDataParallel`` with its gradient hook's failure path mended.
+
+    torchft 0.2.0's hook waits on the cross-replica allreduce and returns the future inside
+    torchft's managed one; when the wait raises (a peer died mid-allreduce: gloo's "Connection
+    closed by peer"), torchft reports the error to the Manager (the step will not commit) but
+    never sets that inner future, and the hook's ``assert fut._fut`` crashes the surviving
+    replica's worker too (seen on this cluster: a worker SIGKILL on one node took another
+    node's worker down with an ``AssertionError`` from ``torchft/ddp.py``; torchrun restarted it
+    from the checkpoint). Here the hook returns the bucket as it is instead: the error is already
+    reported, ``should_commit`` returns False, and the step is done again by the new quorum, as
+    torchft intends. The same hook otherwise.
+    """
+    from torchft import DistributedDataParallel
+
+    class DDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):
+            work = state.allreduce(bucket.buffer())
+            work.wait()
+            fut = work.get_future()
+            inner = getattr(fut, "_fut", fut)   # a torchft managed future, or a plain one after an error
+            if inner is None:
+                inner = torch.futures.Future()
+                inner.set_result(bucket.buffer())
+            return inner
+    return DDP
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", required=True, help="directory for checkpoint, steps.jsonl, result.json")
@@ -79,7 +109,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if (out / "result.json").exists():
         return   # the training is over: a replica restarted after it ended has nothing to do
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import Manager, Optimizer, ProcessGroupGloo
 
     ex = plain._example()
     replica = int(os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -121,7 +151,7 @@ def main() -> None:
         manager.load_state_dict(saved["manager"])
     start = manager.current_step()
     plain.log(out, {"ev": "restored", "t0": t0, "t": time.time(), "step": start, **ids})
-    model = DistributedDataParallel(manager, module)
+    model = ddp_class()(manager, module)
     optim = Optimizer(manager, inner)
 
     last_logger = False

@@ -230,3 +230,19 @@ def test_a_torchft_requeue_is_a_new_worker_group_per_allocation():
     recs = cm.torchft_records(TFT_RECORDS[:10] + second)
     assert [(r["ev"], r["alloc"]) for r in recs if r["ev"] in ("start", "restored")] == [
         ("start", 0), ("restored", 0), ("start", 1), ("restored", 1)]
+
+
+def test_a_torchft_fault_costs_the_stall_after_the_step_in_flight():
+    # Recorded on the cluster (relative times): node2 crashed at 7.06 s, when the campaign had
+    # seen step 14; the survivors finished step 15 at full strength (7.14 s), then stalled 5 s
+    # until the quorum re-formed without node2: step 16 at world 2.
+    recs = [{"ev": "step", "t": t, "step": s, "world": w, "job": "1", "alloc": 0}
+            for t, s, w in [(6.55, 12, 3), (6.72, 13, 3), (6.96, 14, 3), (7.14, 15, 3), (12.29, 16, 2),
+                            (12.44, 17, 2)]]
+    recoveries = cm.torchft_recoveries(recs)
+    assert recoveries == [(7.14, 15)]
+    trace = [(r["t"], r["step"], ("1", 0)) for r in recs]
+    assert cm.back_at(trace, 7.06, recoveries) == 12.29, "back after the stall, at step 16"
+    assert cm.back_at(trace, 7.06) == 7.14, "without it: the step in flight (the stall missed)"
+    # A new allocation is no change of the participants.
+    assert cm.torchft_recoveries(recs[:2] + [{**recs[2], "alloc": 1, "world": 2}]) == []
