@@ -118,3 +118,36 @@ def test_a_snapshot_over_one_percent_of_the_steps_between_copies_is_said_once_wi
     copies._check_overhead(0.1)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "HPC_INPROC_COPY_EVERY=2 or more" in said[0], said
+
+
+def test_the_advised_copy_interval_keeps_the_snapshot_within_one_percent_of_a_step_without_it():
+    from runtime.worker.inprocess.shard_copy import advised_every
+
+    assert advised_every(0.002, 0.1, every=2) is None          # 1 % exactly: fine
+    assert advised_every(0.002, 0.1, every=1) == 2
+    assert advised_every(0.040, 0.1, every=1) == 40            # checkpoint_bench run 6: 132 MB of shards
+    assert advised_every(0.040, 0.1, every=40) is None
+    assert advised_every(0.001, 0.0, every=1) is None          # no step time: nothing to say
+
+
+def test_a_copy_every_step_is_advised_against_the_step_without_its_snapshot(caplog, monkeypatch):
+    """The Session times a step from one boundary to the next, so with a copy every step the
+    step time it hands over holds the previous snapshot: 40 ms of snapshot in 140-ms steps is
+    4 % of the 100-ms step, and needs a copy every 40 steps (29 was advised: 1.4 %)."""
+    from runtime.worker.inprocess import shard_copy
+
+    clock = [0.0]
+    monkeypatch.setattr(shard_copy.time, "perf_counter", lambda: clock[0])
+    copies = shard_copy.PeerCopies([], [], {}, every=1, max_bytes=2**30, node="a")
+    copies._bound_once, copies.ring, copies.rank = True, {0: 1, 1: 0}, 0
+
+    def snapshot(step, reuse=None):
+        clock[0] += 0.040
+        return {"step": step}
+    monkeypatch.setattr(copies, "snapshot", snapshot)
+    monkeypatch.setattr(copies, "_exchange", lambda step, snap: None)
+    for step in range(1, 6):
+        copies.after_step(step, step_s=0.140)
+    copies.settle()
+    said = [r.getMessage() for r in caplog.records if "HPC_INPROC_COPY_EVERY" in r.getMessage()]
+    assert len(said) == 1 and "HPC_INPROC_COPY_EVERY=40 or more" in said[0] and "of 100 ms" in said[0], said

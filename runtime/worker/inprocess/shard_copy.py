@@ -95,6 +95,21 @@ def check_bound(size: int, *, kept: int, max_bytes: int, rank: int) -> int:
     return total
 
 
+def advised_every(snapshot_s: float, step_s: float, every: int, target: float = OVERHEAD_TARGET) -> int | None:
+    """The copy interval that keeps the snapshots within ``target`` of the step time, or None
+    when ``every`` already does.
+
+    Args:
+        snapshot_s: One snapshot's time, on the step's path.
+        step_s: One step's time without a snapshot in it (a step that follows a snapshot holds
+            it: the Session times a step from one boundary to the next).
+        every: The interval now (copies every that many steps).
+    """
+    if step_s <= 0 or snapshot_s <= target * every * step_s:
+        return None
+    return math.ceil(snapshot_s / (target * step_s))
+
+
 def nbytes(state: Any) -> int:
     """The bytes of the tensors in a nest of dicts, lists and tuples."""
     if isinstance(state, torch.Tensor):
@@ -138,6 +153,7 @@ class PeerCopies:
         self.snapshot_s = 0.0        # the step path's time (the snapshots), summed
         self.snapshots = 0
         self._warned = False
+        self._last_snapshot: tuple[int, float] | None = None   # (step, seconds) of the newest
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -173,9 +189,10 @@ class PeerCopies:
 
         Args:
             step: Steps done.
-            step_s: The last step's time, if known: a snapshot costing more than
-                :data:`OVERHEAD_TARGET` of the steps between copies is said once, with the
-                ``HPC_INPROC_COPY_EVERY`` that would meet it.
+            step_s: The last step's time, if known (the previous boundary's snapshot
+                included): a snapshot costing more than :data:`OVERHEAD_TARGET` of the steps
+                between copies is said once, with the ``HPC_INPROC_COPY_EVERY`` that would
+                meet it (:func:`advised_every`).
         """
         if step % self.every:
             return
@@ -195,25 +212,29 @@ class PeerCopies:
         with self._lock:
             self.own[step] = snap
         self.bytes_per_copy = size
-        self.snapshot_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.snapshot_s += took
         self.snapshots += 1
-        self._check_overhead(step_s)
+        # The step just timed ran after the previous boundary: its snapshot, if that one made
+        # one, is in ``step_s`` (a copy every step), and is no part of the step it is a share of.
+        last, self._last_snapshot = self._last_snapshot, (step, took)
+        self._check_overhead(step_s, last[1] if last is not None and last[0] == step - 1 else 0.0)
         self._thread = threading.Thread(target=self._exchange, args=(step, snap), daemon=True,
                                         name="hpc-peer-copy")
         self._thread.start()
 
-    def _check_overhead(self, step_s: float | None) -> None:
-        if self._warned or step_s is None or step_s <= 0 or self.snapshots < 3:
+    def _check_overhead(self, step_s: float | None, included_s: float = 0.0) -> None:
+        if self._warned or step_s is None or self.snapshots < 3:
             return
         mean = self.snapshot_s / self.snapshots
-        share = mean / (self.every * step_s)
-        if share > OVERHEAD_TARGET:
+        need = advised_every(mean, step_s - included_s, self.every)
+        if need is not None:
             self._warned = True
-            need = math.ceil(mean / (OVERHEAD_TARGET * step_s))
+            base = step_s - included_s
             log.warning("in-process recovery: the FSDP2 peer copy's snapshot takes %.1f ms on the step's "
                         "path every %d step(s) of %.0f ms (%.1f %% of the step time, over %.0f %%): set "
                         "%s=%d or more (a lost rank then goes back up to that many steps)", mean * 1e3,
-                        self.every, step_s * 1e3, share * 100, OVERHEAD_TARGET * 100,
+                        self.every, base * 1e3, mean / (self.every * base) * 100, OVERHEAD_TARGET * 100,
                         proto.COPY_EVERY_ENV, need)
 
     def settle(self, timeout_s: float | None = None) -> None:
