@@ -26,7 +26,9 @@ Loops, each run as rounds of the same number of steps, in blocks ``B X1 B X2 ...
   copies: its guarded comms, ``s.steps()``, ``s.log``, the sampler);
 - ``copy``: the same with a copy every step (``HPC_INPROC_COPY_EVERY=1``, the default);
 - ``every``: a copy every N steps, N being what the Session's own warning recommended during the
-  warm-up at 100-ms steps (parsed from its log line; absent when it said nothing).
+  warm-up at 100-ms steps (parsed from its log line; when it has not said it yet, its rule,
+  ``shard_copy.advised_every``, on the warm-up's snapshots and steps; absent when neither asks
+  for more than 1).
 
 The interval is set between rounds on the live ``PeerCopies`` (the attribute the variable sets).
 A round is a multiple of N steps, so each holds the same number of copies. The exchange a round
@@ -64,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pairstats import summarize  # noqa: E402
 from benchmarks.step_overhead import Loops, Work, _agree, _ratios_by_block, calibrate, timed_bare  # noqa: E402
+from runtime.worker.inprocess.shard_copy import advised_every  # noqa: E402
 
 STEP_S, TARGET_PCT = 0.100, 1.0
 NEVER = 10**9                      # a copy interval no round reaches
@@ -118,7 +121,7 @@ class CopyLoops(Loops):
             return timed_bare(self.work.session, steps)
         c = self.copies
         c.every = self.intervals[name]
-        before = (c.snapshot_s, c.snapshots, c.copy_s, c.copies_made)
+        before = (c.snapshot_s, c.snapshots, c.copy_s, c.copies_made, c.copy_cpu_s)
         at = len(self.boundary_s)
         took = self._session(steps)
         inside = sum(self.boundary_s[at:])
@@ -126,12 +129,13 @@ class CopyLoops(Loops):
         c.settle()            # outside the round's time: else it runs into the next bare round
         waited = time.perf_counter() - t0
         st = self.stats.setdefault(name, {"snapshot_s": 0.0, "snapshots": 0, "copy_s": 0.0, "copies": 0,
-                                          "settle_after_s": 0.0, "inside_s": 0.0, "rounds": 0, "steps": 0})
+                                          "settle_after_s": 0.0, "inside_s": 0.0, "copy_cpu_s": 0.0, "rounds": 0, "steps": 0})
         st["inside_s"] += inside
         st["snapshot_s"] += c.snapshot_s - before[0]
         st["snapshots"] += c.snapshots - before[1]
         st["copy_s"] += c.copy_s - before[2]
         st["copies"] += c.copies_made - before[3]
+        st["copy_cpu_s"] += c.copy_cpu_s - before[4]
         st["settle_after_s"] += waited
         st["rounds"] += 1
         st["steps"] += steps
@@ -147,10 +151,17 @@ def run_size(s: Any, work: Work, sampler: Any, copies: Any, advice: Advice, args
     # Warm-up at the calibrated step, a copy every step: the Session's interval calibration (20
     # steps), W&B's start, and its copy warning (after 3 snapshots, with the step time it saw).
     loops.round("copy", 3 * args.log_every + 21)
-    said = _agree_max(advice.every or 0)
+    # The Session says its advice once, when its running mean first crosses 1 % (that may come
+    # late when the snapshot sits near 1 %): without it yet, its rule on the warm-up's figures.
+    rule = 0
+    if copies.snapshots and s._recent:
+        snap_s = copies.snapshot_s / copies.snapshots
+        rule = advised_every(snap_s, statistics.median(s._recent) - snap_s, 1) or 0
+    said = args.every or _agree_max(advice.every or rule)
+    source = "--every" if args.every else "log" if advice.every else "rule" if said else "none"
     every = said or 1
     loops.intervals["every"] = every
-    variants = [v for v in VARIANTS if v != "every" or said]
+    variants = [v for v in VARIANTS if (v != "every" or said) and v in args.variants]
     steps = every * max(1, math.ceil(args.round_steps / every))
     rounds: list[tuple[str, float]] = []
     resized = []
@@ -187,17 +198,17 @@ def run_size(s: Any, work: Work, sampler: Any, copies: Any, advice: Advice, args
         "calibration": cal, "resized": resized, "round_steps": steps,
         # The Session's own checkpoint schedule (auto: its first save in the warm-up, then ~5 min).
         "checkpoint_step_before": saved_before, "checkpoint_step_after": s._checkpointer.latest_step(),
-        "advice": {"every": said or None, "line": advice.line,
-                   # What the advice should be from this run's own figures: the snapshot over 1 %
-                   # of a bare step (the Session's divides by its step time, which holds the snapshot).
-                   "every_from_bare_step": math.ceil(snap / (TARGET_PCT / 100 * statistics.median(bare)))
+        "advice": {"every": said or None, "source": source, "line": advice.line,
+                   # The same rule on the measured rounds' snapshots and bare step.
+                   "every_from_bare_step": (advised_every(snap, statistics.median(bare), 1) or 1)
                    if snap else None},
         "bare_step_s": {"median": statistics.median(bare), "min": min(bare), "max": max(bare), "rounds": len(bare)},
         "step_s_median": {k: statistics.median(v) for k, v in by.items()},
         # Per variant: the copies' figures, and rank 0's time inside the Session's boundary
         # (``next()`` of ``s.steps()``, where the snapshot runs, plus ``s.log``) per step.
         "copies": {k: v | {"per_snapshot_s": per_snapshot.get(k), "inside_per_step_s": v["inside_s"] / v["steps"],
-                           "per_exchange_s": v["copy_s"] / v["copies"] if v["copies"] else None}
+                           "per_exchange_s": v["copy_s"] / v["copies"] if v["copies"] else None,
+                           "per_exchange_cpu_s": v["copy_cpu_s"] / v["copies"] if v["copies"] else None}
                    for k, v in loops.stats.items()},
         "intervals": dict(loops.intervals),
         "ratios": ratios,
@@ -286,7 +297,9 @@ def main() -> None:
     p.add_argument("--shard-mb", nargs="+", type=float, default=[1.0, 4.0, 16.0],
                    help="shards per rank (parameters + AdamW state), one run each")
     p.add_argument("--blocks", type=int, default=20)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--warmup-blocks", type=int, default=1)
+    p.add_argument("--every", type=int, default=0, help="the every-N variant's N (default: the Session's advice)")
     p.add_argument("--round-steps", type=int, default=10, help="steps per round (rounded up to N's multiple)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--log-every", type=int, default=10)
@@ -328,7 +341,7 @@ def main() -> None:
                   f"(step {r['step_s_median'][v] * 1e3:.2f} ms, bare {bare['median'] * 1e3:.2f} ms)", flush=True)
             if c["snapshots"]:
                 print(f"  {v}: snapshot {c['per_snapshot_s'] * 1e3:.2f} ms x {c['snapshots']}, exchange "
-                      f"{(c['per_exchange_s'] or 0) * 1e3:.1f} ms (side thread), waited after rounds "
+                      f"{(c['per_exchange_s'] or 0) * 1e3:.1f} ms (side thread; its CPU {(c['per_exchange_cpu_s'] or 0) * 1e3:.1f} ms), waited after rounds "
                       f"{c['settle_after_s'] / c['rounds'] * 1e3:.1f} ms per round", flush=True)
         print(f"  the Session's advice: {adv['line'] or 'none (the snapshot is within 1 %)'}; from the bare "
               f"step: every {adv['every_from_bare_step']}", flush=True)

@@ -150,6 +150,7 @@ class PeerCopies:
         self.bytes_per_copy = 0
         self.copies_made = 0
         self.copy_s = 0.0            # the side thread's time, summed
+        self.copy_cpu_s = 0.0        # the side thread's CPU time, summed
         self.snapshot_s = 0.0        # the step path's time (the snapshots), summed
         self.snapshots = 0
         self._warned = False
@@ -245,7 +246,7 @@ class PeerCopies:
                 self._thread = None
 
     def _exchange(self, step: int, snap: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         group, ring, rank = self._group, self.ring, self.rank
         tag = step % (1 << 20)
         try:
@@ -269,6 +270,7 @@ class PeerCopies:
                     del kept[old]
         self.copies_made += 1
         self.copy_s += time.perf_counter() - t0
+        self.copy_cpu_s += time.thread_time() - cpu0
 
     def live_bytes(self) -> int:
         """The bytes of this rank's shards now (parameters and optimizer state, local parts)."""
