@@ -86,6 +86,7 @@ FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail|save|repeat",
 JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generation (no rank of its own)
 MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
 MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step before the restart path
+CHANNEL_ENV = "HPC_INPROC_CHANNEL"  # node-local file where the launcher names a new epoch's store (Rebind)
 DEFAULT_MAX_REFORMS = 3
 
 RESTART = "restart"
@@ -199,6 +200,44 @@ def namespace(master_addr: str, master_port: int | str) -> str:
     """The prefix of every key of one rendezvous round's workers (a ``PrefixStore``'s: it
     joins prefix and key with ``/``)."""
     return f"{ROOT}{master_addr}:{master_port}"
+
+
+@dataclass(frozen=True)
+class Rebind:
+    """A new rendezvous epoch's store for the workers a launcher kept through its host's loss.
+
+    The launcher writes it (JSON, atomically) to the node-local file named by
+    :data:`CHANNEL_ENV` once the new epoch's agent has its round; the workers, whose store
+    died with the old host, read it and re-form in that store (no history in it: they know
+    the last generation's members from memory, and mark those on the lost nodes dead).
+
+    Attributes:
+        epoch: The new rendezvous epoch's index.
+        store: ``host:port`` of its store.
+        space: The new round's :func:`namespace` (its launchers announce deaths there).
+        members: The epoch's nodes (host names); a worker on any other host is lost.
+    """
+
+    epoch: int
+    store: str
+    space: str
+    members: tuple[str, ...]
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Rebind:
+        d = json.loads(raw)
+        return cls(epoch=int(d["epoch"]), store=str(d["store"]), space=str(d["space"]),
+                   members=tuple(str(m) for m in d["members"]))
+
+
+def lost_uids(uids: Sequence[str], members: Sequence[str]) -> list[str]:
+    """The workers of ``uids`` (``host/pid``) whose host is not among the new epoch's
+    ``members``: lost with their node (a re-form in the new store does not wait for them)."""
+    keep = set(members)
+    return [u for u in uids if u.rpartition("/")[0] not in keep]
 
 
 LIFELINE_BYE = b"bye\n"   # a line's last words when its process ends on purpose

@@ -94,6 +94,10 @@ def story(events: Iterable[Mapping[str, Any]]) -> list[str]:
                          f"announced to generation {e.get('gen')}")
         elif ev == "inproc_recovery" and float(e["t"]) in recs:
             lines.append(recs[float(e["t"])].line())
+        elif ev == "inproc_adopt":
+            lines.append(f"allocation {e.get('alloc', 0)}: {e.get('node', '?')} kept its workers "
+                         f"{', '.join(map(str, e.get('pids') or []))} through the rendezvous host's "
+                         f"loss: epoch {e.get('epoch')}, new store {e.get('store')}")
         elif ev == "inproc_fallback":
             lines.append(f"allocation {e.get('alloc', 0)}: {e.get('node', '?')} fell back to "
                          f"restarting its workers: {str(e.get('reason', ''))[:120]}")

@@ -29,6 +29,9 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
 - when the workers gave up in-process recovery (``fallback`` in the store: e.g. an FSDP2 shard
   with no peer copy left), a dead worker is not replaced and the waiting joiners are ended: the
   workers end and torch's restart path (the last checkpoint) runs, with an ``inproc_fallback``;
+- after the rendezvous host's loss, a launcher restarted into the succession election with
+  its workers kept (:mod:`runtime.launch.inprocess_adopt`) *adopts* them in the new epoch's
+  first round instead of starting workers, and names the round's store to them;
 - when the dead worker was the last living member of the generation (every member died), no
   joiner is started and the waiting ones are ended: a joiner is taken in by a member, so it
   would wait forever; the workers end and torch's restart path (the last checkpoint) runs,
@@ -44,13 +47,14 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_silent
+from runtime.launch import inprocess_adopt, inprocess_silent
 
 log = logging.getLogger("hpc.launch")
 
@@ -93,7 +97,9 @@ def describe_exit(status: int) -> str:
 
 @contextmanager
 def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
-                    replacement: str = proto.WAIT) -> Iterator[None]:
+                    replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
+                    epoch: int = 0, members: Sequence[str] = (),
+                    keep_on_loss: Callable[[], bool] | None = None) -> Iterator[SimpleNamespace]:
     """While inside, torch's agent (built by ``launch_agent`` by its module-global name) is
     one that announces dead workers and restarts no live ones (see the module docstring).
 
@@ -105,6 +111,13 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
         replacement: The job's ``--replacement``: ``wait`` promises a dead worker's joiner in
             the store (the survivors' re-form waits for it), ``shrink`` does not (the
             survivors go on without it; it is taken in at a later step boundary).
+        adopt: Workers this launcher kept through the old host's loss (local rank -> PID):
+            the first round adopts them instead of starting workers.
+        epoch: The rendezvous epoch (named to the adopted workers with the new store).
+        members: The epoch's nodes (host names; a worker on any other is lost).
+        keep_on_loss: Asked when torch's agent fails (its store broke): True when the host is
+            lost and the workers are to be kept for the next epoch; then the agent ends
+            without stopping them and the yielded state's ``kept`` is True.
     """
     from torch.distributed.elastic.agent.server import local_elastic_agent as torch_agent
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -112,6 +125,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
 
     base = launcher_api.LocalElasticAgent
     host = socket.gethostname()
+    state = SimpleNamespace(kept=False)
 
     class InProcessAgent(base):  # type: ignore[misc, valid-type]
         _gone: dict[int, int]
@@ -125,7 +139,10 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
 
         def _start_workers(self, worker_group: Any) -> Any:
             """torch's start, keeping each local rank's command and environment (a joiner
-            that replaces a dead worker is started with them)."""
+            that replaces a dead worker is started with them); the first round of a launcher
+            that kept its workers adopts them instead."""
+            if adopt and not self.__dict__.get("_adopted"):
+                return self._adopt(worker_group)
             started = torch_agent.start_processes
             launches: dict[str, Any] = {}
 
@@ -140,6 +157,29 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set(), _published=[])
             self.__dict__.setdefault("_replaced", 0)
             self._publish(worker_group, list(pids.values()))   # (torch sets worker.id after this)
+            return pids
+
+        def _adopt(self, worker_group: Any) -> dict[int, int]:
+            """Takes the kept workers as this round's and names the round's store to them."""
+            assert adopt
+            pids = dict(adopt)
+            self.__dict__["_adopted"] = True
+            self._pcontext = inprocess_adopt.AdoptedProcesses(pids)
+            launches = inprocess_adopt.launch_of(pids, store=store_address,
+                                                 master_addr=worker_group.master_addr,
+                                                 master_port=worker_group.master_port)
+            self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set(), _published=[])
+            self.__dict__.setdefault("_replaced", 0)
+            self._publish(worker_group, list(pids.values()))
+            space = proto.namespace(worker_group.master_addr, worker_group.master_port)
+            path = inprocess_adopt.publish(os.getpid(), proto.Rebind(epoch, store_address, space,
+                                                                     tuple(members)))
+            log.warning("in-process recovery: rendezvous epoch %d: workers %s kept (not started "
+                        "again); their new store %s named in %s", epoch,
+                        ", ".join(map(str, pids.values())), store_address, path)
+            if events is not None:
+                events.emit("inproc_adopt", epoch=epoch, store=store_address,
+                            pids=sorted(pids.values()), members=list(members))
             return pids
 
         def _space(self, worker_group: Any) -> Any:
@@ -244,7 +284,19 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             _end(self.__dict__.get("_joiners", {}))
             super()._stop_workers(worker_group)
 
+        def _invoke_run(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super()._invoke_run(*args, **kwargs)
+            except Exception as e:
+                if keep_on_loss is not None and keep_on_loss():   # the host is lost: keep them
+                    state.kept = True
+                    log.warning("in-process recovery: the agent's store is lost (%s: %s); its "
+                                "workers are kept for the next rendezvous epoch", type(e).__name__, e)
+                raise
+
         def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            if state.kept:   # torch's end of run(): the workers live on into the next epoch
+                return
             _end(self.__dict__.get("_joiners", {}))
             super()._shutdown(*args, **kwargs)
 
@@ -304,7 +356,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
 
     launcher_api.LocalElasticAgent = InProcessAgent
     try:
-        yield
+        yield state
     finally:
         launcher_api.LocalElasticAgent = base
 
@@ -339,15 +391,23 @@ def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
 
 
 def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0,
-             replacement: str = proto.WAIT) -> Any:
+             replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
+             epoch: int = 0, members: Sequence[str] = (),
+             keep_on_loss: Callable[[], bool] | None = None) -> Any:
     """The context the launcher runs torch's agent in for the job's ``--recovery`` (and
-    ``--replacement``)."""
+    ``--replacement``; ``adopt``: workers kept through the old host's loss)."""
     if recovery != proto.INPROCESS:
         return nullcontext()
-    return owning_recovery(store_address, events, node_rank, replacement)
+    return owning_recovery(store_address, events, node_rank, replacement, adopt=adopt,
+                           epoch=epoch, members=members, keep_on_loss=keep_on_loss)
 
 
-def worker_env(store_address: str) -> dict[str, str]:
-    """What the workers need for in-process recovery (the launcher sets it per agent run)."""
-    return {proto.RECOVERY_ENV: proto.INPROCESS, proto.STORE_ENV: store_address}
+def worker_env(store_address: str, *, keeps: bool = False) -> dict[str, str]:
+    """What the workers need for in-process recovery (the launcher sets it per agent run);
+    ``keeps``: this launcher may keep them through the host's loss, and names the new epoch's
+    store in the channel (a node-local file; it keeps its PID across its ``execv``)."""
+    env = {proto.RECOVERY_ENV: proto.INPROCESS, proto.STORE_ENV: store_address}
+    if keeps:
+        env[proto.CHANNEL_ENV] = str(inprocess_adopt.channel_path(os.getpid()))
+    return env
 

@@ -47,10 +47,10 @@ from runtime.launch.lifeline import GRACE_S, watch_parent
 from runtime.launch.network import NetworkError, detect
 from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
-from runtime import exclusions, stop_deadline, stopping, succession
+from runtime import exclusions, peer_sockets, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
-from runtime.launch import (health, host_store, inprocess_agent, inprocess_lifelines,
+from runtime.launch import (health, host_store, inprocess_adopt, inprocess_agent, inprocess_lifelines,
                             inprocess_silent, inprocess_spare, quorum, rdzv_failure, rendezvous,
                             spares)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
@@ -87,6 +87,11 @@ def rdzv_conf(max_nodes: int, join_timeout_s: int = RDZV_CONF["join_timeout"]) -
 
 # A rendezvous store silent this long (from a node that is not its host): the host is lost.
 STORE_LOST_S = host_store.STORE_LOST_S
+# The fence asks the main thread by this signal to restart the launcher keeping its workers:
+# they die with the thread that started them (PR_SET_PDEATHSIG, runtime/worker/start.py), and
+# an execv from another thread ends that one.
+KEEP_SIGNAL = signal.SIGRTMIN + 2
+YIELD_S = 10.0   # how long the fence waits for the main thread to take that restart
 
 
 def _logs_specs(plan: LaunchPlan, tee: RankTee) -> Any:
@@ -125,9 +130,11 @@ def _logs_specs(plan: LaunchPlan, tee: RankTee) -> Any:
 
 
 def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None = None,
-        tee: RankTee | None = None) -> int:
+        tee: RankTee | None = None, adopt: dict[int, int] | None = None) -> int:
     """Runs the elastic agent for ``plan`` (again, with a new rendezvous host, when the old one
-    is lost and a majority survives: :mod:`runtime.succession`); returns the exit status."""
+    is lost and a majority survives: :mod:`runtime.succession`); returns the exit status.
+    ``adopt``: the workers this launcher kept through the old host's loss (in-process
+    recovery, :mod:`runtime.launch.inprocess_adopt`): the new epoch's agent takes them."""
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     for change in plan.env_changes:
         log.info("env %s", change.describe())
@@ -147,19 +154,34 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         plan = _plan_for_epoch(plan, epoch, me)   # restarted, or joining later: the current host
     epochs: list[str] = []
     pending = None
+    if not adopt:   # a channel left by an earlier launcher of this PID must not move new workers
+        inprocess_adopt.channel_path(os.getpid()).unlink(missing_ok=True)
     if lost_epoch is None:
         _slow_join_for_tests(plan)
     if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
         pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
     while True:
         end = pending or _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
-                                    members=len(epoch.members), tee=tee, names=epoch.members)
+                                    members=len(epoch.members), tee=tee, names=epoch.members,
+                                    adopt=adopt)
+        if pending is None:   # adopt: taken by that agent; kept: kept by it for the next epoch
+            kept = end.extra.pop("adopt", None) or {}
+            if adopt:   # any left alive that it did not keep is stopped
+                inprocess_adopt.stop_left({lr: p for lr, p in adopt.items() if p not in kept.values()})
+            adopt = kept or None
         pending = None
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
             break
         epochs.append(f"epoch {nxt.index}: {nxt.reason}, new host {nxt.host}")
         plan, epoch = _plan_for_epoch(plan, nxt, me), nxt
+    if adopt:   # kept through the host's loss, but no new epoch takes them: stopped
+        inprocess_adopt.kill(list(adopt.values()))
+        EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0).emit(
+            "inproc_fallback", reason=inproc_host_lost(
+                epoch.host, end.reason, succession=True,
+                then=f"no new epoch takes this node's workers ({end.extra.get('succession') or end.reason}): "
+                     "they are stopped"))
     end.extra["epochs"] = epochs
     lost_batch_host = bool(order) and order[0] not in epoch.members
     return outcome.finish(plan, forwarder, end, batch_host_lost=lost_batch_host)
@@ -201,10 +223,12 @@ def _futile(plan: LaunchPlan, result: Any) -> str | None:
 
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0,
-               tee: RankTee | None = None, names: Sequence[str] = ()) -> outcome.AgentEnd:
+               tee: RankTee | None = None, names: Sequence[str] = (),
+               adopt: dict[int, int] | None = None) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
     Slurm, the fence: a newer epoch decided without this node stops its workers. ``names``:
-    the epoch's members by node rank (Slurm's host names; none under hpc run)."""
+    the epoch's members by node rank (Slurm's host names; none under hpc run); ``adopt``:
+    workers kept through the old host's loss, taken by the first round instead of started."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -216,10 +240,17 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
     inproc_events = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank,
                              sync_every_s=0) if spec.recovery == "inprocess" else None
-    recovery = inprocess_agent.for_spec(spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank,
-                                        spec.replacement)
+    keeps = spec.recovery == "inprocess" and inprocess_adopt.why_not(
+        succession=board is not None, spares=spec.spare_nodes,
+        kept=dict.fromkeys(range(spec.nproc_per_node), 0), nproc=spec.nproc_per_node) is None
+    recovery = inprocess_agent.for_spec(
+        spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank, spec.replacement, adopt=adopt,
+        epoch=epoch, members=names,
+        keep_on_loss=(lambda: not forwarder.received and not host_store.answers(plan.rdzv_endpoint))
+        if keeps and not plan.is_rdzv_host and plan.launchers > 1 else None)
     if spec.recovery == "inprocess":
-        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint),
+        os.environ.pop(proto_inproc.CHANNEL_ENV, None)
+        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint, keeps=keeps),
                           **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
     join_timeout_s = rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)["join_timeout"]
     if not plan.is_rdzv_host and plan.launchers > 1:
@@ -275,6 +306,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     if spec.recovery == "inprocess" and watchdog.beacon is not None:   # a lost node: announced
         watchdog.on_lost = inprocess_silent.LostNodes(plan.rdzv_endpoint, inproc_events,
                                                       host=socket.gethostname())
+        if plan.is_rdzv_host and board is not None:   # a cut-off host must not train on alone
+            watchdog.on_lost = UnlessCutOff(watchdog.on_lost, members=members or plan.launchers,
+                                            reachable=_controller_reachable)
         watchdog.on_lost_after_s = inprocess_silent.LOST_S
     watchdog.start()
     # The host's loss is watched for under hpc run too, whatever the recovery (no succession
@@ -283,8 +317,12 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                    tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None,
                    events=inproc_events, rdzv_host=plan.rdzv_endpoint.rsplit(":", 1)[0],
                    rdzv_endpoint=plan.rdzv_endpoint) if plan.launchers > 1 else None
+    keep_handler = None
     if fence is not None:
         fence.relaunch = lambda: not forwarder.received
+        if spec.recovery == "inprocess":   # the workers kept through the host's loss, if they can be
+            fence.keep = lambda: _keep(board, spec)
+            keep_handler = signal.signal(KEEP_SIGNAL, lambda *_: fence.exec_kept())
         fence.start()
     below_min = quorum.start(plan) if board is not None and fence is not None and plan.is_rdzv_host else None
     joining = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0)
@@ -294,13 +332,14 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
     follow_node0 = False   # a rendezvous error while the host answered: node 0 records the end
+    inproc_state = None    # in-process: whether the agent kept its workers through the host's loss
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
                 futile=lambda result: _futile(plan, result) or watchdog.repeated(),
-                on_restart=on_restart), release, recovery:
+                on_restart=on_restart), release, recovery as inproc_state:
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"
@@ -344,11 +383,25 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         forwarder.stop.cancel()   # the workers ended: no time-limit SIGTERM now
     if fence is not None:
         fence.stop()
+        if keep_handler is not None:
+            signal.signal(KEEP_SIGNAL, keep_handler)
         if fence.host_lost is not None and fence.replaced is None:
             result, reason = "rendezvous", fence.host_lost
         elif fence.replaced is not None:
             result, reason = "fenced", fence.replaced
+    extra: dict[str, Any] = {"follow_node0": True} if follow_node0 else {}
+    if getattr(inproc_state, "kept", False) and not (fence is not None and fence.acted):
+        # torch's agent failed on the lost host's store (refused, reset) before the fence saw it
+        # silent, and kept the workers: the next epoch takes them, or they are stopped here
+        kept, why_not = _keep(board, spec)
+        if why_not is None and kept and not forwarder.received:
+            result, reason = "rendezvous", f"lost the rendezvous host {plan.rdzv_endpoint}: its store does not answer"
+            extra["adopt"] = kept
+        else:
+            inprocess_adopt.kill(list(kept.values()))
+            result = "rendezvous" if result == "failed" and not forwarder.received else result
     if result == "rendezvous" and inproc_events is not None and not plan.is_rdzv_host \
+            and "adopt" not in extra \
             and not (fence is not None and fence.fell_back):   # the store refused before the fence saw it silent
         inproc_events.emit("inproc_fallback", reason=inproc_host_lost(
             plan.rdzv_endpoint.rsplit(":", 1)[0], reason, succession=board is not None))
@@ -357,7 +410,15 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         if below_min.short is not None and not (fence is not None and fence.acted):
             result, reason = "rendezvous", below_min.short   # a node failure: requeue
     return outcome.AgentEnd(result, reason, started, watchdog, exit_codes=exit_codes, ended=ended,
-                            extra={"follow_node0": True} if follow_node0 else {})
+                            extra=extra)
+
+
+def _keep(board: succession.Board | None, spec: JobSpec) -> tuple[dict[int, int], str | None]:
+    """This node's live in-process workers and why they cannot be kept through the rendezvous
+    host's loss (None: they are kept, :mod:`runtime.launch.inprocess_adopt`)."""
+    kept = inprocess_adopt.live_workers(os.getpid())
+    return kept, inprocess_adopt.why_not(succession=board is not None, spares=spec.spare_nodes,
+                                         kept=kept, nproc=spec.nproc_per_node)
 
 
 def _host_ended(plan: LaunchPlan) -> str | None:
@@ -418,13 +479,14 @@ def _controller_reachable() -> bool:
 _ARGV: list[str] = []   # this launcher's arguments (main), to restart it as itself
 
 
-def _restart_launcher(children: list[int], epoch: int) -> None:
+def _restart_launcher(children: list[int], epoch: int, adopt: dict[int, int] | None = None) -> None:
     """Replaces this process with a fresh launcher that goes straight to the election.
 
     torch's agent cannot be interrupted while it blocks on a store whose host is cut off
     (minutes: its shutdown and re-rendezvous both talk to that store). The workers are
     already killed; the new image keeps the PID (Slurm's task, the batch script's srun) and
-    starts with ``--lost-host EPOCH``.
+    starts with ``--lost-host EPOCH`` (and ``--adopt LR:PID,...``: the workers it kept,
+    still its children, for in-process recovery).
     """
     deadline = time.monotonic() + 3.0
     while children and time.monotonic() < deadline:   # reap the killed workers
@@ -437,16 +499,54 @@ def _restart_launcher(children: list[int], epoch: int) -> None:
         time.sleep(0.05)
     log.warning("restarting this launcher to elect a new rendezvous host (epoch %d's is lost)", epoch)
     logging.shutdown()
-    args = [a for a in _ARGV if not a.startswith("--lost-host")]
-    os.execv(sys.executable, [sys.executable, "-m", "runtime.launch", *args, f"--lost-host={epoch}"])
+    args = [a for a in _ARGV if not a.startswith(("--lost-host", "--adopt"))]
+    kept = [f"--adopt={inprocess_adopt.format_adopt(adopt)}"] if adopt else []
+    os.execv(sys.executable, [sys.executable, "-m", "runtime.launch", *args, f"--lost-host={epoch}", *kept])
 
 
-def inproc_host_lost(host: str, why: str, *, succession: bool) -> str:
-    """The ``inproc_fallback`` reason when the rendezvous host is lost (pure)."""
-    then = ("a new rendezvous host is elected and the workers start again from the last checkpoint"
-            if succession else "no succession outside Slurm: the job ends as a node failure")
+def inproc_host_lost(host: str, why: str, *, succession: bool, then: str | None = None) -> str:
+    """The ``inproc_fallback`` reason when the rendezvous host is lost and this node's workers
+    cannot be kept (``then``: why not, :func:`runtime.launch.inprocess_adopt.why_not`) (pure)."""
+    then = then or ("a new rendezvous host is elected and the workers start again from the last checkpoint"
+                    if succession else "no succession outside Slurm: the job ends as a node failure")
     return (f"the rendezvous host {host} is lost; its store carried the in-process membership "
             f"({why}): the workers here are stopped, {then}")
+
+
+class UnlessCutOff:
+    """The rendezvous host's announcement of lost nodes under ``--recovery inprocess`` (its
+    workers then re-form without them), held back while this node may be the one cut off.
+
+    A host that lost a majority of its epoch's nodes and cannot reach Slurm's controller is
+    the one cut off: the others elect a new host and keep their workers
+    (:mod:`runtime.launch.inprocess_adopt`). Its own workers must not re-form alone and train
+    (and commit checkpoints) in the seconds before the survivors' election fences it: its
+    fence stops them (:class:`_Fence`, the same rule). With the controller reachable the
+    others are gone, not cut off: the host announces them and goes on, as before.
+
+    Args:
+        announce: The announcement (:class:`~runtime.launch.inprocess_silent.LostNodes`).
+        members: The epoch's nodes.
+        reachable: ``() -> bool``: can this node reach Slurm's controller (asked once)?
+    """
+
+    def __init__(self, announce: Any, *, members: int, reachable: Any) -> None:
+        self.announce, self.members, self.reachable = announce, members, reachable
+        self.lost: set[int] = set()
+        self.cut_off: bool | None = None
+
+    def __call__(self, lost: Mapping[int, tuple[str, float]]) -> None:
+        self.lost |= set(lost)
+        if self.members >= 2 and (self.members - len(self.lost)) * 2 <= self.members:
+            if self.cut_off is None:
+                self.cut_off = not self.reachable()
+                if self.cut_off:
+                    log.warning("in-process recovery: %d of %d nodes lost and Slurm's controller does not "
+                                "answer: this node may be the one cut off; its workers do not re-form "
+                                "without them", len(self.lost), self.members)
+            if self.cut_off:
+                return
+        self.announce(lost)
 
 
 class _Fence(threading.Thread):
@@ -481,6 +581,8 @@ class _Fence(threading.Thread):
         self.replaced: str | None = None
         self.host_lost: str | None = None
         self.relaunch: Any = None     # () -> bool: may this launcher restart itself now?
+        self.keep: Any = None         # () -> (workers, why not): in-process workers kept, if they can be
+        self.keep_now: dict[int, int] | None = None   # the workers to keep, for the main thread
         self._stop_event = threading.Event()
 
     @property
@@ -504,10 +606,16 @@ class _Fence(threading.Thread):
                     lost = None
                 self.host_lost = lost
             if self.acted:
+                kept, why_not = self.keep() if self.host_lost is not None and self.keep is not None \
+                    else ({}, None)
+                relaunch = self.host_lost is not None and self.relaunch is not None and self.relaunch()
+                if kept and why_not is None and relaunch:   # the workers live on into the election
+                    why_not = self._yield_to_main(kept)   # returns only if the main thread did not take it
                 if self.host_lost is not None and self.events is not None:
                     self.fell_back = True
                     self.events.emit("inproc_fallback", reason=inproc_host_lost(
-                        self.rdzv_host, self.host_lost, succession=self.board is not None))
+                        self.rdzv_host, self.host_lost, succession=self.board is not None,
+                        then=why_not))
                 children = _children(os.getpid())   # first: a log write may block (a dead stdout reader)
                 for pid in children:
                     try:
@@ -515,10 +623,34 @@ class _Fence(threading.Thread):
                     except ProcessLookupError:
                         pass
                 log.warning("%s; stopping this node's workers and agent", self.replaced or self.host_lost)
-                if self.host_lost is not None and self.relaunch is not None and self.relaunch():
+                if relaunch:
                     _restart_launcher(children, self.epoch)   # does not return
                 os.kill(os.getpid(), signal.SIGQUIT)   # torch's agent ends on it (SignalException)
                 return
+
+    def _yield_to_main(self, kept: dict[int, int]) -> str:
+        """Asks the main thread (:data:`KEEP_SIGNAL`) to restart this launcher keeping ``kept``,
+        breaking the main thread's requests to the lost store so that it gets to it; returns
+        why not (then the workers are stopped, the restart path) if it did not within
+        :data:`YIELD_S`."""
+        self.keep_now = kept
+        log.warning("%s; restarting this launcher into the election, keeping its workers %s",
+                    self.host_lost, ", ".join(map(str, kept.values())))
+        deadline = time.monotonic() + YIELD_S
+        while time.monotonic() < deadline and self.keep_now is not None:
+            broken = peer_sockets.break_connections_to(self.rdzv_endpoint) if self.rdzv_endpoint else 0
+            signal.pthread_kill(threading.main_thread().ident, KEEP_SIGNAL)
+            log.info("asked the main thread to restart (%d connection(s) to the lost store shut down)", broken)
+            time.sleep(1.0)
+        self.keep_now = None
+        return (f"the launcher's main thread did not take the restart within {YIELD_S:.0f}s (blocked on "
+                "the lost store): a new rendezvous host is elected and the workers start again from "
+                "the last checkpoint")
+
+    def exec_kept(self) -> None:
+        """:data:`KEEP_SIGNAL`'s handler, on the main thread: the restart that keeps the workers."""
+        if self.keep_now is not None:
+            _restart_launcher([], self.epoch, adopt=self.keep_now)   # does not return
 
     def _store_lost(self) -> str | None:
         t, now = self.tracker, time.monotonic()
@@ -653,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true",
                    help="all nodes are on this machine (hpc run): loopback rendezvous is fine")
     p.add_argument("--lost-host", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--adopt", default=None, help=argparse.SUPPRESS)   # LR:PID,...: workers kept
     args = p.parse_args(argv)
     _ARGV[:] = [a for a in (sys.argv[1:] if argv is None else argv)]
 
@@ -719,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                               slurm_job_id=slurm.job_id)   # events.jsonl: the allocation's frame
     events.ready(spec.spare_nodes)
     tee = RankTee(sys.stdout, verbose=verbose)
-    code = run(plan, forwarder, lost_epoch=args.lost_host, tee=tee)
+    code = run(plan, forwarder, lost_epoch=args.lost_host, tee=tee,
+               adopt=inprocess_adopt.parse_adopt(args.adopt) or None)
     tee.close()
     events.end(code, forwarder.received)
     return code

@@ -47,6 +47,7 @@ TOP: dict[str, tuple[str, str]] = {
     "preemption": (SHARED, "the warning -> deadline -> save-or-exit rules (launcher and workers)"),
     "stopping": (SHARED, "the agreed stop notice: the launcher writes it, the workers obey it"),
     "stop_deadline": (SHARED, "when a stop becomes a kill, read by the launcher and the workers"),
+    "peer_sockets": (SHARED, "a lost store's connections shut down (the launcher's fence, the workers' rebind)"),
     "succession": (SHARED, "the rendezvous board: launchers elect, checkpoints are fenced by it"),
     "exclusions": (SHARED, "bad nodes: the launcher and its watchdog record, the batch shell "
                            "enforces (python -m runtime.exclusions)"),

@@ -58,6 +58,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -70,10 +71,11 @@ from hpc.contract import inprocess as proto
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
-from runtime.worker.inprocess import (fsdp_guard, lifeline, nccl, peers, shard_copy, shard_transfer,
+from hpc.contract.environment import JobEnvironment
+from runtime.worker.inprocess import (fsdp_guard, lifeline, nccl, peers, rebind, shard_copy, shard_transfer,
                                       sockets, transfer)
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
-from runtime.worker.inprocess.membership import Membership, joiners_waiting
+from runtime.worker.inprocess.membership import Excluded, Membership, joiners_waiting
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
@@ -159,6 +161,7 @@ class InProcess:
         self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
         self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
+        self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
@@ -196,6 +199,11 @@ class InProcess:
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
                    max_world=max_world, max_reforms=max_reforms, backend=backend, device=device, plan=plan)
         made.space, made.raw, made.address = space, raw, address
+        channel = environ.get(proto.CHANNEL_ENV, "")
+        if channel:   # the launcher keeps this worker through the rendezvous host's loss
+            made._epochs = rebind.EpochWatch(Path(channel), JobEnvironment.from_env(environ).rdzv_epoch or 0,
+                                             address=lambda: made.address, on_new=made._break_all)
+            made._epochs.start()
         return made
 
     @property
@@ -371,7 +379,7 @@ class InProcess:
             self.membership.announce_fault(why)
         rec.nccl_aborted = self._abort(list(groups))
         rec.t_abort = time.time()
-        members = self.membership.reform(step, old_rank, reason=why)
+        members = self._reform(step, old_rank, why)
         rec.t_reform = time.time()
         self._give_up_if_repeating(members)
         rank = members.rank_of(self.me)
@@ -380,6 +388,7 @@ class InProcess:
         self.guard.rank = rank
         self._init_pg(members.gen, rank, members.world_size)
         self.guard.reset(members.gen)
+        self._open_line()   # (after a move to a new epoch's store: to its host)
         self._watch_faults()
         (regroup or self.rewrap)()
         rec.t_group = time.time()
@@ -399,6 +408,55 @@ class InProcess:
         rec.t_transfer = time.time()
         rec.members, rec.rank = members, rank
         return rec
+
+    def _reform(self, step: int, old_rank: int, why: str) -> Members:
+        """The re-form (:meth:`Membership.reform`), in a new rendezvous epoch's store when the
+        launcher named one (the old store's host is lost, :mod:`runtime.worker.inprocess.rebind`):
+        at once when it is already named, else after a failed store request, waited for."""
+        while True:
+            if self._epochs is not None and self._epochs.pending():
+                self._rebind(self._epochs.take())
+            try:
+                return self.membership.reform(step, old_rank, reason=why)
+            except Excluded:
+                raise
+            except Exception as e:   # noqa: BLE001 - the store is gone: a new epoch's, or this error
+                self._rebind(rebind.wait_for(self._epochs, e))
+
+    def _rebind(self, rec: proto.Rebind | None) -> None:
+        """Moves to the new epoch's store: it has no history, so the members of the last
+        generation on lost nodes are marked dead there (the leader does not wait for them)."""
+        if rec is None:
+            return
+        address, space = rec.store, rec.space
+        self.raw = connect(address)
+        self.store = dist.PrefixStore(space, self.raw)
+        self.membership.store = self.store
+        self.address, self.space = address, space
+        self.reconnect = lambda: dist.PrefixStore(space, connect(address))
+        lost = proto.lost_uids(self.membership.uids, rec.members)
+        for u in lost:
+            self.store.set(proto.dead(u), f"lost with its node: not in rendezvous epoch {rec.epoch}")
+        if self.copies is not None:
+            self.store.set(proto.SHARDED, "1")
+        if self._line is not None:   # its listener died with the old host: a new line after the re-form
+            try:
+                self._line.close()
+            except OSError:
+                pass
+            self._line = None
+        JobEnvironment(rdzv_epoch=rec.epoch).export(os.environ)   # the checkpointer's fence: this epoch's group
+        log.warning("in-process recovery: re-forming in rendezvous epoch %d's store %s (%s); lost "
+                    "with their nodes: %s", rec.epoch, address, space, ", ".join(lost) or "none")
+
+    def _break_all(self) -> None:
+        """The old store is lost: every group's connections are broken (a step or a save
+        waiting on a lost peer ends now and leads to the re-form)."""
+        with self._breaking:
+            aborted = nccl.abort_all() if self.plan.abort_nccl else 0
+            n = sockets.break_connections(sockets.devices(self._before))
+        log.info("in-process recovery: the rendezvous host is lost: %d NCCL backend(s) aborted, "
+                 "%d connection(s) of its gloo groups shut down", aborted, n)
 
     def _give_up_if_repeating(self, members: Members) -> None:
         """Every member of ``members`` alike (the count is in the agreed record): past
@@ -510,6 +568,8 @@ class InProcess:
             self._watch.stop(join=True)
         if self.guard.bound is not None:
             self.guard.bound.stop()
+        if self._epochs is not None:
+            self._epochs.stop()
         lifeline.close_line(self._line)   # ends on purpose: not a death
         self._line = None
         if self.copies is not None:   # a peer copy in flight must not end during the exit

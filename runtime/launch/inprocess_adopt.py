@@ -1,0 +1,224 @@
+"""Keeping the workers through the rendezvous host's loss under ``--recovery inprocess``.
+
+The in-process membership lives in the rendezvous host's store. When that host is lost, each
+surviving launcher's fence (:mod:`runtime.launch.main`) restarts the launcher into the
+succession election (:mod:`runtime.succession`: the same board, the same strict majority and
+fencing as the restart path), but it no longer kills its workers first: ``execv`` keeps the
+children, and the new image is started with ``--adopt PID,...``. If this node is a member of
+the new epoch, the new agent *adopts* them instead of starting workers
+(:class:`AdoptedProcesses` stands in for torch's process context: it watches, reaps and, if
+torch's restart path runs after all, stops them), and, once the new round has its store,
+names it to them in a node-local file (:func:`publish`, a
+:class:`~hpc.contract.inprocess.Rebind` at ``HPC_INPROC_CHANNEL``): they re-form there, in
+process (:mod:`runtime.worker.inprocess.rebind`). If not (no majority, this node left out or
+cut off), the adopted workers are killed and an ``inproc_fallback`` says why.
+
+What still takes today's restart path (:func:`why_not`, recorded in ``inproc_fallback``):
+no succession (``hpc run``: no Slurm, no board), a job with hot spares (their joiners wait on
+the old store), and a node whose workers are not all alive (a local rank not running).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc.contract import inprocess as proto
+from runtime.launch.forwarding import children
+from runtime.liveness.watchdog import heartbeat_root
+
+log = logging.getLogger("hpc.launch")
+
+
+def channel_path(launcher_pid: int) -> Path:
+    """The node-local file where launcher ``launcher_pid`` names a new epoch's store (it
+    keeps its PID across ``execv``, so its workers find the file where they were told)."""
+    return heartbeat_root() / f"hpc-inproc-{os.getuid()}-{launcher_pid}.json"
+
+
+def why_not(*, succession: bool, spares: int, kept: Mapping[int, int], nproc: int) -> str | None:
+    """Why this launcher cannot keep its workers through the host's loss, or None (pure).
+
+    Args:
+        succession: A new host can be elected (Slurm: the job directory's board).
+        spares: The job's ``--spare-nodes``.
+        kept: This node's live workers, local rank -> PID.
+        nproc: Workers per node.
+    """
+    if not succession:
+        return "no succession outside Slurm: the job ends as a node failure"
+    if spares:
+        return (f"the job has {spares} hot spare node(s), whose joiners wait on the old store: a new "
+                "rendezvous host is elected and the workers start again from the last checkpoint")
+    missing = sorted(set(range(nproc)) - set(kept))
+    if missing:
+        return (f"local rank(s) {', '.join(map(str, missing))} not running here: a new rendezvous host is "
+                "elected and the workers start again from the last checkpoint")
+    return None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            out[k.decode(errors="replace")] = v.decode(errors="replace")
+    return out
+
+
+def live_workers(launcher_pid: int) -> dict[int, int]:
+    """This launcher's live in-process workers, local rank -> PID (from ``/proc``: the
+    ``LOCAL_RANK`` they were started with; a zombie is not alive)."""
+    out: dict[int, int] = {}
+    for pid in children(launcher_pid):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        env = _environ(pid)
+        if state == "Z" or env.get(proto.RECOVERY_ENV) != proto.INPROCESS or "LOCAL_RANK" not in env:
+            continue
+        out[int(env["LOCAL_RANK"])] = pid
+    return out
+
+
+def parse_adopt(text: str | None) -> dict[int, int]:
+    """``--adopt``'s value (``LR:PID,...``) as local rank -> PID (pure)."""
+    out = {}
+    for item in (text or "").split(","):
+        lr, sep, pid = item.partition(":")
+        if sep and lr.isdigit() and pid.isdigit():
+            out[int(lr)] = int(pid)
+    return out
+
+
+def format_adopt(kept: Mapping[int, int]) -> str:
+    return ",".join(f"{lr}:{pid}" for lr, pid in sorted(kept.items()))
+
+
+def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_port: int) -> dict[str, Any]:
+    """What torch's start would have kept for the adopted workers (their command and
+    environment, from ``/proc``), pointed at the new round: a dead one's joiner starts so."""
+    args, envs, entry = {}, {}, ""
+    for lr, pid in pids.items():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:
+            continue
+        entry, args[lr] = argv[0], tuple(argv[1:])
+        envs[lr] = {**_environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port)}
+    return {"entrypoint": entry, "args": args, "envs": envs}
+
+
+def publish(launcher_pid: int, rebind: proto.Rebind) -> Path:
+    """Names the new epoch's store to this launcher's workers (atomically)."""
+    path = channel_path(launcher_pid)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(rebind.encode())
+    os.replace(tmp, path)
+    return path
+
+
+def kill(pids: Sequence[int]) -> None:
+    """SIGKILLs the adopted workers (no new epoch for them) and reaps them."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 3.0
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    left.remove(pid)
+            except ChildProcessError:
+                left.remove(pid)
+        time.sleep(0.05)
+
+
+def stop_left(adopt: Mapping[int, int]) -> None:
+    """SIGKILLs the adopted workers that are still this launcher's children (its agent ended
+    without them ending: e.g. the new host never came)."""
+    mine = set(children(os.getpid()))
+    kill([pid for pid in adopt.values() if pid in mine])
+
+
+class AdoptedProcesses:
+    """torch's process context (``PContext``: ``pids``, ``wait``, ``close``) for workers this
+    launcher did not start in this image (they were its children before its ``execv``)."""
+
+    def __init__(self, pids: Mapping[int, int], error_files: Mapping[int, str] | None = None) -> None:
+        self._pids = dict(pids)
+        self._errors = dict(error_files or {})
+        self._codes: dict[int, int] = {}
+
+    def pids(self) -> dict[int, int]:
+        return dict(self._pids)
+
+    def _status(self, pid: int) -> int | None:
+        """The exit status (``waitpid`` form) once ended, reaping it; None while it runs."""
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        return status if got else None
+
+    def wait(self, timeout: float = 0, period: float = 0.1) -> Any:
+        """None while any adopted worker runs; else torch's ``RunProcsResult``. Nobody is
+        reaped before all have ended (the agent reads a zombie's status from ``/proc``)."""
+        from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {lr: _state(pid) for lr, pid in self._pids.items() if lr not in self._codes}
+            if all(s in ("Z", None) for s in states.values()):
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(period)
+        for lr in states:
+            status = self._status(self._pids[lr])
+            self._codes[lr] = 0 if status is None else status
+        result = RunProcsResult()
+        for lr, status in self._codes.items():
+            code = -(status & 0x7F) if status & 0x7F else status >> 8
+            if code:
+                result.failures[lr] = ProcessFailure(local_rank=lr, pid=self._pids[lr], exitcode=code,
+                                                     error_file=self._errors.get(lr, ""))
+            else:
+                result.return_values[lr] = None
+        return result
+
+    def close(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
+        """Stops the adopted workers: ``death_sig``, then SIGKILL after ``timeout``."""
+        live = [pid for lr, pid in self._pids.items() if lr not in self._codes]
+        for pid in live:
+            try:
+                os.kill(pid, death_sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        while live and time.monotonic() < deadline:
+            live = [pid for pid in live if _state(pid) not in ("Z", None)]
+            time.sleep(0.1)
+        kill(list(self._pids.values()))
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

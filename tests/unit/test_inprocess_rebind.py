@@ -1,0 +1,205 @@
+"""Keeping in-process workers through the rendezvous host's loss, the parts that need no cluster
+(the cluster test is ``tests/slurm/test_succession_on_cluster.py``):
+
+- the launcher's rule of when its workers can be kept, and the ``--adopt`` value;
+- its stand-in for torch's process context, on real child processes (alive, exited, killed);
+- the node-local channel: the worker's watch takes a newer epoch once, and first breaks a real
+  store request blocked on the old store (a crashed host never answers it);
+- the re-form in a store with no history: the survivors, knowing the last generation from
+  memory, mark the lost node's workers dead and close at once on the newest step.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hpc.contract import inprocess as proto
+from runtime.launch import inprocess_adopt as adopt
+from runtime.worker.inprocess import rebind
+from runtime.worker.inprocess.membership import Membership
+
+
+def test_workers_are_kept_only_with_succession_no_spares_and_every_local_rank_alive():
+    ok = dict(succession=True, spares=0, kept={0: 11, 1: 12}, nproc=2)
+    assert adopt.why_not(**ok) is None
+    assert "no succession outside Slurm" in adopt.why_not(**{**ok, "succession": False})
+    assert "1 hot spare" in adopt.why_not(**{**ok, "spares": 1})
+    why = adopt.why_not(**{**ok, "kept": {0: 11}})
+    assert "local rank(s) 1 not running" in why and "last checkpoint" in why
+
+
+def test_the_adopt_value_round_trips_and_ignores_junk():
+    kept = {1: 4321, 0: 1234}
+    assert adopt.format_adopt(kept) == "0:1234,1:4321"
+    assert adopt.parse_adopt(adopt.format_adopt(kept)) == kept
+    assert adopt.parse_adopt("") == {} and adopt.parse_adopt(None) == {}
+    assert adopt.parse_adopt("0:12,x:3,4") == {0: 12}
+
+
+def test_lost_uids_are_the_workers_on_hosts_outside_the_new_epoch():
+    uids = ["node1/10", "node1/11", "node2/20", "node3/30"]
+    assert proto.lost_uids(uids, ["node2", "node3"]) == ["node1/10", "node1/11"]
+    rec = proto.Rebind(1, "node2:29400", "hpc/inproc/node2:4000", ("node2", "node3"))
+    assert proto.Rebind.decode(rec.encode()) == rec
+
+
+def test_adopted_processes_are_watched_reaped_and_reported_like_torchs_context():
+    ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    bad = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ctx = adopt.AdoptedProcesses({0: ok.pid, 1: bad.pid})
+    assert ctx.pids() == {0: ok.pid, 1: bad.pid}
+    assert ctx.wait(0) is None                      # both run
+    time.sleep(1.0)
+    assert ctx.wait(0) is None                      # one ended (a zombie, not reaped): still running
+    assert Path(f"/proc/{ok.pid}/stat").exists()
+    bad.kill()
+    result = ctx.wait(5)
+    assert result is not None and result.is_failed()
+    assert result.return_values == {0: None} and result.failures[1].exitcode == -9
+    assert not Path(f"/proc/{ok.pid}/stat").exists()   # reaped once all ended
+
+
+def test_closing_adopted_processes_stops_them():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    adopt.AdoptedProcesses({0: proc.pid}).close(timeout=5)
+    assert time.monotonic() - t0 < 5 and not Path(f"/proc/{proc.pid}/stat").exists()
+
+
+def test_the_epoch_watch_breaks_a_request_blocked_on_the_old_store_then_offers_the_new_one(tmp_path):
+    old = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", old.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    channel = tmp_path / "channel.json"
+    broken: list[bool] = []
+    watch = rebind.EpochWatch(channel, 0, address=lambda: f"127.0.0.1:{old.port}",
+                              on_new=lambda: broken.append(True))
+    watch.start()
+    failed: list[float] = []
+
+    def blocked() -> None:   # a store request the old host will never answer (60 s bound)
+        try:
+            client.wait(["never"])
+        except Exception:   # noqa: BLE001 - the broken connection
+            failed.append(time.monotonic())
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.5)
+    channel.write_text(proto.Rebind(0, "x:1", "s", ("a",)).encode())   # not newer: ignored
+    time.sleep(0.6)
+    assert not watch.pending() and not failed
+    t0 = time.monotonic()
+    rec = proto.Rebind(1, "127.0.0.1:2", "hpc/inproc/n2:5", ("n2", "n3"))
+    channel.write_text(rec.encode())
+    assert watch.take(5) == rec and broken == [True]
+    t.join(10)
+    assert failed and failed[0] - t0 < 5, "the blocked store request did not end"
+    assert watch.take(0) is None   # offered once
+    watch.stop()
+
+
+def test_without_a_watch_a_failed_store_request_is_not_waited_on():
+    with pytest.raises(RuntimeError, match="gone"):
+        rebind.wait_for(None, RuntimeError("gone"))
+
+
+def test_survivors_re_form_in_a_store_without_history_and_do_not_wait_for_the_lost_node():
+    """The new store knows nothing: each survivor knows the last generation (gen 4) from
+    memory and marks node1's workers dead; the first arrival leads, closes at once (the join
+    window is 60 s here) and the newest step held wins."""
+    new = dist.HashStore()
+    old = ("node1/1", "node1/2", "node2/3", "node2/4", "node3/5", "node3/6")
+    survivors = [Membership(new, u, window_s=60.0) for u in old[2:]]
+    for m in survivors:
+        m.gen, m.uids = 4, old
+        for u in proto.lost_uids(m.uids, ["node2", "node3"]):
+            new.set(proto.dead(u), "lost with its node")
+    got: dict[str, object] = {}
+    steps = {"node2/3": 17, "node2/4": 17, "node3/5": 18, "node3/6": 17}
+    threads = [threading.Thread(target=lambda m=m: got.update({m.me: m.reform(steps[m.me], old.index(m.me),
+                                                                              reason="host lost")}))
+               for m in survivors]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 20, "the leader waited for the lost node's workers"
+    ms = set(got.values())
+    assert len(ms) == 1
+    [m] = ms
+    assert m.gen == 5 and m.uids == old[2:] and m.world_size == 4
+    assert m.step == 18 and m.uids[m.source] == "node3/5"
+
+
+class _Restarted(Exception):
+    pass
+
+
+def test_the_fence_gets_the_main_thread_out_of_a_blocked_store_request_to_restart_keeping_workers(monkeypatch):
+    """The workers die with the thread that started them (PR_SET_PDEATHSIG): the restart that
+    keeps them must run on the launcher's main thread, which sits in torch's requests to the
+    lost store. The fence breaks those requests and signals it; the main thread takes the
+    restart (here it raises instead of ``execv``, which a test cannot do) within a second."""
+    import signal
+
+    from runtime.launch import main as launch
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    f = launch._Fence(None, 0, members=2, is_host=False, rdzv_endpoint=f"127.0.0.1:{server.port}")
+    f.host_lost = "the rendezvous store has not answered for 10s: its host is lost"
+    taken: list[tuple[int, dict]] = []
+
+    def restart(children: list[int], epoch: int, adopt: dict | None = None) -> None:
+        taken.append((threading.get_ident(), dict(adopt or {})))
+        raise _Restarted
+    monkeypatch.setattr(launch, "_restart_launcher", restart)
+    previous = signal.signal(launch.KEEP_SIGNAL, lambda *_: f.exec_kept())
+    asker = threading.Thread(target=lambda: f._yield_to_main({0: 123, 1: 456}), daemon=True)
+    t0 = time.monotonic()
+    try:
+        asker.start()
+        with pytest.raises(_Restarted):
+            while time.monotonic() - t0 < 30:   # torch's agent, blocked on the lost host's store
+                try:
+                    client.wait(["never"])
+                except dist.DistNetworkError:   # broken: back in Python, where the handler runs
+                    time.sleep(0.1)
+    finally:
+        f.keep_now = None   # (the asker stops signalling)
+        asker.join(5)
+        signal.signal(launch.KEEP_SIGNAL, previous)
+    assert time.monotonic() - t0 < 5
+    assert taken == [(threading.main_thread().ident, {0: 123, 1: 456})]
+
+
+def test_a_host_that_lost_its_majority_and_the_controller_does_not_let_its_workers_re_form_alone():
+    """The cut-off host's workers re-formed alone and committed a checkpoint step the
+    survivors then could not save (seen on the cluster: 'step-000012 already exists')."""
+    from runtime.launch.main import UnlessCutOff
+
+    said: list[dict] = []
+    asked: list[bool] = []
+
+    def reachable(answer: bool):
+        return lambda: asked.append(answer) or answer
+
+    cut = UnlessCutOff(said.append, members=3, reachable=reachable(False))
+    cut({1: ("node2", 5.0)})                        # 2 of 3 left: a majority, announced
+    assert said == [{1: ("node2", 5.0)}] and not asked
+    cut({1: ("node2", 6.0), 2: ("node3", 5.0)})     # 1 of 3 left, no controller: held back
+    cut({1: ("node2", 7.0), 2: ("node3", 6.0)})
+    assert len(said) == 1 and asked == [False]      # asked once
+    gone = UnlessCutOff(said.append, members=3, reachable=reachable(True))
+    gone({1: ("node2", 5.0), 2: ("node3", 5.0)})    # the controller answers: the others are gone
+    assert said[-1] == {1: ("node2", 5.0), 2: ("node3", 5.0)}
