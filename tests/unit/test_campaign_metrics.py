@@ -240,9 +240,15 @@ def test_a_torchft_fault_costs_the_stall_after_the_step_in_flight():
             for t, s, w in [(6.55, 12, 3), (6.72, 13, 3), (6.96, 14, 3), (7.14, 15, 3), (12.29, 16, 2),
                             (12.44, 17, 2)]]
     recoveries = cm.torchft_recoveries(recs)
-    assert recoveries == [(7.14, 15)]
+    assert [(round(t, 3), s) for t, s in recoveries] == [(12.29, 15)]
     trace = [(r["t"], r["step"], ("1", 0)) for r in recs]
     assert cm.back_at(trace, 7.06, recoveries) == 12.29, "back after the stall, at step 16"
     assert cm.back_at(trace, 7.06) == 7.14, "without it: the step in flight (the stall missed)"
+    # The fault seen after its step was logged (nothing in flight), and a requeue later (a new
+    # group, campaign seed 3): back at the first step of the new participants all the same,
+    # not at the requeue's first step.
+    later = trace + [(40.0, 15, ("1", 1)), (41.0, 18, ("1", 1))]
+    assert cm.back_at(later, 7.2, recoveries) == 12.29
+    assert cm.back_at(later, 7.2) == 41.0, "without it: charged until after the requeue"
     # A new allocation is no change of the participants.
     assert cm.torchft_recoveries(recs[:2] + [{**recs[2], "alloc": 1, "world": 2}]) == []
