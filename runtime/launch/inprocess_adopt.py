@@ -34,6 +34,21 @@ from runtime.liveness.watchdog import heartbeat_root
 
 log = logging.getLogger("hpc.launch")
 
+LOST_STATUS = 1 << 8   # ``waitpid`` form of exit 1: a worker whose real status is gone
+_KEPT_CONTEXTS: list[Any] = []   # torch's process contexts of workers kept in place (see keep_handles)
+
+
+def keep_handles(pcontext: Any) -> None:
+    """Keeps torch's process context of workers kept through the host's loss in place.
+
+    Dropped with its agent, its ``Popen`` objects of still-running workers would go to
+    ``subprocess``'s list of orphans, which the next ``Popen`` of this process (a joiner)
+    reaps: the worker's exit status would then be gone when :class:`AdoptedProcesses` asks
+    for it. Kept here, nobody but :class:`AdoptedProcesses` reaps them.
+    """
+    if pcontext is not None:
+        _KEPT_CONTEXTS.append(pcontext)
+
 
 def channel_path(launcher_pid: int) -> Path:
     """The node-local file where launcher ``launcher_pid`` names a new epoch's store (it
@@ -168,11 +183,20 @@ class AdoptedProcesses:
         return dict(self._pids)
 
     def _status(self, pid: int) -> int | None:
-        """The exit status (``waitpid`` form) once ended, reaping it; None while it runs."""
+        """The exit status (``waitpid`` form) once ended, reaping it; None while it runs.
+
+        A worker already reaped by someone else has no status left to read: it counts as
+        failed (:data:`LOST_STATUS`), never as a success. Read as exit 0, such a worker once
+        ended an unfinished job as ``finished (exit 0)`` with nothing to requeue (the fault
+        campaign, seed 2 at 12:58: 33 of 60 steps); read as failed, the restart path resumes
+        it from the last checkpoint.
+        """
         try:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return 0
+            log.warning("in-process recovery: worker %d ended and was reaped elsewhere: its exit "
+                        "status is lost, counted as failed", pid)
+            return LOST_STATUS
         return status if got else None
 
     def wait(self, timeout: float = 0, period: float = 0.1) -> Any:
@@ -191,7 +215,7 @@ class AdoptedProcesses:
             time.sleep(period)
         for lr in states:
             status = self._status(self._pids[lr])
-            self._codes[lr] = 0 if status is None else status
+            self._codes[lr] = LOST_STATUS if status is None else status
         result = RunProcsResult()
         for lr, status in self._codes.items():
             code = -(status & 0x7F) if status & 0x7F else status >> 8

@@ -290,6 +290,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             except Exception as e:
                 if keep_on_loss is not None and keep_on_loss():   # the host is lost: keep them
                     state.kept = True
+                    inprocess_adopt.keep_handles(getattr(self, "_pcontext", None))
                     log.warning("in-process recovery: the agent's store is lost (%s: %s); its "
                                 "workers are kept for the next rendezvous epoch", type(e).__name__, e)
                 raise

@@ -17,6 +17,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -65,6 +66,40 @@ def test_adopted_processes_are_watched_reaped_and_reported_like_torchs_context()
     assert result is not None and result.is_failed()
     assert result.return_values == {0: None} and result.failures[1].exitcode == -9
     assert not Path(f"/proc/{ok.pid}/stat").exists()   # reaped once all ended
+
+
+def test_an_adopted_worker_reaped_elsewhere_counts_as_failed_not_finished():
+    # Its exit status is gone: read as exit 0 it once ended an unfinished job as "finished".
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()                                   # someone else reaped it
+    result = adopt.AdoptedProcesses({0: proc.pid}).wait(5)
+    assert result is not None and result.is_failed() and result.failures[0].exitcode == 1
+
+
+def _orphaned_popen_then_another_popen(keep: bool) -> int:
+    """A running worker's Popen dropped (its agent gone), kept by keep_handles or not; the
+    worker ends; this process starts another child (a joiner): subprocess reaps its orphans."""
+    import gc
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    pid = proc.pid
+    if keep:
+        adopt.keep_handles(SimpleNamespace(handlers={0: proc}))
+    del proc
+    gc.collect()
+    time.sleep(1.5)                               # it ended (a zombie)
+    subprocess.run([sys.executable, "-c", "pass"], check=True)   # the joiner's start
+    return pid
+
+
+def test_workers_kept_in_place_keep_their_exit_status_for_the_adoption():
+    pid = _orphaned_popen_then_another_popen(keep=True)
+    result = adopt.AdoptedProcesses({0: pid}).wait(5)
+    assert result is not None and not result.is_failed(), result.failures   # its real exit 0
+    # Without keep_handles the status is gone (subprocess reaped it): counted as failed.
+    pid = _orphaned_popen_then_another_popen(keep=False)
+    result = adopt.AdoptedProcesses({0: pid}).wait(5)
+    assert result is not None and result.is_failed()
 
 
 def test_closing_adopted_processes_stops_them():
