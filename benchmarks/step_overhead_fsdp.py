@@ -24,9 +24,6 @@ Loops, each run as rounds of the same number of steps, in blocks ``B X1 B X2 ...
   in-process guard's comms and optimizer step), outside ``s.steps()``: the guard's share;
 - ``nocopy``: the Session's loop with the copies never due (the in-process Session without
   copies: its guarded comms, ``s.steps()``, ``s.log``, the sampler);
-- ``check1``: ``nocopy`` with the timed-save check (a blocking broadcast of rank 0's clock) at
-  every agreement step, as the Session did before ``session.check_intervals`` (every step at
-  100-ms steps; now about once a second);
 - ``copy``: the same with a copy every step (``HPC_INPROC_COPY_EVERY=1``, the default);
 - ``every``: a copy every N steps, N being what the Session's own warning recommended during the
   warm-up at 100-ms steps (parsed from its log line; when it has not said it yet, its rule,
@@ -73,9 +70,8 @@ from runtime.worker.inprocess.shard_copy import advised_every  # noqa: E402
 
 STEP_S, TARGET_PCT = 0.100, 1.0
 NEVER = 10**9                      # a copy interval no round reaches
-VARIANTS = ("wrap", "nocopy", "check1", "copy", "every", "bare")
-LABELS = {"wrap": "bare on the s.wrap() model", "nocopy": "Session, copies off",
-          "check1": "copies off, save check/step", "copy": "Session, copy every step", "every": "Session, copy every N",
+VARIANTS = ("wrap", "nocopy", "copy", "every", "bare")
+LABELS = {"wrap": "bare on the s.wrap() model", "nocopy": "Session, copies off", "copy": "Session, copy every step", "every": "Session, copy every N",
           "bare": "bare (A/A control)"}
 ADVICE = re.compile(r"set HPC_INPROC_COPY_EVERY=(\d+)")
 
@@ -114,7 +110,7 @@ class CopyLoops(Loops):
     def __init__(self, s: Any, work: Work, sampler: Any, log_every: int, copies: Any) -> None:
         super().__init__(s, work, sampler, None, log_every)
         self.copies = copies
-        self.intervals = {"copy": 1, "nocopy": NEVER, "check1": NEVER, "every": 1}
+        self.intervals = {"copy": 1, "nocopy": NEVER, "every": 1}
         self.stats: dict[str, dict[str, float]] = {}
 
     def round(self, name: str, steps: int) -> float:
@@ -127,13 +123,7 @@ class CopyLoops(Loops):
         c.every = self.intervals[name]
         before = (c.snapshot_s, c.snapshots, c.copy_s, c.copies_made, c.copy_cpu_s)
         at = len(self.boundary_s)
-        check_every = self.s._save_check_every
-        if name == "check1":   # the timed-save check at every agreement step (before 2026-11-26 13:00)
-            self.s._save_check_every = self.s._poll_every
-        try:
-            took = self._session(steps)
-        finally:
-            self.s._save_check_every = check_every
+        took = self._session(steps)
         inside = sum(self.boundary_s[at:])
         t0 = time.perf_counter()
         c.settle()            # outside the round's time: else it runs into the next bare round

@@ -64,7 +64,6 @@ log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
 POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
 MAX_POLL_EVERY = 50
-SAVE_CHECK_TARGET_S = 1.0       # ask rank 0's clock whether a timed save is due about this often
 JOIN_WAIT_S = 30 * 86400.0      # a joiner (a hot spare's worker) may wait the job's whole life
 PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
 LINE_MIN_S = 1.0                # console progress: a line per log step, at most one a second,
@@ -79,22 +78,6 @@ def progress_interval(configured: float | None) -> float:
     """Seconds between rank 0's ``progress.json`` writes: ``HPC_PROGRESS_EVERY_S`` where set,
     ``0`` meaning every step (it once fell back to the 2-s default, being falsy), else 2 s."""
     return PROGRESS_EVERY_S if configured is None else max(0.0, float(configured))
-
-
-def check_intervals(median_step_s: float) -> tuple[int, int]:
-    """Steps between the preemption agreements and between the timed-save checks at steps of
-    ``median_step_s``: ``(poll_every, save_check_every)``, the second a multiple of the first.
-
-    One agreement per step is cheap for long steps but measurable for steps of a few
-    milliseconds on busy CPUs; reacting within ~POLL_TARGET_S is all a warning needs (it comes
-    tens of seconds before the kill). The timed-save check asks rank 0's clock (a blocking
-    broadcast: a barrier at the step boundary, 1-3 ms per step under in-process recovery at
-    100-ms steps, benchmarks/RESULTS-runtime.md); a save interval of minutes needs it about
-    once a second (SAVE_CHECK_TARGET_S), so a timed save starts at most ~1 s late.
-    """
-    step_s = max(median_step_s, 1e-6)
-    poll = max(1, min(MAX_POLL_EVERY, int(POLL_TARGET_S / step_s)))
-    return poll, poll * max(1, int(SAVE_CHECK_TARGET_S / (poll * step_s)))
 
 
 class Session:
@@ -143,7 +126,6 @@ class Session:
         self._progress_written = 0.0
         self._line_at = 0.0                  # when rank 0 last printed a progress line (monotonic)
         self._poll_every = 1
-        self._save_check_every = 1           # steps between timed-save checks (a multiple of _poll_every)
         self._start_step = 0
         self._owns_group = False
         self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
@@ -440,7 +422,6 @@ class Session:
         steps as the members (sent with the state)."""
         ckpt = self._checkpointer
         return {"origin": self._origin, "poll_every": self._poll_every,
-                "save_check_every": self._save_check_every,
                 "last_save_step": ckpt._last_save_step if ckpt is not None else None,
                 "schedule": ckpt.schedule if ckpt is not None else None}
 
@@ -712,7 +693,6 @@ class Session:
         got = self._inproc.received_session
         self._origin = got.get("origin")
         self._poll_every = int(got.get("poll_every") or 1)
-        self._save_check_every = int(got.get("save_check_every") or self._poll_every)
         if self._checkpointer is not None:   # the same save rules (a timed save is a collective)
             self._checkpointer._last_save_step = got.get("last_save_step")
             if got.get("schedule") is not None:
@@ -831,7 +811,7 @@ class Session:
         self._rec.step_done(self.step)
         self._end_of_step(last=self.step == stop)
         if done == CALIBRATE_AFTER_STEPS:
-            self._poll_every, self._save_check_every = self._agree_poll_interval(step_times)
+            self._poll_every = self._agree_poll_interval(step_times)
         request = None
         if self._watcher is not None and done % self._poll_every == 0:
             request = self._watcher.poll()
@@ -843,28 +823,31 @@ class Session:
             log.log(NOTE, "%s arrived at the last step: finishing instead of stopping",
                     request.signal_name)
         if self._checkpointer is not None and self.step < stop \
-                and self._checkpointer.should_save(self.step, timed=done % self._save_check_every == 0):
+                and self._checkpointer.should_save(self.step, timed=done % self._poll_every == 0):
             self.save(blocking=False)
         return False
 
-    def _agree_poll_interval(self, step_times: list[float]) -> tuple[int, int]:
-        """Steps between preemption agreements and between timed-save checks, the same on
-        every rank (rank 0's median step time decides; :func:`check_intervals`)."""
+    def _agree_poll_interval(self, step_times: list[float]) -> int:
+        """How many steps between preemption agreements, the same on every rank.
+
+        One agreement per step is cheap for long steps but measurable for steps of a few
+        milliseconds on busy CPUs; reacting within ~POLL_TARGET_S is all a warning needs (it
+        comes tens of seconds before the kill). Rank 0's median step time decides.
+        """
         import statistics
 
         median = statistics.median(step_times[1:] or step_times)
-        every, save_every = check_intervals(median)
+        every = max(1, min(MAX_POLL_EVERY, int(POLL_TARGET_S / max(median, 1e-6))))
         if self.world_size > 1:
-            t = torch.tensor([every, save_every], dtype=torch.int64)
+            t = torch.tensor([every], dtype=torch.int64)
             work = dist.broadcast(t, src=0, group=self.cpu_group, async_op=True)
             if self._inproc is not None:
                 self._inproc.guard.settle([work])
             work.wait()
-            every, save_every = (int(v) for v in t.tolist())
-        if self.is_rank0 and (every > 1 or save_every > 1):
-            log.info("steps take ~%.1f ms: preemption agreement every %d steps, timed-save check every %d",
-                     median * 1e3, every, save_every)
-        return every, save_every
+            every = int(t.item())
+        if self.is_rank0 and every > 1:
+            log.info("steps take ~%.1f ms: preemption agreement every %d steps", median * 1e3, every)
+        return every
 
     def _stop(self, request: StopRequest) -> None:
         self._log_row_in_flight()   # every rank: the stop comes after that row
