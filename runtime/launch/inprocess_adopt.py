@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +174,26 @@ class AdoptedProcesses:
     """torch's process context (``PContext``: ``pids``, ``wait``, ``close``) for workers this
     launcher did not start in this image (they were its children before its ``execv``)."""
 
-    def __init__(self, pids: Mapping[int, int], error_files: Mapping[int, str] | None = None) -> None:
+    def __init__(self, pids: Mapping[int, int], error_files: Mapping[int, str] | None = None,
+                 finished: Callable[[], bool] | None = None) -> None:
         self._pids = dict(pids)
         self._errors = dict(error_files or {})
         self._codes: dict[int, int] = {}
+        self._finished = finished   # did the training finish (rank 0's mark in the store)?
+
+    def _unknown(self, pid: int) -> int:
+        """The status of a worker reaped elsewhere (its own is gone): the evidence decides.
+        The training finished (rank 0 marked it in the store): exit 0; else, or when the store
+        cannot say, exit 1 (:data:`LOST_STATUS`), never a success that did not happen."""
+        try:
+            done = bool(self._finished is not None and self._finished())
+        except Exception as e:   # noqa: BLE001 - the store is gone: it cannot say
+            log.warning("in-process recovery: cannot ask whether the training finished: %s", e)
+            done = False
+        log.warning("in-process recovery: worker %d ended and was reaped elsewhere: its exit status "
+                    "is lost; %s", pid, "the training finished: counted as exit 0" if done
+                    else "the training did not finish: counted as failed")
+        return 0 if done else LOST_STATUS
 
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
@@ -185,18 +201,16 @@ class AdoptedProcesses:
     def _status(self, pid: int) -> int | None:
         """The exit status (``waitpid`` form) once ended, reaping it; None while it runs.
 
-        A worker already reaped by someone else has no status left to read: it counts as
-        failed (:data:`LOST_STATUS`), never as a success. Read as exit 0, such a worker once
-        ended an unfinished job as ``finished (exit 0)`` with nothing to requeue (the fault
-        campaign, seed 2 at 12:58: 33 of 60 steps); read as failed, the restart path resumes
-        it from the last checkpoint.
+        A worker already reaped by someone else has no status left to read: the evidence
+        decides (:meth:`_unknown`). Read as exit 0 whatever happened, such a worker once ended
+        an unfinished job as ``finished (exit 0)`` with nothing to requeue (the fault campaign,
+        seed 2 at 12:58: 33 of 60 steps); read as failed whatever happened, a finished job
+        ended as an application error (CI of 63b094e).
         """
         try:
             got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            log.warning("in-process recovery: worker %d ended and was reaped elsewhere: its exit "
-                        "status is lost, counted as failed", pid)
-            return LOST_STATUS
+            return self._unknown(pid)
         return status if got else None
 
     def wait(self, timeout: float = 0, period: float = 0.1) -> Any:
@@ -215,7 +229,7 @@ class AdoptedProcesses:
             time.sleep(period)
         for lr in states:
             status = self._status(self._pids[lr])
-            self._codes[lr] = LOST_STATUS if status is None else status
+            self._codes[lr] = self._unknown(self._pids[lr]) if status is None else status
         result = RunProcsResult()
         for lr, status in self._codes.items():
             code = -(status & 0x7F) if status & 0x7F else status >> 8

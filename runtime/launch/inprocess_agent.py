@@ -164,7 +164,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             assert adopt
             pids = dict(adopt)
             self.__dict__["_adopted"] = True
-            self._pcontext = inprocess_adopt.AdoptedProcesses(pids)
+            self._pcontext = inprocess_adopt.AdoptedProcesses(
+                pids, finished=lambda: bool(self._space(worker_group).check([proto.DONE])))
             launches = inprocess_adopt.launch_of(pids, store=store_address,
                                                  master_addr=worker_group.master_addr,
                                                  master_port=worker_group.master_port)

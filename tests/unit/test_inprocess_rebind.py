@@ -68,12 +68,16 @@ def test_adopted_processes_are_watched_reaped_and_reported_like_torchs_context()
     assert not Path(f"/proc/{ok.pid}/stat").exists()   # reaped once all ended
 
 
-def test_an_adopted_worker_reaped_elsewhere_counts_as_failed_not_finished():
-    # Its exit status is gone: read as exit 0 it once ended an unfinished job as "finished".
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()                                   # someone else reaped it
-    result = adopt.AdoptedProcesses({0: proc.pid}).wait(5)
-    assert result is not None and result.is_failed() and result.failures[0].exitcode == 1
+def test_an_adopted_worker_reaped_elsewhere_is_judged_by_whether_the_training_finished():
+    # Its exit status is gone: read as exit 0 it once ended an unfinished job as "finished";
+    # read as failed, a finished job ended as an application error. The store's mark decides.
+    for finished, failed in ((lambda: False, True), (None, True), (lambda: 1 / 0, True), (lambda: True, False)):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()                                   # someone else reaped it
+        result = adopt.AdoptedProcesses({0: proc.pid}, finished=finished).wait(5)
+        assert result is not None and result.is_failed() is failed, (finished, result)
+        if failed:
+            assert result.failures[0].exitcode == 1
 
 
 def _orphaned_popen_then_another_popen(keep: bool) -> int:
