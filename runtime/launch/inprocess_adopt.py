@@ -185,8 +185,12 @@ class AdoptedProcesses:
         """The status of a worker reaped elsewhere (its own is gone): the evidence decides.
         The training finished (rank 0 marked it in the store): exit 0; else, or when the store
         cannot say, exit 1 (:data:`LOST_STATUS`), never a success that did not happen."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         try:
             done = bool(self._finished is not None and self._finished())
+        except SignalException:   # the launcher's own stop, not the store's answer
+            raise
         except Exception as e:   # noqa: BLE001 - the store is gone: it cannot say
             log.warning("in-process recovery: cannot ask whether the training finished: %s", e)
             done = False

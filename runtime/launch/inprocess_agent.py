@@ -99,7 +99,8 @@ def describe_exit(status: int) -> str:
 def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                     replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
                     epoch: int = 0, members: Sequence[str] = (),
-                    keep_on_loss: Callable[[], bool] | None = None) -> Iterator[SimpleNamespace]:
+                    keep_on_loss: Callable[[], bool] | None = None,
+                    stopping: Callable[[], bool] | None = None) -> Iterator[SimpleNamespace]:
     """While inside, torch's agent (built by ``launch_agent`` by its module-global name) is
     one that announces dead workers and restarts no live ones (see the module docstring).
 
@@ -118,9 +119,12 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
         keep_on_loss: Asked when torch's agent fails (its store broke): True when the host is
             lost and the workers are to be kept for the next epoch; then the agent ends
             without stopping them and the yielded state's ``kept`` is True.
+        stopping: True once the launcher is stopping (a forwarded SIGTERM, its fence): a
+            worker that dies then is not replaced by a joiner.
     """
     from torch.distributed.elastic.agent.server import local_elastic_agent as torch_agent
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher import api as launcher_api
 
     base = launcher_api.LocalElasticAgent
@@ -199,6 +203,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             published.extend(proto.uid(host, p) for p in pids)
             try:
                 self._space(worker_group).set(proto.node_workers(node_rank), json.dumps(published))
+            except SignalException:   # the launcher's own stop (its fence's SIGQUIT): not a store error
+                raise
             except Exception as e:   # noqa: BLE001 - then a lost node here waits for the bound
                 log.warning("in-process recovery: cannot publish this node's workers: %s", e)
 
@@ -255,6 +261,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             return super()._monitor_workers(worker_group)
 
         def _may_replace(self, worker_group: Any) -> bool:
+            if stopping is not None and stopping():   # killed by the launcher's own stop
+                return False
             return self.__dict__.get("_replaced", 0) < worker_group.spec.max_restarts
 
         def _start_joiner(self, worker_group: Any, lr: int) -> bool:
@@ -332,6 +340,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 store.set(proto.dead(who), why)
                 if not uids or who in uids:   # (not when a lifeline announced it and the survivors
                     store.set(proto.fault(gen), why)   # re-formed already: gen is theirs, whole)
+            except SignalException:   # the launcher's own stop (its fence's SIGQUIT): swallowed here,
+                raise                 # a cut-off host once went on, replacing the workers it had killed
             except Exception as e:   # noqa: BLE001 - the survivors still see their collectives fail
                 log.warning("in-process recovery: cannot announce the dead worker: %s", e)
                 return False
@@ -395,13 +405,14 @@ def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
 def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0,
              replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
              epoch: int = 0, members: Sequence[str] = (),
-             keep_on_loss: Callable[[], bool] | None = None) -> Any:
+             keep_on_loss: Callable[[], bool] | None = None,
+             stopping: Callable[[], bool] | None = None) -> Any:
     """The context the launcher runs torch's agent in for the job's ``--recovery`` (and
     ``--replacement``; ``adopt``: workers kept through the old host's loss)."""
     if recovery != proto.INPROCESS:
         return nullcontext()
     return owning_recovery(store_address, events, node_rank, replacement, adopt=adopt,
-                           epoch=epoch, members=members, keep_on_loss=keep_on_loss)
+                           epoch=epoch, members=members, keep_on_loss=keep_on_loss, stopping=stopping)
 
 
 def worker_env(store_address: str, *, keeps: bool = False) -> dict[str, str]:

@@ -247,7 +247,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank, spec.replacement, adopt=adopt,
         epoch=epoch, members=names,
         keep_on_loss=(lambda: not forwarder.received and not host_store.answers(plan.rdzv_endpoint))
-        if keeps and not plan.is_rdzv_host and plan.launchers > 1 else None)
+        if keeps and not plan.is_rdzv_host and plan.launchers > 1 else None,
+        stopping=lambda: bool(forwarder.received) or (fence is not None and fence.acted))
     if spec.recovery == "inprocess":
         os.environ.pop(proto_inproc.CHANNEL_ENV, None)
         os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint, keeps=keeps),
@@ -307,8 +308,10 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         watchdog.on_lost = inprocess_silent.LostNodes(plan.rdzv_endpoint, inproc_events,
                                                       host=socket.gethostname())
         if plan.is_rdzv_host and board is not None:   # a cut-off host must not train on alone
+            beacon = watchdog.beacon
             watchdog.on_lost = UnlessCutOff(watchdog.on_lost, members=members or plan.launchers,
-                                            reachable=_controller_reachable)
+                                            reachable=_controller_reachable,
+                                            in_sight=lambda: beacon.in_sight(inprocess_silent.LOST_S / 2))
         watchdog.on_lost_after_s = inprocess_silent.LOST_S
     watchdog.start()
     # The host's loss is watched for under hpc run too, whatever the recovery (no succession
@@ -517,34 +520,54 @@ class UnlessCutOff:
     """The rendezvous host's announcement of lost nodes under ``--recovery inprocess`` (its
     workers then re-form without them), held back while this node may be the one cut off.
 
-    A host that lost a majority of its epoch's nodes and cannot reach Slurm's controller is
+    A host that sees at most half of its epoch's nodes and cannot reach Slurm's controller is
     the one cut off: the others elect a new host and keep their workers
     (:mod:`runtime.launch.inprocess_adopt`). Its own workers must not re-form alone and train
     (and commit checkpoints) in the seconds before the survivors' election fences it: its
     fence stops them (:class:`_Fence`, the same rule). With the controller reachable the
     others are gone, not cut off: the host announces them and goes on, as before.
 
+    The nodes left are those *in sight* (their counters advanced within ``in_sight``'s window),
+    not those not yet named lost: cut off, the host sees its peers' counters stop one after
+    another, and when the first is named lost the others are as silent, only not for as long
+    (the CI of d306e5b: the cut host re-formed alone with "2 of 3 left" and saved a step the
+    survivors then could not).
+
     Args:
         announce: The announcement (:class:`~runtime.launch.inprocess_silent.LostNodes`).
         members: The epoch's nodes.
-        reachable: ``() -> bool``: can this node reach Slurm's controller (asked once)?
+        reachable: ``() -> bool``: can this node reach Slurm's controller? Asked when the nodes
+            in sight are no majority; its answer stands for :data:`ASK_AGAIN_S`.
+        in_sight: ``() -> int``: other nodes seen alive just now (None: all not named lost).
     """
 
-    def __init__(self, announce: Any, *, members: int, reachable: Any) -> None:
+    ASK_AGAIN_S = 5.0
+
+    def __init__(self, announce: Any, *, members: int, reachable: Any, in_sight: Any = None,
+                 clock: Any = time.monotonic) -> None:
         self.announce, self.members, self.reachable = announce, members, reachable
+        self.in_sight, self.clock = in_sight, clock
         self.lost: set[int] = set()
-        self.cut_off: bool | None = None
+        self.gone_confirmed = False       # the controller's last answer: the others are gone
+        self._asked_at: float | None = None
+        self._held = False
 
     def __call__(self, lost: Mapping[int, tuple[str, float]]) -> None:
         self.lost |= set(lost)
-        if self.members >= 2 and (self.members - len(self.lost)) * 2 <= self.members:
-            if self.cut_off is None:
-                self.cut_off = not self.reachable()
-                if self.cut_off:
-                    log.warning("in-process recovery: %d of %d nodes lost and Slurm's controller does not "
-                                "answer: this node may be the one cut off; its workers do not re-form "
-                                "without them", len(self.lost), self.members)
-            if self.cut_off:
+        left = self.members - len(self.lost)
+        if self.in_sight is not None:
+            left = min(left, 1 + self.in_sight())
+        if self.members >= 2 and left * 2 <= self.members:
+            now = self.clock()
+            if self._asked_at is None or now - self._asked_at >= self.ASK_AGAIN_S:
+                self._asked_at = now
+                self.gone_confirmed = bool(self.reachable())
+            if not self.gone_confirmed:
+                if not self._held:
+                    self._held = True
+                    log.warning("in-process recovery: %d of %d nodes in sight (lost %d) and Slurm's "
+                                "controller does not answer: this node may be the one cut off; its "
+                                "workers do not re-form without them", left, self.members, len(self.lost))
                 return
         self.announce(lost)
 

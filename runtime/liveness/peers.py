@@ -155,6 +155,21 @@ class PeerTracker:
             out[int(self.summary["by"])] = self.still("summary", now)
         return {r: s for r, s in out.items() if r != self.node_rank and r not in self.done}
 
+    def in_sight(self, now: float, within_s: float, sizes: dict[int, int]) -> int:
+        """Other nodes seen alive in the last ``within_s`` seconds: this node's group's members
+        whose counter advanced, and (as the root) the members of the groups whose key advanced
+        (``sizes``: group -> its nodes). Not "not yet named lost": a node cut off from the
+        others sees their counters stop one after another, and while the first is named the
+        others are as still, only not for as long."""
+        n = sum(1 for rank, (_, since) in self.seen.items()
+                if rank != self.node_rank and rank not in self.done and now - since <= within_s)
+        mine = groups.group_of(self.node_rank)
+        for g, size in sizes.items():
+            key = self.keys.get(f"group/{g}")
+            if g != mine and key is not None and now - key[1] <= within_s:
+                n += size
+        return n
+
     def out_of_sight(self, now: float) -> int:
         """Nodes lost or unseen (their watcher lost): what the host's majority rule weighs."""
         return len(self.lost(now)) + int(self.summary.get("unseen", 0) or 0)
@@ -271,6 +286,11 @@ class PeerBeacon:
         except Exception as e:  # unreachable store: the tracker's clock says for how long
             log.debug("peer beacon: %s", e)
             self._store = None
+
+    def in_sight(self, within_s: float) -> int:
+        """Other nodes seen alive in the last ``within_s`` seconds (:meth:`PeerTracker.in_sight`)."""
+        sizes = {g: len(groups.members(g, self.max_nodes)) for g in groups.groups(self.max_nodes)}
+        return self.tracker.in_sight(self.clock(), within_s, sizes)
 
     def beat(self, store) -> None:  # noqa: ANN001 (torch type)
         """One beat: add to the counter, read the summary and the group key, send this node's

@@ -106,6 +106,9 @@ def test_submitit_gives_an_excluded_node_back_before_training(env, tmp_path: Pat
     took = wait_gone(env, job_id)
     batch_out = "".join(p.read_text() for p in (job_dir / "submitit").rglob("*.out"))
     print(f"\nsubmitit 2:3 with node3 excluded: submit->done {took:.1f} s")
+    if not batch_out:   # (CI of d306e5b: no output at all; say what Slurm did with the job)
+        rows = sacct_rows(env, job_id, "State,ExitCode,Reason,NodeList,Start,End", until=bool)
+        raise AssertionError(f"job {job_id} left no batch output; Slurm's record: {rows}")
     assert "hpc: gave back excluded node(s) node3; running on node1,node2" in batch_out, batch_out[-3000:]
     result = json.loads((job_dir / "allreduce.json").read_text())
     assert result["world_size"] == 4 and result["sum"] == 10.0

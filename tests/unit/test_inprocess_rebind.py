@@ -207,8 +207,9 @@ def test_the_fence_gets_the_main_thread_out_of_a_blocked_store_request_to_restar
     asker = threading.Thread(target=lambda: f._yield_to_main({0: 123, 1: 456}), daemon=True)
     t0 = time.monotonic()
     try:
-        asker.start()
         with pytest.raises(_Restarted):
+            # (started inside: the signal may come while the main thread still waits in start())
+            asker.start()
             while time.monotonic() - t0 < 30:   # torch's agent, blocked on the lost host's store
                 try:
                     client.wait(["never"])
@@ -242,3 +243,62 @@ def test_a_host_that_lost_its_majority_and_the_controller_does_not_let_its_worke
     gone = UnlessCutOff(said.append, members=3, reachable=reachable(True))
     gone({1: ("node2", 5.0), 2: ("node3", 5.0)})    # the controller answers: the others are gone
     assert said[-1] == {1: ("node2", 5.0), 2: ("node3", 5.0)}
+
+
+def test_a_cut_host_that_sees_its_peers_stop_one_after_another_is_held_back_from_the_first():
+    """CI of d306e5b: the cut host named node3 lost while node2, as silent, was not yet named:
+    '2 of 3 left' announced node3, the host's workers re-formed alone (world 2) and saved step
+    10, and the survivors, going on in place, died on 'step-000010 already exists'. The nodes
+    left are those in sight: none here, so the first loss is held back already; a real single
+    loss (the other node in sight) is announced at once; a held host asks the controller again
+    only after a while, and goes on once its peer is back in sight."""
+    from runtime.launch.main import UnlessCutOff
+
+    said: list[dict] = []
+    asked: list[float] = []
+    now = [100.0]
+    sight = [0]
+
+    def controller_down() -> bool:
+        asked.append(now[0])
+        return False
+
+    cut = UnlessCutOff(said.append, members=3, reachable=controller_down,
+                       in_sight=lambda: sight[0], clock=lambda: now[0])
+    cut({2: ("node3", 5.2)})                   # node2 as silent, only not 5 s yet: held
+    now[0] += 1.0
+    cut({2: ("node3", 6.2)})                   # not asked again within ASK_AGAIN_S
+    assert said == [] and asked == [100.0]
+    now[0] += UnlessCutOff.ASK_AGAIN_S
+    cut({1: ("node2", 7.0), 2: ("node3", 11.2)})
+    assert said == [] and asked == [100.0, 106.0]
+
+    healthy = UnlessCutOff(said.append, members=3, reachable=controller_down,
+                           in_sight=lambda: 1, clock=lambda: now[0])
+    healthy({2: ("node3", 5.1)})               # node2 beats on: a majority in sight, announced
+    assert said == [{2: ("node3", 5.1)}] and len(asked) == 2
+
+    slow = UnlessCutOff(said.append, members=3, reachable=controller_down,
+                        in_sight=lambda: sight[0], clock=lambda: now[0])
+    slow({2: ("node3", 5.1)})                  # node2's beats late for a moment: held
+    assert len(said) == 1
+    sight[0] = 1                               # back in sight: announced
+    slow({2: ("node3", 6.1)})
+    assert said[-1] == {2: ("node3", 6.1)}
+
+
+def test_the_nodes_in_sight_are_those_whose_counters_advanced_lately():
+    """Not those not yet named lost: a peer silent 4 s is not in sight with a 2.5 s window;
+    as the root, another group's members count while its key advances."""
+    from runtime.liveness.peers import PeerTracker
+
+    t = PeerTracker(0, hosts={0: "node1"})
+    t.observe(1, 5, now=10.0)
+    t.observe(2, 7, now=10.0)
+    t.observe(1, 6, now=13.0)                     # node rank 1 beat at 13; rank 2 last at 10
+    assert t.in_sight(14.0, 2.5, {0: 3}) == 1
+    assert t.in_sight(16.0, 2.5, {0: 3}) == 0
+    t.note("group/1", (32, 1), now=13.5)          # group 1 (32 nodes) folded lately
+    assert t.in_sight(14.0, 2.5, {0: 32, 1: 32}) == 1 + 32
+    t.done.add(1)                                 # a node that ended cleanly is not in sight
+    assert t.in_sight(14.0, 2.5, {0: 3}) == 0
