@@ -252,7 +252,9 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             if gone and len(gone) < len(status):   # the others finished: this node did
                 return RunResult(state=WorkerState.SUCCEEDED,
                                  return_values={w.global_rank: None for w in workers.values()})
-            if gone:
+            if gone and stopping is not None and stopping():   # ended by the stop: no fallback
+                gone.clear()
+            elif gone:
                 why = f"every worker on {host} is gone ({len(gone)}): torch's restart path"
                 log.warning("in-process recovery: %s", why)
                 if events is not None:
