@@ -472,6 +472,13 @@ class Session:
             self._checkpointer.wait()
         return self._recover(self.step, "a joiner waits", dirty=False, planned=True)
 
+    def _own_groups(self) -> list[Any]:
+        """The Session's own groups of the generation being left (the recovery keeps them)."""
+        extra = [self.cpu_group, getattr(self._watcher, "group", None)]
+        if self._checkpointer is not None:
+            extra += self._checkpointer.release_groups()
+        return [g for g in extra if g is not None]
+
     def _recover(self, held: int, why: str, *, dirty: bool, planned: bool = False) -> int:
         """Leaves the failed generation, goes on in a new one; returns the step to go on from."""
         assert self._inproc is not None
@@ -480,12 +487,9 @@ class Session:
         self._beat.enter("recover", 300.0)
         old_rank, old_world = self.rank, self.world_size
         self._keep_row_in_flight()
-        extra = [self.cpu_group, getattr(self._watcher, "group", None)]
-        if self._checkpointer is not None:
-            extra += self._checkpointer.release_groups()
         try:
-            rec = self._inproc.recover(held, why, dirty=dirty, groups=[g for g in extra if g is not None],
-                                       regroup=self._regroup, planned=planned)
+            rec = self._inproc.recover(held, why, dirty=dirty, groups=self._own_groups(),
+                                       regroup=self._regroup, planned=planned, release=self._own_groups)
         except Excluded as e:   # its peers went on without it (it was cut off, or frozen): done here
             self._beat.leave()
             log.warning("in-process recovery: %s; this worker ends, the job goes on without it", e)

@@ -36,7 +36,9 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
                                   ``old_world_size``), ``step`` gone on from, ``held``, ``left``,
                                   and the stage ends ``t_detect/t_abort/t_reform/t_group/
                                   t_transfer``, ``bytes`` moved, the training ``backend``
-                                  (``nccl``: ``nccl_aborted``, NCCL backends aborted)
+                                  (``nccl``: ``nccl_aborted``, NCCL backends aborted);
+                                  ``retries``: recoveries a second fault ended (``gen``,
+                                  ``stage``, ``reason``, ``held``, ``holds``: the step held after)
 =====================  =========  ==============================================================
 
 Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.

@@ -57,6 +57,13 @@ minutes (a member in an announced long phase), so a follower bounded by its own 
 would open ``G+1`` beside a live leader: two worlds training at once. The count is compared
 with itself on the follower's own clock, never with another host's clock.
 
+**A second fault during a recovery** (a member of the new generation dies while its group
+forms, or during the state transfer): the survivors re-form again, each arriving with the
+step it still holds whole after the failed try (:func:`held_after`: a rank that had begun to
+load the received state holds none, :data:`HOLDS_NOTHING`, and is never the source); when no
+arrival holds any step whole the leader closes the generation without a source
+(:func:`unsourced`) and every member gives up in-process recovery (``fallback``).
+
 **Joining** (a worker the launcher restarted, a hot spare's worker; issues 26, 27): the
 joiner writes its :class:`Arrival` with ``step=-1`` under ``join/N`` (``N`` from
 ``add("join/count", 1)``) and waits on ``generation`` until a closed generation lists it. The
@@ -82,7 +89,7 @@ STORE_ENV = "HPC_INPROC_STORE"      # host:port of the store that outlives the w
 RECOVERY_ENV = "HPC_RECOVERY"       # "inprocess" or "restart" (the job's --recovery)
 TIMEOUT_ENV = "HPC_INPROC_TIMEOUT_S"  # bound of one training collective (else the stall deadline)
 WINDOW_ENV = "HPC_INPROC_WINDOW_S"  # how long a leader waits for silent members of the old group
-FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail|save|repeat", comma separated
+FAULT_ENV = "HPC_TEST_INPROC_FAULT"  # tests: "RANK:STEP:kill|fail|save|repeat", "RANK:GEN:transfer", comma separated
 JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generation (no rank of its own)
 MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
 MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step before the restart path
@@ -361,6 +368,33 @@ def in_row(previous: Members | None, step: int) -> int:
     return previous.in_row + 1 if previous is not None and previous.step == step else 1
 
 
+HOLDS_NOTHING = -1   # an arrival's step: it holds no training step whole (a joiner, a half-loaded rank)
+UNTOUCHED = "untouched"   # a failed recovery had not begun to overwrite this rank's state
+LOADING = "loading"       # it had begun to load the received state, and not finished
+LOADED = "loaded"         # it had loaded the received state whole (the agreed step's)
+
+
+def held_after(held: int, agreed: int, phase: str) -> int:
+    """The step a rank holds whole after its recovery failed part way (pure): what it says
+    at the next re-form, where the newest step held decides the source (:func:`plan_members`).
+
+    A rank whose state was not touched (the source, a rank that failed before or during the
+    transfer's receipt: it receives into buffers of its own) still holds ``held``; one that
+    loaded the agreed step's state whole holds ``agreed``; one that had begun to load it holds
+    a mix of two steps, so nothing (:data:`HOLDS_NOTHING`): it is never a source again.
+
+    Raises:
+        ValueError: An unknown ``phase`` (names the valid ones).
+    """
+    if phase == UNTOUCHED:
+        return held
+    if phase == LOADED:
+        return agreed
+    if phase == LOADING:
+        return HOLDS_NOTHING
+    raise ValueError(f"phase {phase!r}: expected {UNTOUCHED}, {LOADING} or {LOADED}")
+
+
 def parse_max_reforms(raw: str) -> int:
     """``HPC_INPROC_MAX_REFORMS``: re-forms in a row at one step before in-process recovery
     gives up (the restart path takes over); empty: :data:`DEFAULT_MAX_REFORMS`.
@@ -381,9 +415,11 @@ def parse_max_reforms(raw: str) -> int:
 
 
 def repeats(members: Members, max_reforms: int) -> str | None:
-    """Why in-process recovery gives up at ``members`` (pure): the generation is past
-    ``max_reforms`` re-forms in a row at one step (a failure that repeats, e.g. a bad batch,
-    would loop forever), or None to go on."""
+    """Why in-process recovery gives up at ``members`` (pure): no member holds the state
+    whole (:func:`unsourced`), or the generation is past ``max_reforms`` re-forms in a row at
+    one step (a failure that repeats, e.g. a bad batch, would loop forever), or None to go on."""
+    if members.source < 0:   # nobody holds any step whole (:func:`unsourced`)
+        return members.reason
     if members.in_row <= max_reforms:
         return None
     return (f"{members.in_row} re-forms in a row at step {members.step} without a step completed "
@@ -485,4 +521,17 @@ def plan_members(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str],
     source = next(i for i, a in enumerate(ordered) if a.step == step)
     uids = tuple(a.uid for a in ordered)
     return Members(gen=gen, uids=uids, step=step, source=source, reason=reason,
+                   left=tuple(u for u in old if u not in uids))
+
+
+def unsourced(gen: int, arrivals: Sequence[Arrival], *, old: Sequence[str], reason: str) -> Members:
+    """The closed generation when no arrival holds any step whole (pure): every survivor
+    had begun to load a state a failed recovery sent (:func:`held_after`), or only joiners
+    came. ``source`` is -1 and the reason says why; every member then gives up in-process
+    recovery (:func:`repeats`): the disk checkpoint is the only whole state left."""
+    uids = tuple(dict.fromkeys(a.uid for a in arrivals))
+    why = (f"generation {gen}: no member holds the training state whole ({len(uids)} arrived: "
+           f"a state transfer failed part way on every survivor, or only joiners came; after: "
+           f"{reason}); the restart path from the last checkpoint")
+    return Members(gen=gen, uids=uids, step=HOLDS_NOTHING, source=-1, reason=why,
                    left=tuple(u for u in old if u not in uids))

@@ -34,6 +34,7 @@ class Recovery:
     stages: tuple[tuple[str, float], ...]
     detected_at: float | None    # the launcher's word (a worker died), if one came first
     end_s: float                 # first stage's start (or the launcher's word) to the state in place
+    retries: tuple[str, ...] = ()   # generations whose recovery a second fault ended ("1 (transfer)")
 
     def line(self) -> str:
         stages = ", ".join(f"{name} {s:.3f}s" for name, s in self.stages)
@@ -42,7 +43,9 @@ class Recovery:
             else f"world {self.world}"
         return (f"allocation {self.allocation}, generation {self.gen}: {world}, going on from "
                 f"step {self.step}, in {self.end_s:.2f}s from {since} ({stages}); "
-                f"cause: {self.reason[:100]}")
+                f"cause: {self.reason[:100]}"
+                + (f"; re-formed again after a second fault in generation(s) {', '.join(self.retries)}"
+                   if self.retries else ""))
 
 
 def _f(e: Mapping[str, Any], key: str) -> float | None:
@@ -71,7 +74,9 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
         out.append(Recovery(t=float(e["t"]), allocation=int(e.get("alloc", 0)), gen=gen,
                             step=e.get("step"), world=e.get("world_size"),
                             old_world=e.get("old_world_size"), reason=str(e.get("reason", "")),
-                            stages=stages, detected_at=detected, end_s=max(0.0, end - first)))
+                            stages=stages, detected_at=detected, end_s=max(0.0, end - first),
+                            retries=tuple(f"{r.get('gen')} ({r.get('stage')})" for r in e.get("retries") or ()
+                                          if isinstance(r, Mapping))))
     return out
 
 

@@ -30,7 +30,8 @@ STEPS, GLOBAL_BATCH = 20, 12
 
 
 def run_world(tmp_path: Path, *, kill_rank: int | None = None, kill_at: int = 6,
-              fault: str = "", world: int = 3, window_s: float = 5.0) -> tuple[list[subprocess.Popen], list[int], Path]:
+              fault: str = "", world: int = 3, window_s: float = 5.0,
+              extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[int], Path]:
     import torch.distributed as dist
 
     out = tmp_path / "out dir"
@@ -47,7 +48,7 @@ def run_world(tmp_path: Path, *, kill_rank: int | None = None, kill_at: int = 6,
         if fault:
             env["HPC_TEST_INPROC_FAULT"] = fault
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--steps",
-                                       str(STEPS), "--global-batch", str(GLOBAL_BATCH)], env=env,
+                                       str(STEPS), "--global-batch", str(GLOBAL_BATCH), *extra], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     if kill_rank is not None:
         victim = procs[kill_rank]

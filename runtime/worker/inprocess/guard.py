@@ -298,6 +298,14 @@ class StepGuard:
             self._faults.remove((self.rank, steps_done, "save"))
             raise PeerLost("injected fault: left as the save started (its peers are in its collectives)")
 
+    def inject_in_transfer(self, gen: int) -> None:
+        """The ``transfer`` test fault (``RANK:GEN:transfer``: a generation, not a step): rank
+        ``RANK`` of generation ``gen`` dies, as a node dies, in that generation's state
+        transfer, after its first tensor broadcast (its peers are part way through it)."""
+        if (self.rank, gen, "transfer") in self._faults:
+            self._faults.remove((self.rank, gen, "transfer"))
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _inject(self) -> None:
         fault = next((f for f in self._faults if f[:2] == (self.rank, self.step)
                       and f[2] in ("kill", "fail")), None)
@@ -313,8 +321,9 @@ def _parse_faults(raw: str) -> list[tuple[int, int, str]]:
     out = []
     for one in filter(None, (x.strip() for x in raw.split(","))):
         rank, step, kind = one.split(":")
-        if kind not in ("kill", "fail", "save", "repeat"):
-            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save or repeat")
+        if kind not in ("kill", "fail", "save", "repeat", "transfer"):
+            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat "
+                             "or transfer")
         out.append((int(rank), int(step), kind))
     return out
 

@@ -235,8 +235,11 @@ class Membership:
         scanned = start + next((i for i, j in enumerate(joiners) if j.uid not in done), len(joiners))
         if taken:
             reason = "; ".join(x for x in (reason, f"joined: {', '.join(j.uid for j in taken)}") if x)
-        members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
-                                     keep_ranks=self.store.check([proto.SHARDED]))
+        if all(a.step < 0 for a in (*arrivals, *taken)):   # every survivor half-loaded: the disk
+            members = proto.unsourced(gen, [*arrivals, *taken], old=old, reason=reason)
+        else:
+            members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
+                                         keep_ranks=self.store.check([proto.SHARDED]))
         members = dataclasses.replace(members, in_row=proto.in_row(self._last_closed(), members.step))
         self.store.set(proto.JOIN_ADMITTED, str(scanned))
         self.store.set(proto.members(gen), proto.encode(members))

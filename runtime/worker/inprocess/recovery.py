@@ -31,6 +31,16 @@ that cannot keep its size, or a shard with no copy left (a rank and its copy's h
 lost), raises :class:`~runtime.worker.inprocess.peers.ShardedFallback`: the disk checkpoint (the
 restart path) is taken (:mod:`runtime.worker.inprocess.shard_transfer`).
 
+A second fault during the recovery itself (a member of the new generation dies while its
+group forms, while the models are re-wrapped, or during the state transfer; cascading faults,
+a node's switch neighbour going seconds later) leads to another re-form without it, in the
+same call (:meth:`InProcess.recover`). Each rank then says which step it still holds whole
+(:func:`~hpc.contract.inprocess.held_after`): its own when the transfer had not touched it (a
+receiver receives into buffers of its own), the agreed one when it had loaded it whole, none
+when it had begun to load it (never a source; with no step held whole anywhere, the disk
+checkpoint: :func:`~hpc.contract.inprocess.unsourced`). An FSDP2 recovery, whose shards may be
+half moved, takes the disk checkpoint with the second fault as its reason.
+
 A failure that repeats (a bad batch, a rank that fails the same step every time) would loop
 through re-forms for ever: each generation counts how many generations in a row went on from
 its step (``Members.in_row``, one agreement for every member), and past ``max_reforms``
@@ -76,6 +86,7 @@ from runtime.worker.inprocess import (fsdp_guard, lifeline, nccl, peers, rebind,
                                       sockets, transfer)
 from runtime.worker.inprocess.guard import FaultWatch, StepGuard
 from runtime.worker.inprocess.membership import Excluded, Membership, joiners_waiting
+from runtime.worker.inprocess.peers import ShardedFallback
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
@@ -107,6 +118,7 @@ class Recovered:
     received: bool = False
     nccl_aborted: int = 0     # NCCL backends of the old generation aborted at the recovery
     stages: dict[str, float] = field(default_factory=dict)
+    retries: list[dict[str, Any]] = field(default_factory=list)   # failed tries (a second fault)
     shards: dict[int, tuple[int, str]] = field(default_factory=dict)   # FSDP2: shard -> (rank, from)
 
 
@@ -162,6 +174,8 @@ class InProcess:
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
         self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
+        self._stage = ""                       # the recovery's stage running (group, re-wrap, transfer)
+        self._phase = proto.UNTOUCHED          # how far a transfer overwrote this rank's state
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, rank: int, world_size: int,
@@ -352,8 +366,16 @@ class InProcess:
     # -- recovery --------------------------------------------------------------------------
     def recover(self, step: int, why: str, *, dirty: bool,
                 groups: list[Any] = (),   # type: ignore[assignment]
-                regroup: Callable[[], None] | None = None, planned: bool = False) -> Recovered:
+                regroup: Callable[[], None] | None = None, planned: bool = False,
+                release: Callable[[], list[Any]] | None = None) -> Recovered:
         """Leaves the failed generation and goes on in a new one (see the module docstring).
+
+        A fault during the recovery's own collectives (a member of the new generation dies
+        while the group forms, while the models are re-wrapped, or during the state transfer)
+        leads to another re-form without it (:meth:`_retry`), bounded by ``max_reforms`` like
+        any repeated re-form at one step. What this rank then says it holds follows
+        :func:`~hpc.contract.inprocess.held_after`: a rank that had begun to load the
+        received state holds no step whole and is never the source.
 
         Args:
             step: The step this rank holds whole (the failed step's start when ``dirty``).
@@ -363,14 +385,20 @@ class InProcess:
             regroup: Forms the new generation's other groups and re-wraps the models, in the
                 order a joiner's Session forms them (default: :meth:`rewrap`).
             planned: Nothing failed (joiners are taken in): no fault is announced.
+            release: ``() -> groups``: the Session's own groups of a generation whose
+                recovery failed (dropped, kept referenced, at the next re-form).
 
         Returns:
             The recovery's record; ``self.rank``/``self.world_size`` are the new ones.
+
+        Raises:
+            ShardedFallback: In-process recovery gives up (the restart path): a failure that
+                repeats, no member holds the state whole, or an FSDP2 recovery failed part way.
         """
         rec = Recovered(members=None, rank=-1, reason=why, t_detect=time.time())  # type: ignore[arg-type]
         if dirty:
             self.guard.rollback()
-        old_rank, old_world = self.rank, self.world_size
+        old_world = self.world_size
         with self._breaking:
             if self._watch is not None:
                 self._watch.stop()
@@ -379,35 +407,85 @@ class InProcess:
             self.membership.announce_fault(why)
         rec.nccl_aborted = self._abort(list(groups))
         rec.t_abort = time.time()
-        members = self._reform(step, old_rank, why)
-        rec.t_reform = time.time()
-        self._give_up_if_repeating(members)
+        held, reason = step, why
+        while True:
+            members = self._reform(held, self.rank, reason)
+            rec.t_reform = time.time()
+            self._give_up_if_repeating(members)
+            self._phase, self._stage = proto.UNTOUCHED, "group"
+            try:
+                self._attempt(rec, members, held=held, old_world=old_world, regroup=regroup)
+                break
+            except (Excluded, ShardedFallback):
+                raise
+            except Exception as e:   # noqa: BLE001 - a member of the new generation failed: re-form again
+                held, reason = self._retry(rec, members, e, held=held, stage=self._stage,
+                                           groups=release() if release is not None else [])
+        rec.t_transfer = time.time()
+        rec.rank = self.rank
+        return rec
+
+    def _attempt(self, rec: Recovered, members: Members, *, held: int, old_world: int,
+                 regroup: Callable[[], None] | None) -> None:
+        """Stages 3-5 in the closed generation ``members`` (``self._stage`` names the stage
+        running and ``self._phase`` how far this rank's state was overwritten, for
+        :meth:`_retry`). Fills ``rec``."""
         rank = members.rank_of(self.me)
         assert rank is not None
         self.rank, self.world_size = rank, members.world_size
         self.guard.rank = rank
+        self._stage = "group"
         self._init_pg(members.gen, rank, members.world_size)
         self.guard.reset(members.gen)
         self._open_line()   # (after a move to a new epoch's store: to its host)
         self._watch_faults()
+        self._stage = "re-wrap"
         (regroup or self.rewrap)()
         rec.t_group = time.time()
+        self._stage = "transfer"
         if self.copies is not None:
             if members.world_size != old_world:
                 raise shard_transfer.give_up(
                     self.store, f"the FSDP2 model's world would change from {old_world} to {members.world_size} "
                     "ranks (no replacement joined); in-process recovery carries sharded state only "
                     "at the same world size: the restart path from the last checkpoint")
-            s_step, rec.bytes_moved = self._transfer_shards(members, held=step)
+            s_step, rec.bytes_moved = self._transfer_shards(members, held=held)
             rec.shards = dict(self._plan.sources) if self._plan is not None else {}
             members = dataclasses.replace(members, step=s_step)
             rec.received = rec.bytes_moved > 0
         else:
             rec.received = rank != members.source
-            rec.bytes_moved = self._transfer(members, held=step)
-        rec.t_transfer = time.time()
-        rec.members, rec.rank = members, rank
-        return rec
+            rec.bytes_moved = self._transfer(members, held=held)
+        rec.members = members
+
+    def _retry(self, rec: Recovered, members: Members, error: BaseException, *, held: int, stage: str,
+               groups: list[Any]) -> tuple[int, str]:
+        """The recovery into ``members`` failed in ``stage`` (a member died, or its node was
+        lost): announces the fault of that generation (its other members' waits end now),
+        drops its groups and returns (the step this rank still holds whole, the reason) for
+        the next re-form. An FSDP2 recovery gives up instead: the disk checkpoint.
+
+        Raises:
+            ShardedFallback: The model is sharded (its shards may be half moved).
+        """
+        why = (f"a second fault during the recovery into generation {members.gen} ({stage}): "
+               f"{_first_line(error)}")
+        now = proto.held_after(held, members.step, self._phase)
+        log.warning("in-process recovery: %s; this rank held step %d, now holds %s; re-forming again",
+                    why, held, now if now >= 0 else "no step whole (its state was half loaded)")
+        with self._breaking:
+            if self._watch is not None:
+                self._watch.stop()
+            self.guard.gen = -1
+        self.membership.announce_fault(why)
+        rec.nccl_aborted += self._abort(list(groups))
+        rec.retries.append({"gen": members.gen, "stage": stage, "reason": why[:300],
+                            "held": held, "holds": now})
+        if self.copies is not None:
+            raise shard_transfer.give_up(
+                self.store, f"{why}; the FSDP2 shards may be half moved, so the state is not taken "
+                "from memory: the restart path from the last checkpoint")
+        return now, why
 
     def _reform(self, step: int, old_rank: int, why: str) -> Members:
         """The re-form (:meth:`Membership.reform`), in a new rendezvous epoch's store when the
@@ -463,7 +541,8 @@ class InProcess:
         ``max_reforms`` re-forms in a row at one step, gives up in-process recovery.
 
         Raises:
-            ShardedFallback: The failure repeats (names the count, the step and the error).
+            ShardedFallback: The failure repeats (names the count, the step and the error), or
+                no member holds the state whole (:func:`~hpc.contract.inprocess.unsourced`).
         """
         why = proto.repeats(members, self.max_reforms)
         if why is not None:
@@ -518,8 +597,10 @@ class InProcess:
                 "session": self.session_state() if self.session_state is not None else {},
             }
         received, moved = transfer.broadcast_state(state, src=members.source, rank=self.rank,
-                                                   group=self.side)
+                                                   group=self.side,
+                                                   between=lambda: self.guard.inject_in_transfer(members.gen))
         if self.rank != members.source:
+            self._phase = proto.LOADING   # from here until loaded, this rank holds no step whole
             for m, sd in zip(self.models, received["models"]):
                 _module(m).load_state_dict(sd)
             for o, sd in zip(self.optimizers, received["optims"]):
@@ -530,14 +611,16 @@ class InProcess:
             if held != members.step:   # behind: the source's random streams go on
                 rng.restore(received["rng"])
             self.received_session = dict(received.get("session") or {})
+            self._phase = proto.LOADED
         return moved
 
     def _transfer_shards(self, members: Members, *, held: int | None) -> tuple[int, int]:
         """FSDP2's stage 4 (:mod:`runtime.worker.inprocess.shard_transfer`), then the source's
         session state to a joiner. Returns (the agreed step, bytes moved)."""
         assert self.copies is not None
-        self._plan, moved = shard_transfer.recover_shards(self.copies, self.store, rank=self.rank,
-                                                          world=self.world_size, held=held)
+        self._plan, moved = shard_transfer.recover_shards(
+            self.copies, self.store, rank=self.rank, world=self.world_size, held=held,
+            between=lambda: self.guard.inject_in_transfer(members.gen))
         box = [self.session_state() if self.session_state is not None and self.rank == members.source
                else None]
         dist.broadcast_object_list(box, src=members.source)
@@ -599,6 +682,7 @@ class InProcess:
             t_abort=round(rec.t_abort, 4), t_reform=round(rec.t_reform, 4),
             t_group=round(rec.t_group, 4), t_transfer=round(rec.t_transfer, 4),
             bytes=rec.bytes_moved, backend=self.plan.backend,
+            **({"retries": rec.retries} if rec.retries else {}),
             **({"nccl_aborted": rec.nccl_aborted} if self.plan.abort_nccl else {}),
             **({"shards": {str(k): list(v) for k, v in rec.shards.items()}} if rec.shards else {}))
 
@@ -614,6 +698,11 @@ class InProcess:
             world_size=m.world_size, step=m.step, source=m.source, t_asked=round(t_asked, 4),
             t_taken=round(t_taken, 4), wait_s=round(t_taken - t_asked, 3),
             receive_s=round(t_received - t_taken, 3), bytes=bytes_moved)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def _module(m: Any) -> torch.nn.Module:

@@ -15,6 +15,7 @@ and the error names the shards.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +40,7 @@ def give_up(store: Any, why: str) -> ShardedFallback:
 
 
 def recover_shards(copies: PeerCopies, store: Any, *, rank: int, world: int,
-                   held: int | None) -> tuple[peers.Plan, int]:
+                   held: int | None, between: Callable[[], None] | None = None) -> tuple[peers.Plan, int]:
     """Every member (a collective on the new default group): agrees and moves the shards.
 
     Args:
@@ -48,6 +49,7 @@ def recover_shards(copies: PeerCopies, store: Any, *, rank: int, world: int,
         rank: This rank (it owns shard ``rank``).
         world: The world size (kept).
         held: The step this rank's live state is at (None: a joiner).
+        between: Runs after each shard's move (tests: a fault injected mid-transfer).
 
     Returns:
         (the plan, bytes this rank sent or received).
@@ -72,6 +74,8 @@ def recover_shards(copies: PeerCopies, store: Any, *, rank: int, world: int,
         elif rank == owner:
             state = transfer.recv_state(src=holder)
             moved += nbytes(state)
+        if between is not None:
+            between()
     source, kind = plan.sources[rank]
     if kind == peers.OWN:
         state = copies.snapshot_of(None, plan.step)

@@ -52,10 +52,13 @@ def join(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
-def broadcast_state(state: Any, *, src: int, rank: int, group: Any = None) -> tuple[Any, int]:
+def broadcast_state(state: Any, *, src: int, rank: int, group: Any = None,
+                    between: Callable[[], None] | None = None) -> tuple[Any, int]:
     """Broadcasts ``state`` from rank ``src``; returns (the state as received, bytes moved).
 
-    On ``src`` the returned state is ``state`` itself; elsewhere ``state`` is ignored.
+    On ``src`` the returned state is ``state`` itself; elsewhere ``state`` is ignored. A
+    receiver receives into buffers of its own: a failure part way leaves its state untouched.
+    ``between`` runs after each tensor broadcast (tests: a fault injected mid-transfer).
     """
     tensors: list[torch.Tensor] = []
     skeleton = split(state, tensors) if rank == src else None
@@ -82,6 +85,8 @@ def broadcast_state(state: Any, *, src: int, rank: int, group: Any = None) -> tu
         if rank != src:
             for i, t in zip(idx, _unflatten_dense_tensors(flat, parts)):
                 tensors[i] = t.reshape(shapes[i]).clone()
+        if between is not None:
+            between()
     return (state if rank == src else join(skeleton, tensors)), moved
 
 
