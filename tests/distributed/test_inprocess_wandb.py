@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
-STEPS = 24
+STEPS = 48   # room for the second fault: it waits for 8 steps of the joiner and a flushed row past the first re-form, which under load (11-14) came after 24 steps had ended
 
 
 def logged_past_first_reform(job: Path) -> bool:
