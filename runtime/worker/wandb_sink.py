@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,6 +62,8 @@ DEFAULT_PROJECT = "hpc-elastic"
 # as logged. One write call a second (no fsync) bounds that loss to about a second of rows.
 FLUSH_S = 1.0
 TAIL_BLOCKS = 4     # the last 128 KiB of an offline file: its newest rows, read after a lost rank 0
+SETTLE_MAX_S = 15.0  # how long a new rank 0 waits for a lost one's W&B service to finish writing
+QUIET_S = 3 * FLUSH_S   # an offline file unchanged this long: no service writes it any more
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,6 +169,7 @@ class WandbSink:
         open row, committed only by the next step). Its heir logs those again from its memory
         (in-process recovery); after a restart the re-done steps fill them."""
         root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
+        settle_orphaned_writers(offline_folders(root / jobpaths.WANDB_DIR, self.run_id), self.run_id)
         written: int | None = None
         # Steps only grow from one start's folder to the next: the newest folder with a row
         # holds the highest, in its last blocks unless a long summary or config came after.
@@ -380,3 +384,59 @@ def make_sink(
                              name=name, init_timeout_s=init_timeout_s)
     return WandbSink(Path(job_dir), settings, metadata=metadata, resume_step=resume_step,
                      run_id=run_id, check_written=check_written)
+
+
+def orphaned_services(run_file: str, proc: Path = Path("/proc")) -> list[int]:
+    """PIDs of W&B services on this node whose process is gone (``wandb-core --pid P``, P dead)
+    and that hold a file named ``run_file`` open (this run's: another job's do not count).
+
+    A SIGKILLed rank 0's service outlives it: it still writes the rows it had received, then
+    exits. Read before it has, the run's files lack rows that appear a moment later."""
+    out = []
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"wandb-core") or b"--pid" not in argv:
+            continue
+        try:
+            parent = int(argv[argv.index(b"--pid") + 1])
+        except (IndexError, ValueError):
+            continue
+        if (proc / str(parent)).exists():
+            continue
+        try:
+            files = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if any(os.path.basename(f) == run_file for f in files):
+            out.append(int(entry.name))
+    return out
+
+
+def settle_orphaned_writers(folders: list[Path], run_id: str, *, max_s: float = SETTLE_MAX_S,
+                            quiet_s: float = QUIET_S, clock: Any = time.monotonic,
+                            sleep: Any = time.sleep) -> float:
+    """Waits, at most ``max_s``, until a lost rank 0's W&B service has written all it will: no
+    orphaned service left on this node (:func:`orphaned_services`) and the newest offline file
+    unchanged for ``quiet_s`` (a service on another node: only its writes tell). Returns the
+    seconds waited. Read earlier, the new rank 0 logged again steps that the old service wrote
+    right after (CI of 6768ed4: steps 7..10 twice)."""
+    newest = folders[-1] / f"run-{run_id}.wandb" if folders else None
+    start = clock()
+    while clock() - start < max_s:
+        try:
+            age = time.time() - newest.stat().st_mtime if newest is not None else quiet_s
+        except OSError:
+            age = quiet_s
+        if age >= quiet_s and not orphaned_services(f"run-{run_id}.wandb"):
+            break
+        sleep(0.2)
+    waited = clock() - start
+    if waited >= max_s:
+        log.warning("W&B: the lost rank 0's service still writes %s after %.0fs: reading it now",
+                    newest, waited)
+    return waited
