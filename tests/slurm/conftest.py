@@ -67,6 +67,10 @@ class SlurmTestCluster:
         """SIGKILL slurmd and every job process on ``node``; returns the killed pids."""
         return sc.crash(self.cluster, node)
 
+    def processes(self, node: str, match) -> list[int]:
+        """PIDs of ``node``'s processes whose argv (bytes fields) ``match`` accepts."""
+        return sc.node_processes(node, match)
+
     def cut(self, node: str) -> None:
         """Take ``node``'s network link down (processes keep running, unreachable)."""
         sc.cut(self.cluster, node)

@@ -77,6 +77,10 @@ def test_crashed_node_is_marked_down_and_restored(slurm_cluster) -> None:
     job = run(env, "sbatch", "--parsable", "-N1", "-w", "node2", "--wrap", "sleep 300").strip()
     wait_for("running", lambda: run(env, "squeue", "-h", "-j", job, "-o", "%T").strip()
              == "RUNNING")
+    # RUNNING is the controller's word; node2's slurmd starts the batch step a moment later
+    # (CI of b19657a under load: the crash found slurmd alone). Wait for the job's shell there.
+    wait_for("the job's shell on node2", lambda: slurm_cluster.processes(
+        "node2", lambda argv: argv[:1] == [b"sleep"] or b"slurm_script" in b" ".join(argv)))
     killed = slurm_cluster.crash("node2")
     assert len(killed) >= 2  # slurmd and at least the job's step daemon/shell
     wait_for("node2 down", lambda: slurm_cluster.node_states().get("node2", "").startswith(
