@@ -43,6 +43,7 @@ _IFF_UP = 0x1
 _DOWN_STATES = {"down", "lowerlayerdown", "notpresent", "dormant"}
 
 IpRunner = Callable[[Sequence[str]], Any]
+AddrReader = Callable[[], Mapping[str, tuple[str, ...]]]
 
 
 class NetworkError(ValueError):
@@ -319,23 +320,49 @@ def _route_owner(rendezvous_addr: str, addrs: Mapping[str, tuple[str, ...]], ip:
     return None
 
 
+def kernel_addresses() -> dict[str, tuple[str, ...]]:
+    """Every interface's addresses as the kernel lists them (getifaddrs, through psutil), link-local
+    ones left out: the source when `ip` is missing (container images often lack iproute2; the GPU
+    image this was first run on did, and every interface then looked address-less)."""
+    import psutil
+
+    out: dict[str, tuple[str, ...]] = {}
+    for name, entries in psutil.net_if_addrs().items():
+        kept = []
+        for a in entries:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                addr = ipaddress.ip_address(a.address.split("%", 1)[0])
+            except ValueError:
+                continue
+            if not addr.is_link_local:
+                kept.append(str(addr))
+        out[name] = tuple(kept)
+    return out
+
+
 def read_interfaces(rendezvous_addr: str, sysfs: Path = Path("/sys/class/net"), *,
-                    ip: IpRunner = _run_ip) -> list[InterfaceFacts]:
+                    ip: IpRunner = _run_ip, addresses: AddrReader = kernel_addresses) -> list[InterfaceFacts]:
     """Read the facts about every interface; tolerates missing files and a missing `ip`.
 
     Args:
         rendezvous_addr: the resolved rendezvous address, for the route lookup.
         sysfs: the `/sys/class/net` directory (tests pass a fixture tree).
         ip: runs `ip -j ARGS` and returns parsed JSON or None (tests pass recorded outputs).
+        addresses: the addresses when `ip` cannot tell them (:func:`kernel_addresses`).
 
     Returns:
         Facts sorted by name.
     """
     links = {l.get("ifname"): l for l in (ip(["-d", "link", "show"]) or [])}
     addrs: dict[str, tuple[str, ...]] = {}
-    for entry in ip(["addr", "show"]) or []:
+    listed = ip(["addr", "show"])
+    for entry in listed or []:
         addrs[entry.get("ifname")] = tuple(
             a["local"] for a in entry.get("addr_info", []) if "local" in a and a.get("scope") != "link")
+    if listed is None:
+        addrs = dict(addresses())
     dirs = sorted(p for p in sysfs.iterdir() if p.is_dir()) if sysfs.is_dir() else []
     routed = _route_owner(rendezvous_addr, addrs, ip)
     facts = []

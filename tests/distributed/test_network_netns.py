@@ -94,8 +94,9 @@ def addr(ns: str, dev: str, cidr: str, *, up: bool = True) -> None:
         must("ip", "-n", ns, "link", "set", dev, "up")
 
 
-def probe(ns: str, host: str, multi: str = "multi") -> dict:
-    done = sh("ip", "netns", "exec", ns, "env", f"PYTHONPATH={REPO}", sys.executable, "-c", PROBE, host, multi)
+def probe(ns: str, host: str, multi: str = "multi", *, path: str | None = None) -> dict:
+    env = [f"PYTHONPATH={REPO}"] + ([f"PATH={path}"] if path else [])
+    done = sh("ip", "netns", "exec", ns, "env", *env, sys.executable, "-c", PROBE, host, multi)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -177,3 +178,26 @@ def test_no_route_to_rendezvous_fails_with_a_clear_reason(netns: list[str]) -> N
     assert "skip peer0: has no IP address" in error, error
     assert "skip eth0: a veth link" in error and "does not carry the route to the rendezvous host 10.99.0.1" in error
     assert "ip route get 10.99.0.1" in error
+
+
+def test_a_node_without_the_ip_tool_reads_its_addresses_from_the_kernel(netns: list[str], tmp_path: Path) -> None:
+    """Container images often lack iproute2; the GPU image this project first ran on did, and every
+    interface looked address-less there: "skip lo: has no IP address", no usable interface, no job."""
+    ns = new_ns(netns)
+    build_gpu_node(ns)
+    hidden = tmp_path / "bin"
+    hidden.mkdir()
+    (hidden / "ip").write_text("#!/bin/sh\necho 'ip: not installed here' >&2\nexit 127\n")
+    (hidden / "ip").chmod(0o755)
+    path = f"{hidden}:{os.environ['PATH']}"
+    out = probe(ns, RENDEZVOUS, path=path)
+    assert "error" not in out, out["error"]
+    facts = {f["name"]: f for f in out["facts"]}
+    assert facts["eth0"]["addresses"] == ["10.213.50.11"] and "127.0.0.1" in facts["lo"]["addresses"]
+    with_ip = {f["name"]: f for f in probe(ns, RENDEZVOUS)["facts"]}
+    assert {n: sorted(f["addresses"]) for n, f in facts.items()} == \
+        {n: sorted(f["addresses"]) for n, f in with_ip.items()}   # what `ip` says, the same
+    assert [n for n, f in facts.items() if f["routes_to_rendezvous"]] == ["eth0"]
+    assert out["choice"]["socket_ifname"] == "eth0"
+    assert probe(ns, "10.213.50.11", path=path)["choice"]["socket_ifname"] == "eth0"   # the host itself
+    assert probe(ns, "127.0.0.1", "single", path=path)["choice"]["socket_ifname"] == "lo"
