@@ -21,7 +21,11 @@ on CPU, the device-to-host link on GPU); everything else is kept off the critica
   pinned host buffers and non-blocking copies on its side stream (its own thread); its buffers
   are cached per source storage, so they too are made once (by the warm-up) and reused. The
   compute stream is synchronized first, so the copy sees the state as of the call. Which one a
-  state gets is :func:`staging_kind` (pure, tested without a GPU).
+  state gets is :func:`staging_kind` (pure, tested without a GPU). torch 2.11's
+  ``DefaultStager`` closes its inner ``StateDictStager`` after every staging (pytorch#183413):
+  the cached buffers are dropped and the second save fails with ``KeyError: <class 'type'>``
+  (seen on an H200 with torch 2.11.0). The stager here gets one that only we close
+  (:class:`_KeptStateDictStager`), so the buffers are reused on every release.
 
 Cost: one copy of the local state in host memory, kept between saves.
 """
@@ -36,6 +40,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
@@ -163,6 +168,33 @@ class _CpuBuffers:
         return unflatten(self.spec, staged)
 
 
+def _log_pinned_ready(done: Future[Any], t0: float) -> None:
+    """The pinned warm-up's end, as the CPU one logs it (the DefaultStager's thread runs this)."""
+    if done.cancelled() or done.exception() is not None:
+        return   # join_warm_up names the failure
+    leaves: list[Any] = []
+    flatten(done.result(), leaves)
+    nbytes = sum(v.nbytes for v in leaves if isinstance(v, torch.Tensor))
+    log.info("checkpoint: staging buffers ready (pinned, %.1f MB in %.2fs, background)", nbytes / 1e6,
+             time.monotonic() - t0)
+
+
+class _KeptStateDictStager(StateDictStager):
+    """torch's ``StateDictStager``, closed only by :meth:`release`.
+
+    ``DefaultStager._stage`` in torch 2.11 ends with ``self._state_dict_stager.close()``, which
+    clears the pinned buffers cached per source storage and the deep-copy dispatch table that
+    only ``__init__`` fills: a reused stager then fails on the next staging (pytorch#183413).
+    Staging reuses one stager for every save, so its inner stager ignores that close.
+    """
+
+    def close(self) -> None:
+        """Ignored: see the class; :meth:`release` closes."""
+
+    def release(self) -> None:
+        super().close()
+
+
 class Staging(AsyncStager):
     """DCP async stager with buffers made ahead (:meth:`warm_up`) and reused across saves.
 
@@ -194,7 +226,9 @@ class Staging(AsyncStager):
         if kind == PINNED_SIDE_STREAM:
             # DefaultStager stages on its own thread and side stream; its buffers are cached per
             # source storage, so this one staging makes them (pinned) for every later save.
+            t0 = time.monotonic()
             self._warming = self._pinned_stager().stage(state_dict)
+            self._warming.add_done_callback(lambda done: _log_pinned_ready(done, t0))
             return
         if self._cpu is not None and self._cpu.layout == layout_of(state_dict):
             return
@@ -268,6 +302,9 @@ class Staging(AsyncStager):
         self.join_warm_up()
         if self._pinned is not None:
             self._pinned.close()
+            inner = getattr(self._pinned, "_state_dict_stager", None)
+            if isinstance(inner, _KeptStateDictStager):
+                inner.release()
             self._pinned = None
         self._cpu = None
 
@@ -279,4 +316,6 @@ class Staging(AsyncStager):
         if self._pinned is None:  # made on the training thread: DefaultStager creates its stream here
             self._pinned = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=True))
+            if isinstance(getattr(self._pinned, "_state_dict_stager", None), StateDictStager):
+                self._pinned._state_dict_stager = _KeptStateDictStager(pin_memory=True, share_memory=False)
         return self._pinned

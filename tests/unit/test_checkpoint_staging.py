@@ -138,3 +138,23 @@ def test_views_with_odd_strides_are_staged_by_value() -> None:
     again = stager.stage(state)
     assert _same(again, state) and stager.rebuilds == 1
     assert torch.equal(staged["strided"], base[::3])  # the same buffers, refilled
+
+
+def test_the_kept_inner_stager_survives_the_close_torch_2_11_calls_after_every_staging() -> None:
+    """torch 2.11's DefaultStager closes its StateDictStager at the end of every staging
+    (pytorch#183413): the next one failed with ``KeyError: <class 'type'>`` on an H200. Staging's
+    inner stager ignores that close, keeps its buffers, and is freed by Staging.close alone. The
+    close is called here as 2.11 calls it (2.13, installed here, no longer does); the real proof
+    on torch 2.11 is tests/gpu/test_gpu_checkpoint.py."""
+    from runtime.checkpoint.staging import _KeptStateDictStager
+
+    inner = _KeptStateDictStager(pin_memory=False, share_memory=False)
+    state = _state()
+    first = inner.stage(state)
+    inner.close()   # what DefaultStager._stage does in torch 2.11
+    state["model"]["w"].add_(1.0)
+    second = inner.stage(state)   # a type in the tree (the tuples' reconstruction) needs the table
+    assert torch.equal(second["model"]["w"], state["model"]["w"])
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()   # the same buffer
+    inner.release()
+    assert not inner._cached_storage_mapping
