@@ -96,6 +96,23 @@ MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step befo
 CHANNEL_ENV = "HPC_INPROC_CHANNEL"  # node-local file where the launcher names a new epoch's store (Rebind)
 DEFAULT_MAX_REFORMS = 3
 
+# NCCL's settings for in-process recovery: name -> (value, why, values of the user's that leave
+# the recovery working). The launcher sets them before torch's elastic agent starts the workers
+# (the agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless its own environment
+# has a value: seen on an H200, the recovery then took torch's 1 for the user's and warned);
+# the worker (runtime.worker.inprocess.nccl) sets them again where it was started otherwise.
+NCCL_ENV: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
+        "0", "torch's watchdog must not end the process on a lost peer's error: the recovery aborts",
+        ("0", "2")),   # 2 (CleanUpOnly) aborts the communicators without ending the process
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": (
+        "0", "the watchdog must not rethrow an aborted communicator's CUDA error (ends the process)",
+        ("0",)),
+    "NCCL_NVLS_ENABLE": (
+        "0", "NVLink SHARP communicators are not safely aborted (NVIDIA resiliency extension)",
+        ("0",)),
+}
+
 RESTART = "restart"
 INPROCESS = "inprocess"
 RECOVERY_MODES = (RESTART, INPROCESS)

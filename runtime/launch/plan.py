@@ -113,7 +113,8 @@ def plan_launch(spec: JobSpec, job_dir: Path, env: Mapping[str, str], *, rdzv_ho
         **wandb_env.defaults(job_dir, spec.wandb_mode),   # one W&B run per job, own wandb.init too
         # GPU jobs: NCCL's watchdog and flight recorder, coherent with the stall watch.
         **nccl_defaults(gpus_per_node=spec.gpus_per_node, policy=policy_for(spec.liveness),
-                        log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid())),
+                        log_dir=jobdir.alloc_log_dir(job_dir, allocation), heartbeat_dir=heartbeat_dir(os.getpid()),
+                        recovery=spec.recovery),
     }
     changes = list(extra_changes) + env_defaults(env, wanted)
     for name, reason in INHERITED_ONLY.items():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpc.contract import inprocess as inproc
 from runtime.liveness.deadline import StallPolicy, collective_timeout_s
 
 TRACE_ENTRIES = 2000
@@ -31,10 +32,14 @@ PIPE_PREFIX = "nccl-rank-"   # torch appends "<rank>.pipe"
 
 
 def nccl_defaults(*, gpus_per_node: int, policy: StallPolicy | None, log_dir: Path,
-                  heartbeat_dir: Path) -> dict[str, tuple[str, str]]:
-    """The NCCL variables to set (name -> (value, reason)); none for a CPU job."""
+                  heartbeat_dir: Path, recovery: str = inproc.RESTART) -> dict[str, tuple[str, str]]:
+    """The NCCL variables to set (name -> (value, reason)); for a CPU job only those of in-process
+    recovery (``hpc run`` on a GPU node may not say ``--gpus-per-node``, and torch's agent would
+    otherwise give each worker ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``)."""
+    inprocess = {name: (value, f"in-process recovery: {why}")
+                 for name, (value, why, _) in inproc.NCCL_ENV.items()} if recovery == inproc.INPROCESS else {}
     if not gpus_per_node:
-        return {}
+        return inprocess
     wanted = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
             "3", "a collective error or timeout ends the rank, so the elastic agent re-forms"),
@@ -51,7 +56,7 @@ def nccl_defaults(*, gpus_per_node: int, policy: StallPolicy | None, log_dir: Pa
         wanted["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = (
             f"{collective_timeout_s(policy):.0f}", "NCCL's monitor is the backstop behind the stall "
             "watch: the collective timeout, longer than any phase budget")
-    return wanted
+    return wanted | inprocess   # in-process recovery aborts the communicators itself: not 3
 
 
 def request_dumps(heartbeat_dir: Path) -> int:

@@ -63,3 +63,17 @@ def test_stall_watch_asks_each_listening_rank_for_a_dump(tmp_path: Path):
         assert os.read(reader, 16).strip() == b"1"
     finally:
         os.close(reader)
+
+
+def test_in_process_recovery_sets_its_nccl_values_before_torchs_agent_does(tmp_path: Path):
+    """torch's elastic agent gives each worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the agent's
+    own environment has a value; on an H200 the in-process recovery then read torch's 1 as the
+    user's, kept it and warned. The launcher sets the recovery's values itself, GPU count or not."""
+    for gpus in (0, 4):
+        got = changes(tmp_path, {}, gpus_per_node=gpus, recovery="inprocess")
+        assert got["TORCH_NCCL_ASYNC_ERROR_HANDLING"].new == "0", gpus   # not 3: the recovery aborts
+        assert got["_worker"]["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0" and got["_worker"]["NCCL_NVLS_ENABLE"] == "0"
+        assert "in-process recovery" in got["TORCH_NCCL_ASYNC_ERROR_HANDLING"].reason
+    assert changes(tmp_path, {}, gpus_per_node=4, recovery="inprocess")["TORCH_NCCL_DUMP_ON_TIMEOUT"].new == "1"
+    kept = changes(tmp_path, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, gpus_per_node=4, recovery="inprocess")
+    assert kept["TORCH_NCCL_ASYNC_ERROR_HANDLING"].kept_user_value   # a user's value stands (2 works)

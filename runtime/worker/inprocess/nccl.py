@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpc.contract import inprocess as inproc
+
 log = logging.getLogger("hpc.inprocess")
 BACKENDS = ("gloo", "nccl")
 BOUND_POLL_S = 0.05   # how often the bound thread queries the posted NCCL operations
@@ -126,18 +128,7 @@ class EnvChange:
     why: str
 
 
-# name -> (value, why, values of the user's that leave the recovery working)
-NCCL_ENV: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
-        "0", "torch's watchdog must not end the process on a lost peer's error: the recovery aborts",
-        ("0", "2")),   # 2 (CleanUpOnly) aborts the communicators without ending the process
-    "TORCH_NCCL_RETHROW_CUDA_ERRORS": (
-        "0", "the watchdog must not rethrow an aborted communicator's CUDA error (ends the process)",
-        ("0",)),
-    "NCCL_NVLS_ENABLE": (
-        "0", "NVLink SHARP communicators are not safely aborted (NVIDIA resiliency extension)",
-        ("0",)),
-}
+NCCL_ENV = inproc.NCCL_ENV   # the table, declared once in the contract (the launcher sets it too)
 
 
 def env_changes(environ: Mapping[str, str]) -> tuple[list[EnvChange], list[str]]:
