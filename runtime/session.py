@@ -594,7 +594,7 @@ class Session:
         ddp = ddp_build.SessionDDP(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=find_unused_parameters,
-            **({"forward_sync_buffers": False} if self._inproc is not None else {}),
+            **(ddp_build.no_forward_buffer_sync() if self._inproc is not None else {}),
             **({"init_sync": False} if joining else {}))   # the state comes in restore()
         if (reproducible_resume or self._inproc is not None) and not ddp_build.fix_bucket_layout(ddp) \
                 and not find_unused_parameters and self.is_rank0:

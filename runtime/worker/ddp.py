@@ -27,6 +27,7 @@ every step:
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -36,6 +37,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 PACE_EVERY_S = 0.1      # time one step about this often (every step when steps are longer)
 UNUSED_ADVICE = ("With hpc's Session, wrap the model with "
                  "s.wrap(model, find_unused_parameters=True) instead.")
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's option for no buffer broadcast in the forward pass, named as this torch names it:
+    ``forward_sync_buffers`` since 2.13, ``broadcast_buffers`` before (which also leaves buffers
+    out of the initial sync). torch 2.11 refused the new name (seen on an H200)."""
+    name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters \
+        else "broadcast_buffers"
+    return {name: False}
 
 
 class SessionDDP(DDP):
