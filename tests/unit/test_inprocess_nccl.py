@@ -221,3 +221,39 @@ def test_the_optimizer_step_waits_for_the_reduction_and_skips_a_step_failed_mean
                 assert not guard.failed
     finally:
         guard.bound.stop()
+
+
+class _UnreadableWork:
+    """A finished operation as torch 2.11's NCCL hands it to Python: ``exception()`` raises
+    TypeError (an exception pybind cannot convert), the future says how the operation ended."""
+
+    def __init__(self, future_error: Exception | None) -> None:
+        self.future_error = future_error
+
+    def exception(self) -> None:
+        raise TypeError("Unable to convert function return value to a Python type! The signature was")
+
+    def get_future(self) -> "_UnreadableWork":
+        return self
+
+    def value(self) -> list[torch.Tensor]:
+        if self.future_error is not None:
+            raise self.future_error
+        return [torch.ones(1)]
+
+
+@pytest.mark.unit
+def test_an_unreadable_work_exception_is_decided_by_the_future_and_a_real_error_still_fails() -> None:
+    """On an H200 (torch 2.11) every NCCL step failed with that TypeError, no NCCL error logged."""
+    from runtime.worker.inprocess.guard import work_error
+
+    assert work_error(_UnreadableWork(None)) is None   # the operation ended well: the step goes on
+    err = work_error(_UnreadableWork(RuntimeError("NCCL communicator was aborted")))
+    assert isinstance(err, RuntimeError) and "aborted" in str(err)
+    # a real (gloo) work: a finished all-reduce reads as no error
+    import torch.distributed as dist
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1)
+    work = pg.allreduce([torch.ones(2)])
+    work.wait()
+    assert work_error(work) is None

@@ -234,10 +234,7 @@ class StepGuard:
                 wait = min(2 * wait, poll_s)
             if self.failed:
                 return
-            try:
-                error = work.exception()
-            except Exception as e:   # noqa: BLE001
-                error = e
+            error = work_error(work)
             if error is not None:
                 self.fail(f"all-reduce: {_first_line(error)}")
                 return
@@ -403,6 +400,36 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
     return fut
+
+
+def work_error(work: Any) -> BaseException | None:
+    """A finished operation's error, or None.
+
+    ``Work.exception()`` is the reader; where torch cannot convert the exception it holds to a
+    Python one it raises ``TypeError`` ("Unable to convert function return value to a Python
+    type"): seen with NCCL on torch 2.11 (an H200, a world of one), where every step then counted
+    as failed. The operation's future then decides: its ``value()`` raises the operation's
+    error, translated, or returns the reduced tensors.
+    """
+    try:
+        return work.exception()
+    except TypeError as unreadable:
+        try:
+            work.get_future().value()
+        except Exception as e:   # noqa: BLE001
+            return e
+        global _UNREADABLE_SEEN
+        if not _UNREADABLE_SEEN:
+            _UNREADABLE_SEEN = True
+            log.warning("in-process recovery: torch cannot show a finished all-reduce's exception "
+                        "(%s); its future completed without error, so the step goes on (logged once)",
+                        _first_line(unreadable))
+        return None
+    except Exception as e:   # noqa: BLE001
+        return e
+
+
+_UNREADABLE_SEEN = False
 
 
 def _first_line(e: BaseException) -> str:
