@@ -30,6 +30,13 @@ SCRIPT = REPO / "examples" / "deepspeed_resume.py"
 
 def start(job: Path, nproc: int, *args: str) -> subprocess.Popen:
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    import torch
+
+    if any(c.isalpha() for c in env.get("TORCH_CUDA_ARCH_LIST", "").replace("PTX", "")):
+        # DeepSpeed 0.19.8 parses each entry as digits (ValueError on "9.0a", as this GPU image
+        # sets it): its FusedAdam build then fails before any of ours runs. This device's own.
+        major, minor = torch.cuda.get_device_capability()
+        env["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", str(nproc),
                              "--job-dir", str(job), "--", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
