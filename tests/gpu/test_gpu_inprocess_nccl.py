@@ -18,9 +18,14 @@ count can prove (NCCL refuses two ranks of one communicator on one device):
   worker's place; the world is 2 again, training finishes and the replicas are equal, with no
   checkpoint read to recover.
 
-Not run on a GPU in this project yet (none was lent when it was written): the first run on a GPU
-node is this code's first evidence on real NCCL. The same two scenarios run on CPU with the NCCL
-plan's steps on gloo (tests/distributed/test_inprocess_nccl_plan.py).
+First run on a GPU (an H200, torch 2.11.0, session 8): the one-GPU test failed, on three
+defects fixed since (torch 2.11 has no ``forward_sync_buffers``; torch's agent gave the workers
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``; ``Work.exception()`` raised TypeError on every step, which
+counted as a failed step). The recovery's NCCL steps themselves ran there: the old backend
+aborted in 0.57-0.89 s, a new NCCL group in 0.02-0.05 s, the state over the side group. The
+fixed code has not yet run on a GPU (the session's device time was spent); the two-GPU test
+needs a machine with two. The same two scenarios run on CPU with the NCCL plan's steps on gloo
+(tests/distributed/test_inprocess_nccl_plan.py).
 """
 
 from __future__ import annotations
