@@ -46,8 +46,19 @@ log = logging.getLogger("hpc.launch")
 EXIT_CODES = {"finished": 0, "app_error": 1, "preempted": 75, "time_limit": 75,
               "node_failure": 76, "cancelled": 130, "hang": 1}
 
-# How long a node that lost the rendezvous store waits for node 0's own outcome record.
+# How long a node that lost the rendezvous store waits for node 0's own outcome record, counted
+# from the loss (AgentEnd.extra["store_lost_at"]): a survivor's election for a new host (up to
+# 10 s) is part of it. Counted from the election's end instead, a lost host that left no majority
+# cost every survivor 25-27 s before the requeue (fault campaign, seed 3: 15 s of them here).
 NODE0_OUTCOME_WAIT_S = 15.0
+
+
+def node0_wait_s(extra: Mapping[str, Any], now: float) -> float:
+    """What is left of :data:`NODE0_OUTCOME_WAIT_S` at ``now`` (pure)."""
+    lost_at = extra.get("store_lost_at")
+    if not isinstance(lost_at, int | float):
+        return NODE0_OUTCOME_WAIT_S
+    return max(0.0, min(NODE0_OUTCOME_WAIT_S, NODE0_OUTCOME_WAIT_S - (now - float(lost_at))))
 
 # What a rank reports when *another* rank died and took its end of a connection with it (gloo,
 # NCCL). Such an error can be recorded before the real one; it is never the cause to report.
@@ -348,7 +359,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
         # Node 0 hosts the rendezvous store: when it ends (a failure, a stop) the others lose
         # the store too. Only if node 0 records nothing was it really lost. (follow_node0: the
         # rendezvous failed here while its host answered, so the host records the end.)
-        theirs = node0_outcome(plan.job_dir, plan.allocation, timeout_s=NODE0_OUTCOME_WAIT_S)
+        theirs = node0_outcome(plan.job_dir, plan.allocation, timeout_s=node0_wait_s(end.extra, time.time()))
         if theirs is not None:
             log.info("node 0 ended first (%s): following its outcome", theirs.kind)
             return theirs.exit_code

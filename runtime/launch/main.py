@@ -436,6 +436,7 @@ def _next_epoch(plan: LaunchPlan, forwarder: SignalForwarder, end: outcome.Agent
     """After the agent lost its rendezvous host: the epoch this node goes on in, or None."""
     if end.result != "rendezvous" or plan.is_rdzv_host or forwarder.received or plan.launchers < 2:
         return None
+    end.extra.setdefault("store_lost_at", time.time())   # node 0's time to record counts from here
     # The host may simply have ended the allocation (a stop, an error): then follow its record.
     if outcome.node0_outcome(plan.job_dir, plan.allocation, timeout_s=2.0) is not None:
         return None

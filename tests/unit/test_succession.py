@@ -192,3 +192,15 @@ def test_each_survivor_does_o_n_work_to_elect_at_10000_nodes() -> None:
     got = elect(e0, [Name(h) for h in order[1:]], order=order, min_nodes=1)
     assert got.epoch is not None and len(got.epoch.members) == n - 1
     assert compared[0] <= 10 * n, compared[0]
+
+
+def test_node0s_time_to_record_its_outcome_counts_from_the_stores_loss_not_from_the_election() -> None:
+    """A survivor whose election found no majority went on to wait a full 15 s for node 0's
+    record after a 10-s election: 25-27 s on one node before the requeue (fault campaign)."""
+    from runtime.ending.outcome import NODE0_OUTCOME_WAIT_S, node0_wait_s
+
+    assert node0_wait_s({}, now=1000.0) == NODE0_OUTCOME_WAIT_S   # no loss noted: the whole wait
+    assert node0_wait_s({"store_lost_at": 990.0}, now=1000.0) == NODE0_OUTCOME_WAIT_S - 10.0
+    assert node0_wait_s({"store_lost_at": 900.0}, now=1000.0) == 0.0   # long past: no wait, no negative
+    assert node0_wait_s({"store_lost_at": 1005.0}, now=1000.0) == NODE0_OUTCOME_WAIT_S   # a clock step back
+    assert node0_wait_s({"store_lost_at": "x"}, now=1000.0) == NODE0_OUTCOME_WAIT_S
