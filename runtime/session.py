@@ -956,8 +956,7 @@ class Session:
             local[LAST_LOSS], ops[LAST_LOSS] = self._pending_metrics["loss"][-1], "mean"
         # Posted, not waited for: the row is logged at the next step (or below, at the last),
         # so no step waits for a metric all-reduce (~2 ms on gloo every log_every steps).
-        self._row_in_flight = (self.step, start_reduce(
-            local, ops, group=self.cpu_group if self.world_size > 1 else None))
+        self._row_in_flight = (self.step, start_reduce(local, ops, group=self.cpu_group))
         self._pending_metrics.clear()
         if last:
             self._log_row_in_flight()

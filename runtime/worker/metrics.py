@@ -307,7 +307,9 @@ def start_reduce(
 
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    # A world of one has nothing to reduce. It must post nothing either: its default group may
+    # be NCCL alone (one GPU), which has no backend for these CPU tensors (found on an H200).
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return PendingReduction(scalars, [], 1)
     import torch
 

@@ -21,10 +21,12 @@ count can prove (NCCL refuses two ranks of one communicator on one device):
 First run on a GPU (an H200, torch 2.11.0, session 8): the one-GPU test failed, on three
 defects fixed since (torch 2.11 has no ``forward_sync_buffers``; torch's agent gave the workers
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``; ``Work.exception()`` raised TypeError on every step, which
-counted as a failed step). The recovery's NCCL steps themselves ran there: the old backend
-aborted in 0.57-0.89 s, a new NCCL group in 0.02-0.05 s, the state over the side group. The
-fixed code has not yet run on a GPU (the session's device time was spent); the two-GPU test
-needs a machine with two. The same two scenarios run on CPU with the NCCL plan's steps on gloo
+counted as a failed step). Session 9, the same machine: it failed once more, on the Session's
+metric row (a CPU tensor all-reduced on the one-GPU NCCL default group; fixed in
+``runtime.worker.metrics.start_reduce``), then passed: abort 0.58 s after the detection, a new
+NCCL group in 0.03 s, the state over the side group in 3 ms. The two-GPU test needs a machine
+with two; it has not run.
+The same two scenarios run on CPU with the NCCL plan's steps on gloo
 (tests/distributed/test_inprocess_nccl_plan.py).
 """
 

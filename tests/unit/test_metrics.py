@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics
+from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter, reduce_metrics, start_reduce
 from hpc.contract.components import WandbConfig
 from runtime.worker.wandb_sink import make_sink
 from runtime.worker.wandb_sink import (
@@ -161,6 +161,21 @@ def test_reduce_without_process_group_returns_local_floats() -> None:
     out = reduce_metrics({"loss": torch.tensor(2.5), "tokens": 10}, {"tokens": "sum"})
     assert out == {"loss": 2.5, "tokens": 10.0}
     assert all(type(v) is float for v in out.values())
+
+
+def test_reduce_in_a_world_of_one_posts_no_collective() -> None:
+    """A one-GPU job's default group is NCCL alone, with no backend for the CPU tensors the
+    metrics pack ("No backend type associated with device type cpu" on an H200, where every
+    logged row killed the worker): a world of one reduces nothing and must post nothing."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pending = start_reduce({"loss": 2.5, "tokens": 10}, {"tokens": "sum"})
+        assert pending.works == []
+        assert pending.result() == {"loss": 2.5, "tokens": 10.0}
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(("values", "ops", "match"), [
