@@ -41,7 +41,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    t = loss.detach().cpu().reshape(1)
+    t = loss.detach().reshape(1)   # on the device: NCCL takes no CPU tensor
     dist.all_reduce(t)
     if rank == 0:
         print(f"ddp_plain: world {world}, {args.steps} steps, mean final loss {t.item() / world:.6f}")

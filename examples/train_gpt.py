@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(args.warmup or max(1, max_steps // 10), max_steps))
         train = TrainState()
         start = s.restore(model=model, optim=optim, sched=sched, sampler=sampler, train=train)
-        if start >= max_steps:      # a finished job dir run again: its result.json stands
+        if start >= max_steps and (s.job_dir / "result.json").exists():   # a finished job dir run again
             if s.is_rank0:
                 print(f"train_gpt: already finished at step {start} (of {max_steps}); "
                       f"{s.job_dir / 'result.json'} is kept", flush=True)
@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
         digest = weights_digest(model)
         # The last step's loss over the whole global batch (each rank saw only its share): the
         # figure of the last progress line too (the Session reduces each rank's last value).
-        final_loss = torch.tensor([train.loss], dtype=torch.float64)
+        # On the training device: a GPU job's group is NCCL, which takes no CPU tensor. A job that
+        # stopped after its last checkpoint and before this result comes back here with no step left.
+        final_loss = torch.tensor([train.loss], dtype=torch.float64, device=s.device)
         torch.distributed.all_reduce(final_loss)
         train.loss = final_loss.item() / s.world_size
         if s.stopped is None and s.is_rank0:

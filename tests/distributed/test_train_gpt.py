@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,3 +234,13 @@ def test_the_console_follows_log_every_and_agrees_with_the_result(baseline: Base
     assert code == 0, other
     assert "train_gpt: already finished at step 40" in other
     assert (job / "result.json").read_bytes() == before
+    # Stopped after its last checkpoint and before its result was written (a crash or a warning
+    # in between): the checkpoint alone gives the result, the same weights and samples.
+    lost = job.parent / f"{job.name}-no-result"
+    shutil.copytree(job / "checkpoints", lost / "checkpoints")
+    shutil.copy(job / "jobspec.json", lost)      # a job dir to resume (no record of its end)
+    code, out = finish(start(lost, 2, "--log-every", "10"))
+    assert code == 0, out
+    again = result(lost)
+    assert (again["final_step"], again["weights_sha256"], again["sample_order_sha256"]) == \
+        (40, final["weights_sha256"], final["sample_order_sha256"]), out
