@@ -151,6 +151,11 @@ class Contender:
         """The weights digest of an uninterrupted local run at ``world`` processes."""
         raise NotImplementedError
 
+    def numerics(self) -> str:
+        """Contenders with the same value compute the same uninterrupted weights (they share one
+        reference): the script, and for ours the recovery mode."""
+        return type(self).__name__
+
 
 class Baseline(Contender):
     """sbatch --requeue + torchrun --nnodes 2:3 --max-restarts 3 + the script's torch.save.
@@ -373,10 +378,19 @@ class Ours(Contender):
         from hpc.report.load import load
         return load(job, job_ids[0])
 
+    @property
+    def recovery(self) -> str:
+        return self.extra[self.extra.index("--recovery") + 1] if "--recovery" in self.extra else "restart"
+
+    def numerics(self) -> str:
+        # In-process recovery's DDP reduces through its own comm hook: its uninterrupted weights
+        # are not the restart path's (ca744931 vs d1485282 at world 3, train_gpt tiny, 40 steps).
+        return f"Ours-{self.recovery}"
+
     def reference(self, world, cfg, out):
         subprocess.run([sys.executable, "-m", "hpc", "run", str(TRAIN), "--nodes", str(world),
                         "--nproc-per-node", "1", "--job-dir", str(out), "--env",
-                        f"OMP_NUM_THREADS={cfg.threads}", "--", "--preset", "tiny",
+                        f"OMP_NUM_THREADS={cfg.threads}", "--recovery", self.recovery, "--", "--preset", "tiny",
                         "--max-steps", str(cfg.steps), "--global-batch", str(GLOBAL_BATCH),
                         "--micro-batch", str(MICRO)], check=True, capture_output=True, cwd=REPO,
                        timeout=600)
@@ -576,7 +590,7 @@ def run_campaign(contenders: list[Contender], seeds: list[int], cfg: Config, env
         done: dict[tuple[str, int], str] = {}   # one per script and world size
         for c in contenders:
             for world in worlds:
-                script = type(c).__name__
+                script = c.numerics()
                 out = root / f"ref-{c.name}-w{world}"
                 if (script, world) not in done and (out / "result.json").exists():
                     # Made by an earlier invocation with the same --keep (one seed per
@@ -751,10 +765,10 @@ def from_partial(path: Path, root: Path) -> dict[str, Any]:
     for res in root.glob("ref-*-w*/result.json"):
         name, world = res.parent.name[len("ref-"):].rsplit("-w", 1)
         refs[(name, int(world))] = json.loads(res.read_text())["weights_sha256"]
-    for script, names in (("Ours", [n for n, c in CONTENDERS.items() if isinstance(c, Ours)]),):
-        for (name, world), digest in list(refs.items()):
-            if name in names:
-                for other in names:
+    for (name, world), digest in list(refs.items()):   # shared by contenders of the same numerics
+        if name in CONTENDERS:
+            for other, c in CONTENDERS.items():
+                if c.numerics() == CONTENDERS[name].numerics():
                     refs.setdefault((other, world), digest)
     runs = data["runs"]
     for r in runs:
