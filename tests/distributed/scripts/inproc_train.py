@@ -68,9 +68,12 @@ log = open(out / f"steps-{os.getpid()}.jsonl", "a", buffering=1)
 with Session(seed=0, log_every=args.log_every) as s:
     model = s.wrap(Net())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # A decaying LR, stepped after the optimizer as scripts do: a failed step's scheduler step
+    # must not leak its next-step lr into the step's redo.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.05 * k))
     sampler = ResumableSampler(len(X), global_batch=args.global_batch, seed=3)
     recovering[0] = os.environ.get("HPC_INPROC_JOIN") == "1"   # a joiner's restore is its recovery
-    start = s.restore(model=model, optim=opt, sampler=sampler)
+    start = s.restore(model=model, optim=opt, sched=sched, sampler=sampler)
     recovering[0] = False
     orig = s._recover
 
@@ -95,6 +98,7 @@ with Session(seed=0, log_every=args.log_every) as s:
                 loss = nn.functional.mse_loss(model(X[idx].to(s.device)), Y[idx].to(s.device)) / accum
                 loss.backward()
         opt.step()
+        sched.step()
         if args.pause and [int(x) for x in args.pause.split(":")[:2]] == [s.rank, step]:
             time.sleep(float(args.pause.split(":")[2]))
         s.log(loss=loss.item())
