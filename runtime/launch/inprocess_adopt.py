@@ -123,7 +123,7 @@ def format_adopt(kept: Mapping[int, int]) -> str:
 def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_port: int) -> dict[str, Any]:
     """What torch's start would have kept for the adopted workers (their command and
     environment, from ``/proc``), pointed at the new round: a dead one's joiner starts so."""
-    args, envs, entry = {}, {}, ""
+    args, envs, logs, entry = {}, {}, {}, ""
     for lr, pid in pids.items():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
@@ -132,7 +132,20 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
         entry, args[lr] = argv[0], tuple(argv[1:])
         envs[lr] = {**_environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port)}
-    return {"entrypoint": entry, "args": args, "envs": envs}
+        logs[lr] = _log_file(pid)
+    # ``logs``: where each worker writes (its stdout's file): a joiner in a dead one's place
+    # writes there too. Without it an adopted worker's joiner wrote nowhere to be found (the
+    # campaign: three joiners after a host loss died with exit code 1, no trace of why).
+    return {"entrypoint": entry, "args": args, "envs": envs, "logs": logs}
+
+
+def _log_file(pid: int) -> str:
+    """The file ``pid``'s stdout goes to, or "" (a pipe, a terminal, gone)."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
+    return target if target.startswith("/") and Path(target).is_file() else ""
 
 
 def publish(launcher_pid: int, rebind: proto.Rebind) -> Path:

@@ -302,3 +302,22 @@ def test_the_nodes_in_sight_are_those_whose_counters_advanced_lately():
     assert t.in_sight(14.0, 2.5, {0: 32, 1: 32}) == 1 + 32
     t.done.add(1)                                 # a node that ended cleanly is not in sight
     assert t.in_sight(14.0, 2.5, {0: 3}) == 0
+
+
+def test_an_adopted_workers_joiner_writes_where_the_worker_wrote(tmp_path: Path):
+    """After a succession the launcher adopts its workers (its torch context, with their log
+    files, is gone): a dead one's joiner must write to the same file (the campaign: three
+    joiners after a host loss died with exit code 1 and left no trace of why)."""
+    log = tmp_path / "rank-2.log"
+    with log.open("wb") as f:
+        to_file = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=f)
+    to_pipe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        launch = adopt.launch_of({0: to_file.pid, 1: to_pipe.pid}, store="node2:29413",
+                                 master_addr="node2", master_port=29400)
+    finally:
+        for p in (to_file, to_pipe):
+            p.kill()
+            p.wait()
+    assert launch["logs"] == {0: str(log), 1: ""}
+    assert launch["envs"][0][proto.STORE_ENV] == "node2:29413"
