@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch.forwarding import children
 from runtime.liveness.watchdog import heartbeat_root
@@ -120,9 +121,15 @@ def format_adopt(kept: Mapping[int, int]) -> str:
     return ",".join(f"{lr}:{pid}" for lr, pid in sorted(kept.items()))
 
 
-def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_port: int) -> dict[str, Any]:
+def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_port: int,
+              epoch: int) -> dict[str, Any]:
     """What torch's start would have kept for the adopted workers (their command and
-    environment, from ``/proc``), pointed at the new round: a dead one's joiner starts so."""
+    environment, from ``/proc``), pointed at the new round: a dead one's joiner starts so.
+
+    The rendezvous epoch is the new one too: with the old worker's (the epoch it started in),
+    the joiner's epoch watch took the launcher's record of the current epoch for a new one and
+    broke its own connections to the new store in its first seconds (the campaign: three
+    joiners in a row died in the re-wrap, exit code 1, after a host loss)."""
     args, envs, logs, entry = {}, {}, {}, ""
     for lr, pid in pids.items():
         try:
@@ -131,7 +138,7 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
         envs[lr] = {**_environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
-                    "MASTER_PORT": str(master_port)}
+                    "MASTER_PORT": str(master_port), job_env.RDZV_EPOCH: str(epoch)}
         logs[lr] = _log_file(pid)
     # ``logs``: where each worker writes (its stdout's file): a joiner in a dead one's place
     # writes there too. Without it an adopted worker's joiner wrote nowhere to be found (the

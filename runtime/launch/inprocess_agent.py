@@ -172,7 +172,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 pids, finished=lambda: bool(self._space(worker_group).check([proto.DONE])))
             launches = inprocess_adopt.launch_of(pids, store=store_address,
                                                  master_addr=worker_group.master_addr,
-                                                 master_port=worker_group.master_port)
+                                                 master_port=worker_group.master_port, epoch=epoch)
             self.__dict__.update(_launch=launches, _gone={}, _joiners={}, _seen=set(), _published=[])
             self.__dict__.setdefault("_replaced", 0)
             self._publish(worker_group, list(pids.values()))

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch import inprocess_adopt as adopt
 from runtime.worker.inprocess import rebind
@@ -314,10 +315,13 @@ def test_an_adopted_workers_joiner_writes_where_the_worker_wrote(tmp_path: Path)
     to_pipe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE)
     try:
         launch = adopt.launch_of({0: to_file.pid, 1: to_pipe.pid}, store="node2:29413",
-                                 master_addr="node2", master_port=29400)
+                                 master_addr="node2", master_port=29400, epoch=1)
     finally:
         for p in (to_file, to_pipe):
             p.kill()
             p.wait()
     assert launch["logs"] == {0: str(log), 1: ""}
     assert launch["envs"][0][proto.STORE_ENV] == "node2:29413"
+    # The new epoch: with the worker's own (0), the joiner's epoch watch took the current
+    # epoch's record for a new one and broke its connections to the new store.
+    assert launch["envs"][0][job_env.RDZV_EPOCH] == "1"
