@@ -675,11 +675,8 @@ class Session:
                            interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
                            if spec else interval.AUTO)
         meta = dict(manifest.metadata) if manifest else {}
-        # Rank 0's wandb.init on the sink's thread: every rank would otherwise wait for it at the
-        # first collective (~2 s offline on the test cluster, at every start and restart; online,
-        # a connection). Rows queue until it is made; a save's metadata waits for the run id.
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"),
-                          check_written=manifest is not None, background=True)
+                          check_written=manifest is not None)
         if manifest:
             self.event("resumed", step=self.step, world_size=self.world_size,
                        saved_world_size=manifest.world_size, allocation=self.env.allocation,
@@ -704,7 +701,7 @@ class Session:
             self._checkpointer._last_save_step = got.get("last_save_step")
             if got.get("schedule") is not None:
                 self._checkpointer.schedule = got["schedule"]
-        self._ensure_sink(resume_step=self.step, run_id=None, background=True)
+        self._ensure_sink(resume_step=self.step, run_id=None)
         asked, taken = self._joined_at
         self._inproc.record_join(self.job_dir, self.env.allocation, t_asked=asked, t_taken=taken,
                                  t_received=time.time(), bytes_moved=moved)
