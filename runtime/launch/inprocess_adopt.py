@@ -130,7 +130,7 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
     the joiner's epoch watch took the launcher's record of the current epoch for a new one and
     broke its own connections to the new store in its first seconds (the campaign: three
     joiners in a row died in the re-wrap, exit code 1, after a host loss)."""
-    args, envs, logs, entry = {}, {}, {}, ""
+    args, envs, outs, entry = {}, {}, {}, ""
     for lr, pid in pids.items():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
@@ -138,12 +138,12 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
         envs[lr] = {**_environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
-                    "MASTER_PORT": str(master_port), job_env.RDZV_EPOCH: str(epoch)}
-        logs[lr] = _log_file(pid)
-    # ``logs``: where each worker writes (its stdout's file): a joiner in a dead one's place
+                    "MASTER_PORT": str(master_port), **job_env.JobEnvironment(rdzv_epoch=epoch).to_env()}
+        outs[lr] = _log_file(pid)
+    # ``outs``: where each worker writes (its stdout's file): a joiner in a dead one's place
     # writes there too. Without it an adopted worker's joiner wrote nowhere to be found (the
     # campaign: three joiners after a host loss died with exit code 1, no trace of why).
-    return {"entrypoint": entry, "args": args, "envs": envs, "logs": logs}
+    return {"entrypoint": entry, "args": args, "envs": envs, "outs": outs}
 
 
 def _log_file(pid: int) -> str:

@@ -277,7 +277,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 log.warning("in-process recovery: cannot restart local rank %d as a joiner (%s)", lr, e)
                 return False
             pcontext = getattr(self, "_pcontext", None)   # adopted workers: their files, from /proc
-            out = _append(getattr(pcontext, "stdouts", {}).get(lr) or (launch.get("logs") or {}).get(lr))
+            out = _append(getattr(pcontext, "stdouts", {}).get(lr) or (launch.get("outs") or {}).get(lr))
             err = _append(getattr(pcontext, "stderrs", {}).get(lr)) or out
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
             self.__dict__["_replaced"] = self.__dict__.get("_replaced", 0) + 1

@@ -320,7 +320,7 @@ def test_an_adopted_workers_joiner_writes_where_the_worker_wrote(tmp_path: Path)
         for p in (to_file, to_pipe):
             p.kill()
             p.wait()
-    assert launch["logs"] == {0: str(log), 1: ""}
+    assert launch["outs"] == {0: str(log), 1: ""}
     assert launch["envs"][0][proto.STORE_ENV] == "node2:29413"
     # The new epoch: with the worker's own (0), the joiner's epoch watch took the current
     # epoch's record for a new one and broke its connections to the new store.
