@@ -95,7 +95,8 @@ def test_ignored_warning_then_sigterm_stops_without_restart_and_records_it(tmp_p
     assert (last["allocation"], last["kind"], last["exit_code"]) == (0, "preempted", 75), last
     assert "SIGUSR2 (preempted): the workers did not stop by themselves" in last["reason"], last
     print(f"SIGTERM to the launcher -> hpc run exited 75 in {stopped_in:.2f} s")
-    assert stopped_in < 5, f"the stop took {stopped_in:.1f} s: Slurm's KillWait may be shorter"
+    # ~2 s on an idle machine, 5.4 s once at load ~9 on 2 cores; Slurm's KillWait is 30 s by default
+    assert stopped_in < 12, f"the stop took {stopped_in:.1f} s: Slurm's KillWait may be shorter"
 
     # The next allocation: told it is a resume, and the script resumes from its own snapshot.
     again = hpc_run(job, env, "--steps", "3", "--wandb")

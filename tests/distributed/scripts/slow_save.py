@@ -23,7 +23,8 @@ args = parser.parse_args()
 
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(time.time()))
-(args.out / "ready").write_text(str(os.getpid()))
+(args.out / "ready.tmp").write_text(str(os.getpid()))   # whole or absent: the test reads it at once
+os.replace(args.out / "ready.tmp", args.out / "ready")
 while not stop:
     time.sleep(0.1)
 print(f"SIGTERM: saving for {args.save_s:.0f} s", flush=True)
