@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.contract import diskspace, jobdir
 from hpc.contract.slurm import SlurmClient, SlurmError
-from hpc.contract.slurm_parse import JobState, expand_hostlist
+from hpc.contract.slurm_parse import JobInfo, JobState, expand_hostlist
 from runtime import exclusions, stopping
 from runtime.console import NOTE, our_log_line
 from runtime.env import SlurmEnv
@@ -296,30 +296,34 @@ def others_went_on(progress: Mapping[str, Any] | None, allocation: int, now: flo
             f"world {progress.get('world_size')}, {max(0.0, now - when):.1f}s ago)")
 
 
-def cancelled_from(state: JobState, requeue_claimed: bool) -> bool:
-    """Whether a job in ``state`` was cancelled by its user (pure).
+def cancelled_from(info: JobInfo, requeue_claimed: bool, restarts_at_start: int) -> bool:
+    """Whether the job Slurm describes in ``info`` was cancelled by its user (pure).
 
     After ``scancel`` the job is CANCELLED, and while its processes (this launcher among
     them) are still ending, ``scontrol`` shows it as COMPLETING. A preempted job that saved in
     its grace time, or one warned of its time limit, is still RUNNING when we ask (SIGNALING,
-    while Slurm still delivers the warning, reads as RUNNING), unless another node of ours
-    has already requeued it (``requeue_claimed``): then COMPLETING is that requeue's doing,
-    not a user's.
+    while Slurm still delivers the warning, reads as RUNNING). A preempted job whose exit
+    outlasted its grace (a loaded node) is COMPLETING too, but Slurm says why: ``PreemptTime``
+    is set, or Slurm has already requeued it (``Restarts`` above the count this allocation
+    started with). So is a job one of our nodes has requeued (``requeue_claimed``).
     """
-    if state == JobState.COMPLETING:
+    if info.preempt_time is not None or info.restarts > restarts_at_start:
+        return False
+    if info.state == JobState.COMPLETING:
         return not requeue_claimed
-    return state == JobState.CANCELLED
+    return info.state == JobState.CANCELLED
 
 
-def cancelled_by_user(job_id: str, job_dir: Path, allocation: int) -> bool:
-    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job state tells them apart
-    (:func:`cancelled_from`). Unreadable state counts as a preemption."""
+def cancelled_by_user(job_id: str, job_dir: Path, allocation: int, restarts_at_start: int) -> bool:
+    """A SIGTERM from ``scancel`` looks like a preemption's; Slurm's job record tells them apart
+    (:func:`cancelled_from`). An unreadable record counts as a preemption."""
     try:
-        state = SlurmClient(retry_total_s=20).show_job(job_id).state
+        info = SlurmClient(retry_total_s=20).show_job(job_id)
     except SlurmError as e:
         log.warning("cannot read job %s's state (%s); treating the stop as a preemption", job_id, e)
         return False
-    return cancelled_from(state, jobdir.claim_path(job_dir, allocation, "requeue").exists())
+    return cancelled_from(info, jobdir.claim_path(job_dir, allocation, "requeue").exists(),
+                          restarts_at_start)
 
 
 def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
@@ -372,7 +376,7 @@ def finish(plan: LaunchPlan, forwarder: SignalForwarder, end: AgentEnd, *,
                         why)
             return code
     if (kind == "preempted" and slurm.active and not spec.container_image
-            and cancelled_by_user(slurm.job_id, plan.job_dir, plan.allocation)):
+            and cancelled_by_user(slurm.job_id, plan.job_dir, plan.allocation, slurm.restart_count)):
         kind, code = "cancelled", EXIT_CODES["cancelled"]
         reason = f"cancelled (scancel) while running; {reason}"
     decision = decide_requeue(kind, policy=spec.requeue, allocation=plan.allocation,

@@ -228,13 +228,31 @@ def test_a_preemption_read_while_slurm_still_signals_is_not_a_users_cancel() -> 
     preempted job would have been recorded cancelled and not requeued."""
     from runtime.ending.outcome import cancelled_from
 
-    text = (FIXTURES / "scontrol_show_job_preempt_grace.txt").read_text()
-    signaling = parse_show_job(text.replace("JobState=RUNNING", "JobState=SIGNALING"))
-    assert not cancelled_from(signaling.state, requeue_claimed=False)
-    assert not cancelled_from(IN_GRACE.state, requeue_claimed=False)
+    grace = (FIXTURES / "scontrol_show_job_preempt_grace.txt").read_text()
+    signaling = parse_show_job(grace.replace("JobState=RUNNING", "JobState=SIGNALING"))
+    assert not cancelled_from(signaling, requeue_claimed=False, restarts_at_start=0)
+    assert not cancelled_from(IN_GRACE, requeue_claimed=False, restarts_at_start=0)
     # The other side: a user's scancel (COMPLETING while ending, then CANCELLED) still is one.
+    text = (FIXTURES / "scontrol_show_job_before_preempt.txt").read_text()
     completing = parse_show_job(text.replace("JobState=RUNNING", "JobState=COMPLETING"))
-    assert cancelled_from(completing.state, requeue_claimed=False)
-    assert not cancelled_from(completing.state, requeue_claimed=True)    # our own requeue
+    assert cancelled_from(completing, requeue_claimed=False, restarts_at_start=0)
+    assert not cancelled_from(completing, requeue_claimed=True, restarts_at_start=0)    # our own requeue
     cancelled = parse_show_job(text.replace("JobState=RUNNING", "JobState=CANCELLED"))
-    assert cancelled_from(cancelled.state, requeue_claimed=False)
+    assert cancelled_from(cancelled, requeue_claimed=False, restarts_at_start=0)
+
+
+def test_a_preemption_whose_exit_outlasts_the_grace_is_not_a_users_cancel() -> None:
+    """CI of stop 36, load ~9: a SIGTERM-only preemption's workers took 10 s to exit, past the
+    10-s grace; the launcher then read the job COMPLETING and recorded a user's ``scancel``
+    ("cancelled (scancel) while running"). Slurm says otherwise: PreemptTime is set while the
+    preemption runs, and once Slurm has requeued the job its Restarts exceed the count the
+    allocation started with."""
+    from runtime.ending.outcome import cancelled_from
+
+    grace = (FIXTURES / "scontrol_show_job_preempt_grace.txt").read_text()
+    assert not cancelled_from(parse_show_job(grace.replace("JobState=RUNNING", "JobState=COMPLETING")),
+                              requeue_claimed=False, restarts_at_start=0)
+    assert REQUEUED.state.name == "COMPLETING" and REQUEUED.restarts == 1
+    assert not cancelled_from(REQUEUED, requeue_claimed=False, restarts_at_start=0)
+    # The same record read in the allocation Slurm's requeue started is a user's scancel again.
+    assert cancelled_from(REQUEUED, requeue_claimed=False, restarts_at_start=1)
