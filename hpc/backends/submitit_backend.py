@@ -128,7 +128,7 @@ class SubmititPlan:
         command = shlex.join([self.spec.python, "-u", "-m", "submitit.core._submit",
                               str(self.folder)])
         script = submission_text(
-            _make_sbatch_string(command=command, folder=str(self.folder / "%j"), **params), self.spec)
+            _make_sbatch_string(command=command, folder=str(self.folder), **params), self.spec)
         return (f"# submitit SlurmExecutor(folder={str(self.folder)!r}, "
                 f"python={self.spec.python!r})\n# update_parameters("
                 f"{json.dumps(params, sort_keys=True)})\n# submit(run_node, "
@@ -158,7 +158,10 @@ def execute(p: SubmititPlan, client: SlurmClient | None = None) -> str:
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return submission_text(super()._make_submission_file_text(command, uid), p.spec)
 
-    executor = Executor(folder=str(p.folder / "%j"), python=p.spec.python)
+    # One folder for every job (files named JOBID_...), made before sbatch: with submitit's
+    # per-job folder (``%j``) Slurm could start the batch step before submitit had made the
+    # folder, and the step failed at once with no output (its --output could not be opened).
+    executor = Executor(folder=str(p.folder), python=p.spec.python)
     executor.update_parameters(**p.parameters)
     try:
         job = executor.submit(run_node, p.spec.job_dir)
