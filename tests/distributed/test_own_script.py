@@ -152,10 +152,13 @@ def test_time_limit_warning_ignored_the_launcher_ends_the_workers_before_the_lim
     job, env = tmp_path / "job", env_for(tmp_path)
     p = None
     try:
-        end = time.time() + 35          # the job's time limit, as Slurm would tell the launcher
+        # The job's time limit, as Slurm would tell the launcher. The warning must come well before it
+        # (>= 20 s) for the test to tell "waited for the script, then ended it before the limit" from "ended it
+        # at once": a start-up at load ~9 took 32 s to the first snapshot, so the limit is a minute away.
+        end = time.time() + 60
         env["HPC_JOB_END_TIME"] = f"{end:.0f}"
         p = hpc_run(job, env, "--steps", "100000", "--step-sleep", "0.05")
-        wait_for(lambda: (job / "snapshot.pt").exists(), 50, "the script's first snapshot")
+        wait_for(lambda: (job / "snapshot.pt").exists(), 40, "the script's first snapshot")
         warned = time.time()
         os.kill(launcher_pid(job), signal.SIGUSR2)
         out, _ = p.communicate(timeout=end - time.time() + 30)
