@@ -79,6 +79,8 @@ member behind the agreed step.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -94,6 +96,8 @@ JOIN_ENV = "HPC_INPROC_JOIN"        # "1": this worker joins a running generatio
 MAX_WORLD_ENV = "HPC_INPROC_MAX_WORLD"  # the largest world joiners may fill (else the starting one)
 MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step before the restart path
 CHANNEL_ENV = "HPC_INPROC_CHANNEL"  # node-local file where the launcher names a new epoch's store (Rebind)
+WARM_ENV = "HPC_INPROC_WARM"        # "0": a dead worker's joiner starts cold (no warm standby; the launcher reads it)
+STANDBY_MODULE = "runtime.worker.standby"   # a warm standby's ``python -m`` module (its command line)
 DEFAULT_MAX_REFORMS = 3
 
 # NCCL's settings for in-process recovery: name -> (value, why, values of the user's that leave
@@ -255,6 +259,50 @@ class Rebind:
         d = json.loads(raw)
         return cls(epoch=int(d["epoch"]), store=str(d["store"]), space=str(d["space"]),
                    members=tuple(str(m) for m in d["members"]))
+
+
+@dataclass(frozen=True)
+class Order:
+    """What makes a warm standby (:data:`STANDBY_MODULE`) the worker a cold start would be.
+
+    A standby is a process the launcher started ahead of need, with python, torch and the
+    Session already imported; when a worker dies, the launcher writes its joiner's order to
+    the standby's stdin (one JSON line) instead of starting a process. The launcher also keeps
+    it in the node-local file :func:`order_file`, because ``/proc`` shows the standby's own
+    command line and environment: readers of a worker's launch there (the stall watch's
+    worker list, a launcher adopting its workers after its host's loss) read the order instead.
+
+    Attributes:
+        argv: The worker's whole command line (``python -m runtime.worker SCRIPT ARGS...``).
+        env: Its whole environment.
+        cwd: Its working directory.
+        stdout: The file its output goes to ("" keeps the standby's own).
+        stderr: The file its errors go to ("" keeps the standby's own).
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    stdout: str = ""
+    stderr: str = ""
+
+    def encode(self) -> str:
+        return json.dumps({**asdict(self), "env": dict(self.env)}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Order:
+        d = json.loads(raw)
+        return cls(argv=tuple(str(a) for a in d["argv"]), env={str(k): str(v) for k, v in d["env"].items()},
+                   cwd=str(d["cwd"]), stdout=str(d.get("stdout") or ""), stderr=str(d.get("stderr") or ""))
+
+
+def order_file(pid: int) -> str:
+    """Where standby ``pid``'s :class:`Order` is kept once it became a worker: node-local and
+    memory-backed (``/dev/shm``, else the temporary directory), outside the launcher's heartbeat
+    directory (removed when its agent ends, while a worker kept through a host's loss lives on)."""
+    shm = "/dev/shm"
+    root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(root, f"hpc-standby-{os.getuid()}-{pid}.json")
 
 
 def lost_uids(uids: Sequence[str], members: Sequence[str]) -> list[str]:

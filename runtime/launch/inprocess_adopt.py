@@ -31,6 +31,7 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch.forwarding import children
+from runtime.liveness import proc
 from runtime.liveness.watchdog import heartbeat_root
 
 log = logging.getLogger("hpc.launch")
@@ -78,19 +79,6 @@ def why_not(*, succession: bool, spares: int, kept: Mapping[int, int], nproc: in
     return None
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        k, sep, v = item.partition(b"=")
-        if sep:
-            out[k.decode(errors="replace")] = v.decode(errors="replace")
-    return out
-
-
 def live_workers(launcher_pid: int) -> dict[int, int]:
     """This launcher's live in-process workers, local rank -> PID (from ``/proc``: the
     ``LOCAL_RANK`` they were started with; a zombie is not alive)."""
@@ -100,7 +88,7 @@ def live_workers(launcher_pid: int) -> dict[int, int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        env = _environ(pid)
+        env = proc.environ(pid)
         if state == "Z" or env.get(proto.RECOVERY_ENV) != proto.INPROCESS or "LOCAL_RANK" not in env:
             continue
         out[int(env["LOCAL_RANK"])] = pid
@@ -132,12 +120,11 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
     joiners in a row died in the re-wrap, exit code 1, after a host loss)."""
     args, envs, outs, entry = {}, {}, {}, ""
     for lr, pid in pids.items():
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-        except OSError:
+        argv = proc.cmdline(pid)
+        if not argv:
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
-        envs[lr] = {**_environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
+        envs[lr] = {**proc.environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port), **job_env.JobEnvironment(rdzv_epoch=epoch).to_env()}
         outs[lr] = _log_file(pid)
     # ``outs``: where each worker writes (its stdout's file): a joiner in a dead one's place

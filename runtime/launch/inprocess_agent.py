@@ -54,7 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_adopt, inprocess_silent
+from runtime.launch import inprocess_adopt, inprocess_silent, standby
 
 log = logging.getLogger("hpc.launch")
 
@@ -130,6 +130,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
     base = launcher_api.LocalElasticAgent
     host = socket.gethostname()
     state = SimpleNamespace(kept=False)
+    warm = standby.Standby(standby.enabled(os.environ))
 
     class InProcessAgent(base):  # type: ignore[misc, valid-type]
         _gone: dict[int, int]
@@ -209,6 +210,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 log.warning("in-process recovery: cannot publish this node's workers: %s", e)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
+            self._tend_standby()
             gone = self.__dict__.setdefault("_gone", {})
             joiners: dict[int, subprocess.Popen] = self.__dict__.setdefault("_joiners", {})
             seen = self.__dict__.setdefault("_seen", set())
@@ -277,21 +279,37 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 log.warning("in-process recovery: cannot restart local rank %d as a joiner (%s)", lr, e)
                 return False
             pcontext = getattr(self, "_pcontext", None)   # adopted workers: their files, from /proc
-            out = _append(getattr(pcontext, "stdouts", {}).get(lr) or (launch.get("outs") or {}).get(lr))
-            err = _append(getattr(pcontext, "stderrs", {}).get(lr)) or out
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
+            out_path = getattr(pcontext, "stdouts", {}).get(lr) or (launch.get("outs") or {}).get(lr)
+            err_path = getattr(pcontext, "stderrs", {}).get(lr) or out_path
+            proc = warm.take(argv, env, str(out_path or ""), str(err_path or ""))
+            if proc is None:
+                out = _append(out_path)
+                err = _append(getattr(pcontext, "stderrs", {}).get(lr)) or out
+                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
             self.__dict__["_replaced"] = self.__dict__.get("_replaced", 0) + 1
             self.__dict__["_joiners"][lr] = proc
             self._publish(worker_group, [proc.pid])
-            log.warning("in-process recovery: local rank %d started again as a joiner (pid %d, "
-                        "restart %d of %d); the others go on", lr, proc.pid,
+            started = "from the warm standby" if proc.pid in warm.handed else "cold"
+            log.warning("in-process recovery: local rank %d started again as a joiner (pid %d, %s, "
+                        "restart %d of %d); the others go on", lr, proc.pid, started,
                         self.__dict__["_replaced"], worker_group.spec.max_restarts)
             if events is not None:
                 events.emit("inproc_replace", local_rank=lr, pid=proc.pid,
-                            restart=self.__dict__["_replaced"])
+                            restart=self.__dict__["_replaced"], warm=proc.pid in warm.handed)
             return True
 
+        def _tend_standby(self) -> None:
+            """Keeps this node's warm standby (:mod:`runtime.launch.standby`) once workers run."""
+            launch = self.__dict__.get("_launch") or {}
+            envs = launch.get("envs") or {}
+            if not envs or not launch.get("entrypoint") or (stopping is not None and stopping()):
+                return
+            args = launch.get("args") or {}
+            if min(envs) in args:
+                warm.tend([launch["entrypoint"], *args[min(envs)]], {**os.environ, **envs[min(envs)]})
+
         def _stop_workers(self, worker_group: Any) -> None:
+            warm.close()
             _end(self.__dict__.get("_joiners", {}))
             super()._stop_workers(worker_group)
 
@@ -307,6 +325,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 raise
 
         def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            warm.close()
             if state.kept:   # torch's end of run(): the workers live on into the next epoch
                 return
             _end(self.__dict__.get("_joiners", {}))
@@ -372,6 +391,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
     try:
         yield state
     finally:
+        warm.close()
         launcher_api.LocalElasticAgent = base
 
 

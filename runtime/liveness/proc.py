@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import stat
 
+from hpc.contract import inprocess as proto
+
 
 def _stat(pid: int) -> list[str] | None:
     try:
@@ -55,24 +57,39 @@ def running(pid: int) -> bool:
     return state(pid) in ("R", "D")
 
 
-def workers(ppid: int, marker: bytes = b"runtime.worker") -> list[int]:
-    """The agent's worker processes: its children started as ``python -m runtime.worker``.
+def workers(ppid: int, marker: str = "runtime.worker") -> list[int]:
+    """The agent's worker processes: its children started as ``python -m runtime.worker``
+    (a warm standby once it became one: :func:`cmdline`).
 
-    Other children (a multiprocessing resource tracker, a Slurm command) are left alone.
+    Other children (a multiprocessing resource tracker, a Slurm command, an idle standby) are
+    left alone.
     """
-    out = []
-    for pid in children(ppid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker in f.read().split(b"\0"):
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
+    return [pid for pid in children(ppid) if marker in cmdline(pid)]
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line ``pid`` runs as ([] when unreadable): for a warm standby that became a
+    worker (:class:`hpc.contract.inprocess.Order`), the worker's."""
+    order = _order(pid)
+    return list(order.argv) if order is not None else _started_as(pid)
 
 
 def environ(pid: int) -> dict[str, str]:
-    """The environment ``pid`` started with ({} when unreadable)."""
+    """The environment ``pid`` runs with ({} when unreadable): the one it started with, or for a
+    warm standby that became a worker, the worker's."""
+    order = _order(pid)
+    return dict(order.env) if order is not None else _started_with(pid)
+
+
+def _started_as(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def _started_with(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()
@@ -80,6 +97,17 @@ def environ(pid: int) -> dict[str, str]:
         return {}
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def _order(pid: int) -> proto.Order | None:
+    """A standby's order, once it has one (None: not a standby, or still waiting)."""
+    if proto.STANDBY_MODULE not in _started_as(pid):
+        return None
+    try:
+        with open(proto.order_file(pid), "rb") as f:
+            return proto.Order.decode(f.read())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def started_at(pid: int) -> float | None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch import inprocess_adopt as adopt
+from runtime.liveness import proc
 from runtime.worker.inprocess import rebind
 from runtime.worker.inprocess.membership import Membership
 
@@ -314,6 +315,10 @@ def test_an_adopted_workers_joiner_writes_where_the_worker_wrote(tmp_path: Path)
         to_file = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=f)
     to_pipe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.PIPE)
     try:
+        for p in (to_file, to_pipe):   # (in its exec, a process's /proc command line reads empty)
+            deadline = time.time() + 30
+            while "-c" not in proc.cmdline(p.pid) and time.time() < deadline:
+                time.sleep(0.01)
         launch = adopt.launch_of({0: to_file.pid, 1: to_pipe.pid}, store="node2:29413",
                                  master_addr="node2", master_port=29400, epoch=1)
     finally:

@@ -1,0 +1,163 @@
+"""The launcher's warm standby: one process per node ready to become a dead worker's joiner.
+
+Under ``--recovery inprocess`` (``--replacement wait``) the survivors of a dead worker wait for
+its joiner, so the joiner's start-up is the recovery's: a cold one starts python and imports
+torch and the Session first (~4.5 s of a 6.4-s worker-kill recovery in the campaign, 3 nodes at
+load ~2). The launcher therefore keeps one :mod:`runtime.worker.standby` process per node,
+started :data:`AFTER_S` after its workers (so it does not compete with their own start), and
+hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a new standby
+follows the same delay later. A joiner starts cold, as before, when there is no live standby,
+when the standby was started with an environment the joiner's differs from in a variable that
+may be read at import (:func:`differences`, named in the log), or when the worker's command is
+not ``python -m runtime.worker``. ``HPC_INPROC_WARM=0`` turns it off.
+
+A standby holds what a worker imports (~300 MB of host memory) and sleeps on its stdin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from hpc.contract import inprocess as proto
+
+log = logging.getLogger("hpc.launch")
+
+AFTER_S = 10.0       # a standby starts this long after the workers (or after the last one was used)
+MAX_FAILURES = 3     # standbys that died unused before no more are started
+# Variables a worker reads after its imports (the rendezvous, its rank, the store, its
+# process group's transport, W&B): a joiner's may differ from its standby's. Any other
+# difference could have changed what an import did (OMP_NUM_THREADS, a library path...).
+LATE_PREFIXES = ("HPC_", "TORCHELASTIC_", "MASTER_", "WANDB_", "NCCL_", "TORCH_NCCL_", "GLOO_")
+LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                        "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+# Not given to a standby: with them /proc would show it as a worker of a local rank.
+PER_RANK = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", proto.JOIN_ENV)
+
+
+def enabled(environ: Mapping[str, str]) -> bool:
+    """Whether joiners start from a warm standby (``HPC_INPROC_WARM``, default on)."""
+    return environ.get(proto.WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def differences(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> list[str]:
+    """The variables that differ between a standby's environment and a joiner's and may be
+    read at import (pure): a joiner needs all of them equal to start from that standby."""
+    names = set(started_with) | set(wanted)
+    return sorted(n for n in names if started_with.get(n) != wanted.get(n)
+                  and not n.startswith(LATE_PREFIXES) and n not in LATE_NAMES)
+
+
+def worker_command(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is a worker's command a standby can run (pure)."""
+    return len(argv) >= 4 and list(argv[1:3]) == ["-m", "runtime.worker"]
+
+
+class Standby:
+    """This node's warm standby process (one at a time), started and handed out by the agent.
+
+    Args:
+        on: Whether to keep one (:func:`enabled`).
+        after_s: Delay from the workers' start, and from the last hand-out, to the next one.
+    """
+
+    def __init__(self, on: bool = True, *, after_s: float = AFTER_S) -> None:
+        self.on, self.after_s = on, after_s
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.python = ""
+        self.armed_at: float | None = None
+        self.failures = 0
+        self.handed: list[int] = []   # pids that became workers (their orders' files)
+
+    def tend(self, argv: Sequence[str], template: Mapping[str, str], now: float | None = None) -> None:
+        """Starts a standby once the delay has passed and none is alive; called at each of the
+        agent's looks at its workers. ``argv``: a worker's command (its interpreter runs the
+        standby, its script's libraries are imported); ``template``: a worker's environment
+        (its rank's variables are left out)."""
+        if not self.on or self.failures >= MAX_FAILURES:
+            return
+        now = time.monotonic() if now is None else now
+        if self.proc is not None:
+            code = self.proc.poll()
+            if code is None:
+                return
+            self.failures += 1
+            log.warning("in-process recovery: the warm standby %d ended unused (exit %s)%s",
+                        self.proc.pid, code, "; no more are started" if self.failures >= MAX_FAILURES else "")
+            self.proc, self.armed_at = None, now
+        if self.armed_at is None:
+            self.armed_at = now
+        if now - self.armed_at < self.after_s:
+            return
+        if not worker_command(argv):
+            return
+        python, script = argv[0], argv[3]
+        env = {k: v for k, v in template.items() if k not in PER_RANK}
+        try:
+            self.proc = subprocess.Popen([python, "-m", proto.STANDBY_MODULE, script], env=env,
+                                         stdin=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            self.failures += 1
+            log.warning("in-process recovery: cannot start a warm standby: %s", e)
+            self.armed_at = now
+            return
+        self.env, self.python = env, python
+        log.info("in-process recovery: warm standby %d started (a dead worker's joiner starts "
+                 "from it)", self.proc.pid)
+
+    def take(self, argv: Sequence[str], env: Mapping[str, str], stdout: str = "",
+             stderr: str = "", cwd: str | None = None) -> subprocess.Popen | None:
+        """The standby made the joiner ``argv``/``env`` (with its log files), or None: start it
+        cold (none alive, an environment that differs where it matters, not a worker's command)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None or proc.stdin is None:
+            return None
+        why = ""
+        if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(self.python):
+            why = f"the command is not {self.python} -m runtime.worker: {list(argv)[:3]}"
+        elif diff := differences(self.env, env):
+            why = f"its environment differs in {', '.join(diff)}"
+        if why:
+            log.warning("in-process recovery: the joiner starts cold, not from the warm standby: %s", why)
+            return None
+        order = proto.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd(),
+                            stdout=stdout, stderr=stderr)
+        path = Path(proto.order_file(proc.pid))
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(order.encode())
+            os.replace(tmp, path)
+            proc.stdin.write(order.encode().encode() + b"\n")
+            proc.stdin.close()
+        except OSError as e:   # it died meanwhile (a broken pipe), or no room for the record
+            log.warning("in-process recovery: the warm standby %d cannot take the order (%s); "
+                        "the joiner starts cold", proc.pid, e)
+            path.unlink(missing_ok=True)
+            return None
+        self.handed.append(proc.pid)
+        self.proc, self.armed_at = None, time.monotonic()
+        return proc
+
+    def close(self) -> None:
+        """Ends an unused standby (its stdin closed: it exits 0) and forgets ended orders."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+        for pid in self.handed:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                Path(proto.order_file(pid)).unlink(missing_ok=True)
+            except OSError:
+                pass
+
