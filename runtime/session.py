@@ -397,6 +397,9 @@ class Session:
         it in, then forms their group; its rank and world are theirs. A joiner the job did not
         need (it finished first) ends here, cleanly."""
         assert self._inproc is not None
+        # DDP's construction imports torch._dynamo (seconds): here, while nobody waits for this
+        # process, not once taken in, when the members wait for its wrap (a hot spare waits long).
+        import torch._dynamo  # noqa: F401
         t0 = time.time()
         self._beat.enter("join", JOIN_WAIT_S)
         try:

@@ -53,6 +53,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch import inprocess_adopt, inprocess_silent, standby
 
@@ -306,7 +307,9 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 return
             args = launch.get("args") or {}
             if min(envs) in args:
-                warm.tend([launch["entrypoint"], *args[min(envs)]], {**os.environ, **envs[min(envs)]})
+                beats = job_env.JobEnvironment.from_env(os.environ).heartbeat_dir
+                warm.tend([launch["entrypoint"], *args[min(envs)]], {**os.environ, **envs[min(envs)]},
+                          ready=lambda: standby.training(beats))
 
         def _stop_workers(self, worker_group: Any) -> None:
             warm.close()

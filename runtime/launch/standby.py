@@ -4,9 +4,9 @@ Under ``--recovery inprocess`` (``--replacement wait``) the survivors of a dead 
 its joiner, so the joiner's start-up is the recovery's: a cold one starts python and imports
 torch and the Session first (~4.5 s of a 6.4-s worker-kill recovery in the campaign, 3 nodes at
 load ~2). The launcher therefore keeps one :mod:`runtime.worker.standby` process per node,
-started :data:`AFTER_S` after its workers (so it does not compete with their own start), and
-hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a new standby
-follows the same delay later. A joiner starts cold, as before, when there is no live standby,
+started :data:`AFTER_S` after its workers' first step (so it does not compete with their own
+start), and hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a
+new standby follows the same delay later. A joiner starts cold, as before, when there is no live standby,
 when the standby was started with an environment the joiner's differs from in a variable that
 may be read at import (:func:`differences`, named in the log), or when the worker's command is
 not ``python -m runtime.worker``. ``HPC_INPROC_WARM=0`` turns it off.
@@ -20,9 +20,10 @@ import logging
 import os
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from hpc.contract import inprocess as proto
+from runtime.liveness.heartbeat import read_all
 
 log = logging.getLogger("hpc.launch")
 
@@ -52,6 +53,11 @@ def differences(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> l
                   and not n.startswith(LATE_PREFIXES) and n not in LATE_NAMES)
 
 
+def training(heartbeat_dir: str) -> bool:
+    """Whether a worker of this node has done a step (its heartbeat says so): start-up is over."""
+    return bool(heartbeat_dir) and any(b.steps_done >= 1 for b in read_all(Path(heartbeat_dir)))
+
+
 def worker_command(argv: Sequence[str]) -> bool:
     """Whether ``argv`` is a worker's command a standby can run (pure)."""
     return len(argv) >= 4 and list(argv[1:3]) == ["-m", "runtime.worker"]
@@ -74,11 +80,13 @@ class Standby:
         self.failures = 0
         self.handed: list[int] = []   # pids that became workers (their orders' files)
 
-    def tend(self, argv: Sequence[str], template: Mapping[str, str], now: float | None = None) -> None:
+    def tend(self, argv: Sequence[str], template: Mapping[str, str], now: float | None = None, *,
+             ready: Callable[[], bool] = lambda: True) -> None:
         """Starts a standby once the delay has passed and none is alive; called at each of the
         agent's looks at its workers. ``argv``: a worker's command (its interpreter runs the
         standby, its script's libraries are imported); ``template``: a worker's environment
-        (its rank's variables are left out)."""
+        (its rank's variables are left out); ``ready``: whether the workers' start-up is over
+        (the delay counts from then: a standby importing beside starting workers slows them)."""
         if not self.on or self.failures >= MAX_FAILURES:
             return
         now = time.monotonic() if now is None else now
@@ -91,6 +99,8 @@ class Standby:
                         self.proc.pid, code, "; no more are started" if self.failures >= MAX_FAILURES else "")
             self.proc, self.armed_at = None, now
         if self.armed_at is None:
+            if not ready():
+                return
             self.armed_at = now
         if now - self.armed_at < self.after_s:
             return
