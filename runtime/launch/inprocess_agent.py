@@ -13,7 +13,8 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
 - it **restarts the dead worker as a joiner** (``HPC_INPROC_JOIN=1``, the same command and
   environment torch gave it, bounded by ``--max-restarts``): with ``--replacement wait`` (the
   default) it promises the replacement in the store (``replace/UID``) before announcing the
-  death, so the survivors' re-form waits for the joiner and the world keeps its size; with
+  death, so the survivors' re-form waits for the joiner and the world keeps its size (the joiner
+  is made from the node's warm standby when one is ready, :mod:`runtime.launch.standby`); with
   ``--replacement shrink`` it promises nothing, the survivors re-form at once without the dead
   worker and the joiner is taken in at a later step boundary (the hot spares' grow path). The
   joiner receives the state from the survivors' memory (:mod:`runtime.worker.inprocess`). Only

@@ -154,15 +154,17 @@ class Standby:
         return proc
 
     def close(self) -> None:
-        """Ends an unused standby (its stdin closed: it exits 0) and forgets ended orders."""
+        """Ends an unused standby (SIGKILL: it holds nothing, and may still be importing) and
+        forgets the orders of ended workers."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
+            proc.kill()
             try:
-                if proc.stdin is not None:
-                    proc.stdin.close()
                 proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+            except subprocess.TimeoutExpired:
+                log.warning("in-process recovery: the warm standby %d did not end", proc.pid)
+            if proc.stdin is not None:
+                proc.stdin.close()
         for pid in self.handed:
             try:
                 os.kill(pid, 0)

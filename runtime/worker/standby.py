@@ -29,6 +29,7 @@ from runtime.worker.start import main as worker_main
 
 # What every Session worker imports before its first step, some of it late (DDP's construction
 # imports torch._dynamo: seconds, measured in a warm joiner that had not).
+READY_NAME = "hpc-standby"   # its process name once warm (before: python's)
 WORKER_MODULES = ("numpy", "torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
                   "torch.optim", "runtime.session", "runtime.worker.start")
 
@@ -82,6 +83,7 @@ def become(order: proto.Order) -> None:
             target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(target, fd)
             os.close(target)
+    _name(os.path.basename(sys.executable))
     null = os.open(os.devnull, os.O_RDONLY)   # a cold worker reads nothing either
     os.dup2(null, 0)
     os.close(null)
@@ -93,6 +95,15 @@ def become(order: proto.Order) -> None:
     if args[:2] != ["-m", "runtime.worker"]:
         sys.exit(f"[hpc standby] not a worker's command: {order.argv!r}")
     worker_main(args[2:])
+
+
+def _name(name: str) -> None:
+    """Sets what ``ps`` and ``/proc/PID/comm`` show (Linux; 15 characters)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)   # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _forget(path: str) -> None:
@@ -109,6 +120,7 @@ def main() -> None:
             and hasattr(signal, job.warning_signal):
         signal.signal(getattr(signal, job.warning_signal), signal.SIG_IGN)
     warm_up(sys.argv[1] if len(sys.argv) > 1 else "")
+    _name(READY_NAME)   # ready: ps and /proc/PID/comm say so
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return   # the launcher ended without needing it
