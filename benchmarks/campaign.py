@@ -61,6 +61,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import campaign_metrics as cm  # noqa: E402
 from hpc.contract.slurm_parse import expand_hostlist  # noqa: E402
+from runtime.liveness import proc  # noqa: E402
 
 TRAIN = REPO / "examples" / "train_gpt.py"
 PLAIN = REPO / "benchmarks" / "baseline" / "train_plain.py"
@@ -361,7 +362,7 @@ class Ours(Contender):
         return int(p["step"]), int(p["world_size"]), float(p["time"]), group
 
     def is_worker(self, cmd):
-        return len(cmd) > 2 and cmd[1] == b"-m" and cmd[2].startswith(b"runtime.") and b"worker" in cmd[2]
+        return len(cmd) > 2 and cmd[1] == b"-m" and cmd[2] == b"runtime.worker"
 
     def rdzv_host(self, job, nodes):
         try:
@@ -456,7 +457,10 @@ class Injector:
             return f"high-priority job {r.stdout.strip()} on {','.join(nodes)} {r.stderr.strip()}"
         if kind in ("worker_kill", "freeze"):
             for node in others + [host]:
-                pids = self.sc.node_processes(node, contender.is_worker)
+                # A warm standby that became a joiner is a worker (its order's command line),
+                # an idle one is not (ours: runtime.launch.standby).
+                pids = [p for p in self.sc.node_processes(node, lambda argv: True)
+                        if contender.is_worker([a.encode() for a in proc.cmdline(p)])]
                 if pids:
                     pid = self.rng.choice(pids)
                     os.kill(pid, signal.SIGKILL if kind == "worker_kill" else signal.SIGSTOP)
