@@ -4,7 +4,7 @@ Under ``--recovery inprocess`` (``--replacement wait``) the survivors of a dead 
 its joiner, so the joiner's start-up is the recovery's: a cold one starts python and imports
 torch and the Session first (~4.5 s of a 6.4-s worker-kill recovery in the campaign, 3 nodes at
 load ~2). The launcher therefore keeps one :mod:`runtime.worker.standby` process per node,
-started :data:`AFTER_S` after its workers' first step (so it does not compete with their own
+started :data:`AFTER_S` (2 s) after its workers' first step (so it does not compete with their own
 start), and hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a
 new standby follows the same delay later. A joiner starts cold, as before, when there is no live standby,
 when the standby was started with an environment the joiner's differs from in a variable that
@@ -27,7 +27,10 @@ from runtime.liveness.heartbeat import read_all
 
 log = logging.getLogger("hpc.launch")
 
-AFTER_S = 10.0       # a standby starts this long after the workers (or after the last one was used)
+# A standby starts this long after a worker's first step (start-up is over) or after the last one
+# was handed out. Short: a fault in the first seconds of training found none (the campaign's
+# worker kill 0.1 s after the first step of a requeued allocation, a freeze 9 s after the first).
+AFTER_S = 2.0
 MAX_FAILURES = 3     # standbys that died unused before no more are started
 # Variables a worker reads after its imports (the rendezvous, its rank, the store, its
 # process group's transport, W&B): a joiner's may differ from its standby's. Any other
