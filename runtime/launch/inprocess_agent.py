@@ -309,8 +309,9 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             args = launch.get("args") or {}
             if min(envs) in args:
                 beats = job_env.JobEnvironment.from_env(os.environ).heartbeat_dir
+                spare = standby.at_launch(len(os.sched_getaffinity(0)), len(envs))
                 warm.tend([launch["entrypoint"], *args[min(envs)]], {**os.environ, **envs[min(envs)]},
-                          ready=lambda: standby.training(beats))
+                          ready=lambda: spare or standby.training(beats))
 
         def _stop_workers(self, worker_group: Any) -> None:
             warm.close()

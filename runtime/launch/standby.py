@@ -5,7 +5,7 @@ its joiner, so the joiner's start-up is the recovery's: a cold one starts python
 torch and the Session first (~4.5 s of a 6.4-s worker-kill recovery in the campaign, 3 nodes at
 load ~2). The launcher therefore keeps one :mod:`runtime.worker.standby` process per node,
 started :data:`AFTER_S` (2 s) after its workers' first step (so it does not compete with their own
-start), and hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a
+start; at once on a node with CPUs to spare, :func:`at_launch`), and hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a
 new standby follows the same delay later. A joiner starts cold, as before, when there is no live standby,
 when the standby was started with an environment the joiner's differs from in a variable that
 may be read at import (:func:`differences`, named in the log), or when the worker's command is
@@ -54,6 +54,12 @@ def differences(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> l
     names = set(started_with) | set(wanted)
     return sorted(n for n in names if started_with.get(n) != wanted.get(n)
                   and not n.startswith(LATE_PREFIXES) and n not in LATE_NAMES)
+
+
+def at_launch(cpus: int, local_workers: int) -> bool:
+    """Whether the standby may start with the workers instead of after their first step (pure):
+    on a node with CPUs to spare (4 per process: GPU nodes), its imports slow nobody's start."""
+    return cpus >= 4 * (local_workers + 1)
 
 
 def training(heartbeat_dir: str) -> bool:

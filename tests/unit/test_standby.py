@@ -139,3 +139,8 @@ def test_no_standby_before_the_delay_and_none_after_repeated_deaths(monkeypatch:
         warm.tend(argv, {"RANK": "1", "LOCAL_RANK": "1", "A": "1"}, now=t)
     assert started[0] == ["/py", "-m", proto.STANDBY_MODULE, "train.py"]
     assert len(started) == standby.MAX_FAILURES and warm.env == {"A": "1"}   # no rank of its own
+
+
+def test_a_standby_starts_with_the_workers_only_where_cpus_are_to_spare():
+    assert standby.at_launch(96, 8)                                  # a GPU node
+    assert not standby.at_launch(2, 1) and not standby.at_launch(16, 4)   # this machine's nodes, a busy one
