@@ -99,7 +99,7 @@ def one(kind: str, tmp: Path, i: int, kill_step: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--rounds", type=int, default=6, help="warm rounds (cold rounds: one more)")
-    p.add_argument("--kill-step", type=int, default=200, help="rank 2's step at which it is killed")
+    p.add_argument("--kill-step", type=int, default=100, help="rank 2's step at which it is killed")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args()
     load0 = os.getloadavg()[0]
