@@ -496,7 +496,9 @@ def test_a_host_whose_nodes_do_not_arrive_names_them_the_timeout_and_its_flag(tm
     assert gave_up is not None and "the rendezvous host 127.0.0.1:" in gave_up and \
         "at most 10 s, --rdzv-timeout" in gave_up, "\n".join(late[-20:])
     stamp = lambda ln: datetime.datetime.strptime(ln[:23], "%Y-%m-%d %H:%M:%S,%f")   # noqa: E731
-    assert (stamp(gave_up) - stamp(came)).total_seconds() < 30 + 20, (came, gave_up)
+    # Its 30-s sleep, then the look at the gone store: 27 s of it under CI's load (~9) once; knocking
+    # at the gone store, as before, took ~110 s.
+    assert (stamp(gave_up) - stamp(came)).total_seconds() < 30 + 60, (came, gave_up)
     assert not outcomes(job)[1:], outcomes(job)   # node 1 follows the host's record, adds none
 
 

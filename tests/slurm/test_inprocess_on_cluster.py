@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 import tests.slurm.test_fault_tolerance as ft
+from runtime.liveness import proc
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slurm
@@ -49,12 +50,10 @@ def workers(node: str) -> set[int]:
                          text=True).stdout.split()
     found = set()
     for pid in map(int, out):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"train_gpt.py") for a in argv) and b"runtime.launch" not in argv \
-                and b"torchrun" not in b" ".join(argv):
+        # The command line a worker runs (a warm standby that became a joiner: its order's);
+        # an idle standby (``runtime.worker.standby``) is no worker.
+        argv = proc.cmdline(pid)
+        if "runtime.worker" in argv and any(a.endswith("train_gpt.py") for a in argv):
             found.add(pid)
     return found
 
