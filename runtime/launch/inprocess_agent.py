@@ -302,6 +302,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
 
         def _tend_standby(self) -> None:
             """Keeps this node's warm standby (:mod:`runtime.launch.standby`) once workers run."""
+            if warm.settled():   # (every look at the workers: no environment merged for nothing)
+                return
             launch = self.__dict__.get("_launch") or {}
             envs = launch.get("envs") or {}
             if not envs or not launch.get("entrypoint") or (stopping is not None and stopping()):

@@ -89,6 +89,11 @@ class Standby:
         self.failures = 0
         self.handed: list[int] = []   # pids that became workers (their orders' files)
 
+    def settled(self) -> bool:
+        """Nothing for :meth:`tend` to do: off, given up, or one alive (a cheap look first)."""
+        return not self.on or self.failures >= MAX_FAILURES or \
+            (self.proc is not None and self.proc.poll() is None)
+
     def tend(self, argv: Sequence[str], template: Mapping[str, str], now: float | None = None, *,
              ready: Callable[[], bool] = lambda: True) -> None:
         """Starts a standby once the delay has passed and none is alive; called at each of the
