@@ -32,7 +32,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
-STEPS = 160   # ~23 s of steps after the kill: the joiner asked 5.6 s after it at load 3; under CI load (8-15) 80 steps (11 s) ended before it asked (CI of 6768ed4)
+STEPS = 160
+# While the world is 2 a step sleeps 0.5 s (not 0.15): >75 s of steps after the kill for the cold joiner
+# to ask. It asked 5.6 s after the kill at load 3; under CI load it did not ask within 11 s (80 steps,
+# CI of 6768ed4) nor within 27 s (160 steps at 0.15 s, CI of cbb6fe2).
+SHRUNK_STEP_SLEEP = 0.5
 JOINER_DELAY_S = 3.0
 
 
@@ -44,7 +48,7 @@ def test_shrink_goes_on_without_waiting_for_the_replacement_and_grows_back_later
     run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "3",
                             "--recovery", "inprocess", "--replacement", "shrink", "--max-restarts", "1",
                             "--job-dir", str(job), "--", "--out", str(out), "--steps", str(STEPS),
-                            "--step-sleep", "0.15", "--joiner-delay", str(JOINER_DELAY_S)],
+                            "--step-sleep", "0.15", "--shrunk-step-sleep", str(SHRUNK_STEP_SLEEP), "--joiner-delay", str(JOINER_DELAY_S)],
                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
@@ -64,8 +68,11 @@ def test_shrink_goes_on_without_waiting_for_the_replacement_and_grows_back_later
             run.kill()
     assert run.returncode == 0, text[-5000:]
     ran = lines(out)
-    [joiner] = set(ran) - originals
+    joiners = set(ran) - originals
+    assert len(joiners) == 1, f"expected one joiner, got {sorted(joiners)}"
+    [joiner] = joiners
     results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
+    assert joiner in results, f"the joiner {joiner} never finished (it ran {len(ran[joiner])} steps)"
     assert set(results) == (originals - {victim}) | {joiner}, "a survivor was restarted"
     assert {r["step"] for r in results.values()} == {STEPS} and {r["world"] for r in results.values()} == {3}
     assert len({r["weights"] for r in results.values()}) == 1, "the replicas differ"

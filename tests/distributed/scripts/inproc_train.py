@@ -30,6 +30,8 @@ p.add_argument("--micro", type=int, default=2)
 p.add_argument("--log-every", type=int, default=5)
 p.add_argument("--pause", default="", help="RANK:STEP:SECONDS: that rank works this long at that step "
                "(healthy and slow, unmarked: an evaluation)")
+p.add_argument("--shrunk-step-sleep", type=float, default=None, help="a survivor's step sleep while "
+               "the world is smaller than at its start (holds the job open for a slow joiner under load)")
 p.add_argument("--joiner-delay", type=float, default=0.0, help="a joiner (a restarted worker) starts "
                "this much slower (seconds before its Session: a GPU's CUDA and NCCL start-up)")
 args = p.parse_args()
@@ -84,6 +86,7 @@ with Session(seed=0, log_every=args.log_every) as s:
         finally:
             recovering[0] = False
     s._recover = watched
+    full = s.world_size
     for step in s.steps(start, args.steps):
         accum = plan_batches(args.global_batch, s.world_size, args.micro)   # per step: the world may change
         batch = sampler.next_global_batch()
@@ -102,7 +105,8 @@ with Session(seed=0, log_every=args.log_every) as s:
         if args.pause and [int(x) for x in args.pause.split(":")[:2]] == [s.rank, step]:
             time.sleep(float(args.pause.split(":")[2]))
         s.log(loss=loss.item())
-        time.sleep(args.step_sleep)
+        shrunk = args.shrunk_step_sleep is not None and s.world_size < full
+        time.sleep(args.shrunk_step_sleep if shrunk else args.step_sleep)
     digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
     (out / f"result-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": s.rank, "world": s.world_size, "step": s.step, "weights": digest,
