@@ -438,6 +438,7 @@ class Injector:
     env: dict[str, str]
     rng: random.Random
     repairs: list[threading.Thread] = field(default_factory=list)
+    repairing: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
 
     def job_nodes(self, job_id: str) -> list[str]:
@@ -451,10 +452,11 @@ class Injector:
         host = contender.rdzv_host(job, nodes) if nodes else ""
         others = sorted(n for n in nodes if n != host)
         if kind == "preempt":
-            r = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", str(len(nodes)),
-                                "-w", ",".join(nodes), "-t", "2", "-o", str(job / "high-%j.out"),
+            high = cm.preemptor_nodes(nodes, self.sc.node_states(self.cluster), self.repairing)
+            r = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", str(len(high)),
+                                "-w", ",".join(high), "-t", "2", "-o", str(job / "high-%j.out"),
                                 "--wrap", "sleep 4"], env=self.env, capture_output=True, text=True)
-            return f"high-priority job {r.stdout.strip()} on {','.join(nodes)} {r.stderr.strip()}"
+            return f"high-priority job {r.stdout.strip()} on {','.join(high)} {r.stderr.strip()}"
         if kind in ("worker_kill", "freeze"):
             for node in others + [host]:
                 # A warm standby that became a joiner is a worker (its order's command line),
@@ -477,6 +479,8 @@ class Injector:
 
     def _repair(self, node: str, job_id: str, fix) -> None:
         """Once Slurm noticed (node down, or dropped from the job), or after 120 s: repair."""
+        self.repairing.add(node)
+
         def run() -> None:
             end = time.time() + 120
             while time.time() < end:
@@ -485,6 +489,7 @@ class Injector:
                     break
                 time.sleep(1)
             fix()
+            self.repairing.discard(node)
             self.log.append(f"{time.time():.1f} repaired {node}")
         t = threading.Thread(target=run, daemon=True)
         t.start()

@@ -252,3 +252,16 @@ def test_a_torchft_fault_costs_the_stall_after_the_step_in_flight():
     assert cm.back_at(later, 7.2) == 41.0, "without it: charged until after the requeue"
     # A new allocation is no change of the participants.
     assert cm.torchft_recoveries(recs[:2] + [{**recs[2], "alloc": 1, "world": 2}]) == []
+
+
+def test_the_preemptor_asks_only_for_the_jobs_nodes_that_are_up() -> None:
+    nodes = ["node1", "node2", "node3"]
+    healthy = {"node1": "mix", "node2": "alloc", "node3": "mix"}
+    assert cm.preemptor_nodes(nodes, healthy, set()) == nodes
+    # node2 crashed by an earlier fault, not yet repaired: Slurm may not have noticed yet.
+    assert cm.preemptor_nodes(nodes, healthy, {"node2"}) == ["node1", "node3"]
+    # Slurm noticed: down, not responding (*), failed or drained.
+    for bad in ("down*", "mix*", "idle*", "fail", "drain"):
+        assert cm.preemptor_nodes(nodes, {**healthy, "node3": bad}, set()) == ["node1", "node2"], bad
+    # Nothing up: all of them (the preemptor waits, as on a real cluster), never an empty -w.
+    assert cm.preemptor_nodes(nodes, {n: "down*" for n in nodes}, set()) == nodes
