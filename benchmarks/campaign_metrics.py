@@ -61,16 +61,18 @@ def schedule(seed: int, steps: int, kinds: Sequence[str] = KINDS, *, min_gap: in
 def preemptor_nodes(nodes: Sequence[str], states: Mapping[str, str], repairing: Iterable[str]) -> list[str]:
     """The nodes a preemption's high-priority job asks for: the job's nodes that are up.
 
-    A node crashed or cut off by an earlier fault and not yet repaired (or one Slurm marks down, failed, drained or not responding)
-    is left out: a preemptor that needs it preempts the job and then waits for that node, and the
-    requeued job may take the nodes back first, so the one scheduled preemption would end two of
-    its allocations (campaign seed 1, session 11: a second SIGUSR2 40 s into the next allocation).
-    With no node up, all of them (the preemptor then waits, as it would on a real cluster).
+    A node crashed or cut off by an earlier fault and not yet repaired, or one Slurm marks down,
+    failed, drained or not responding, is left out: a preemptor that needs it preempts the job and
+    then waits for that node, and the requeued job may take the nodes back first, so the one
+    scheduled preemption would end two of its allocations (campaign seed 1, session 11: a second
+    SIGUSR2 40 s into the next allocation). With no node up, all of them (the preemptor then
+    waits, as it would on a real cluster).
     """
     away = set(repairing)
 
     def up(state: str) -> bool:   # sinfo's short state: "down*", "mix*" (* = not responding), "drain", ...
         return "*" not in state and not state.startswith(("down", "fail", "drain"))
+
     return [n for n in nodes if n not in away and up(states.get(n, ""))] or list(nodes)
 
 

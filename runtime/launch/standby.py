@@ -101,13 +101,11 @@ class Standby:
         standby, its script's libraries are imported); ``template``: a worker's environment
         (its rank's variables are left out); ``ready``: whether the workers' start-up is over
         (the delay counts from then: a standby importing beside starting workers slows them)."""
-        if not self.on or self.failures >= MAX_FAILURES:
+        if self.settled():
             return
         now = time.monotonic() if now is None else now
-        if self.proc is not None:
+        if self.proc is not None:   # settled() saw it ended
             code = self.proc.poll()
-            if code is None:
-                return
             self.failures += 1
             log.warning("in-process recovery: the warm standby %d ended unused (exit %s)%s",
                         self.proc.pid, code, "; no more are started" if self.failures >= MAX_FAILURES else "")
