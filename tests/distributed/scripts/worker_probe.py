@@ -25,10 +25,15 @@ if args.fail and rank == 1:
     raise ValueError("boom: injected failure in rank 1")
 end = time.time() + args.seconds
 n = 0
-while time.time() < end:
-    t = torch.ones(1)
+while True:
+    # The ranks leave the loop together: each one's clock votes, and the all-reduce carries
+    # the votes. A rank that left on its own clock would leave the other in an all-reduce
+    # with a peer that had gone (under load the ranks' `end`s differ by more than a step).
+    t = torch.tensor([1.0, float(time.time() >= end)])
     dist.all_reduce(t)
     n += 1
+    if t[1] > 0:
+        break
     time.sleep(0.05)
 if got:
     (out / f"signals-{rank}").write_text(",".join(got))
