@@ -450,15 +450,15 @@ class Injector:
         """Injects ``kind``; returns what was hit (for the record)."""
         nodes = self.job_nodes(job_id)
         host = contender.rdzv_host(job, nodes) if nodes else ""
-        others = sorted(n for n in nodes if n != host)
+        up = cm.nodes_up(nodes, self.sc.node_states(self.cluster), self.repairing)
         if kind == "preempt":
-            high = cm.preemptor_nodes(nodes, self.sc.node_states(self.cluster), self.repairing)
-            r = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", str(len(high)),
-                                "-w", ",".join(high), "-t", "2", "-o", str(job / "high-%j.out"),
+            r = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", str(len(up)),
+                                "-w", ",".join(up), "-t", "2", "-o", str(job / "high-%j.out"),
                                 "--wrap", "sleep 4"], env=self.env, capture_output=True, text=True)
-            return f"high-priority job {r.stdout.strip()} on {','.join(high)} {r.stderr.strip()}"
+            return f"high-priority job {r.stdout.strip()} on {','.join(up)} {r.stderr.strip()}"
+        targets = cm.fault_targets(kind, nodes, host, up)
         if kind in ("worker_kill", "freeze"):
-            for node in others + [host]:
+            for node in targets:
                 # A warm standby that became a joiner is a worker (its order's command line),
                 # an idle one is not (ours: runtime.launch.standby).
                 pids = [p for p in self.sc.node_processes(node, lambda argv: True)
@@ -468,7 +468,7 @@ class Injector:
                     os.kill(pid, signal.SIGKILL if kind == "worker_kill" else signal.SIGSTOP)
                     return f"worker pid {pid} on {node}"
             return "no worker found"
-        node = host if kind == "rdzv_loss" else (self.rng.choice(others) if others else host)
+        node = host if kind == "rdzv_loss" else self.rng.choice(targets)
         if kind in ("node_crash", "rdzv_loss"):
             self.sc.crash(self.cluster, node)
             self._repair(node, job_id, lambda: self.sc.restart_slurmd(self.cluster, node))

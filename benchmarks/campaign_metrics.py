@@ -58,14 +58,16 @@ def schedule(seed: int, steps: int, kinds: Sequence[str] = KINDS, *, min_gap: in
     return [(margin + c + i * min_gap, k) for i, (c, k) in enumerate(zip(cuts, order))]
 
 
-def preemptor_nodes(nodes: Sequence[str], states: Mapping[str, str], repairing: Iterable[str]) -> list[str]:
-    """The nodes a preemption's high-priority job asks for: the job's nodes that are up.
+def nodes_up(nodes: Sequence[str], states: Mapping[str, str], repairing: Iterable[str]) -> list[str]:
+    """The job's nodes that are up: those a scheduled fault may hit.
 
     A node crashed or cut off by an earlier fault and not yet repaired, or one Slurm marks down,
-    failed, drained or not responding, is left out: a preemptor that needs it preempts the job and
-    then waits for that node, and the requeued job may take the nodes back first, so the one
-    scheduled preemption would end two of its allocations (campaign seed 1, session 11: a second
-    SIGUSR2 40 s into the next allocation). With no node up, all of them (the preemptor then
+    failed, drained or not responding, is left out. A preemption's high-priority job that asks
+    for such a node preempts the job and then waits for it, and the requeued job may take the
+    nodes back first, so the one scheduled preemption would end two of its allocations (campaign
+    seed 1, session 11: a second SIGUSR2 40 s into the next allocation). A worker kill or a
+    freeze on a node cut off would hit processes the job has already lost, and a second crash of
+    a crashed node would be no fault at all. With no node up, all of them (a preemptor then
     waits, as it would on a real cluster).
     """
     away = set(repairing)
@@ -74,6 +76,25 @@ def preemptor_nodes(nodes: Sequence[str], states: Mapping[str, str], repairing: 
         return "*" not in state and not state.startswith(("down", "fail", "drain"))
 
     return [n for n in nodes if n not in away and up(states.get(n, ""))] or list(nodes)
+
+
+def fault_targets(kind: str, nodes: Sequence[str], host: str, up: Iterable[str]) -> list[str]:
+    """The nodes a fault of ``kind`` may hit, in the order it tries them (pure).
+
+    ``nodes`` are the job's (``squeue``), ``host`` the rendezvous host's, ``up`` what
+    :func:`nodes_up` left of them. A rendezvous-host loss hits the host, whatever its state. A
+    worker kill or freeze tries the nodes up other than the host first, then the host; a node
+    crash or cut link hits one of the nodes up other than the host. A node down is tried only
+    when no node of the kind is up (the fault then hits what is left, as before this rule).
+    """
+    if kind == "rdzv_loss":
+        return [host]
+    live = set(up)
+    others = sorted(n for n in nodes if n != host)
+    live_others = [n for n in others if n in live]
+    if kind in ("worker_kill", "freeze"):
+        return (live_others + ([host] if host in live else [])) or others + [host]
+    return live_others or others or [host]
 
 
 def plain_events(records: Iterable[Mapping[str, Any]], runs: Mapping[int, Mapping[str, Any]]

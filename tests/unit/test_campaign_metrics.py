@@ -257,11 +257,29 @@ def test_a_torchft_fault_costs_the_stall_after_the_step_in_flight():
 def test_the_preemptor_asks_only_for_the_jobs_nodes_that_are_up() -> None:
     nodes = ["node1", "node2", "node3"]
     healthy = {"node1": "mix", "node2": "alloc", "node3": "mix"}
-    assert cm.preemptor_nodes(nodes, healthy, set()) == nodes
+    assert cm.nodes_up(nodes, healthy, set()) == nodes
     # node2 crashed by an earlier fault, not yet repaired: Slurm may not have noticed yet.
-    assert cm.preemptor_nodes(nodes, healthy, {"node2"}) == ["node1", "node3"]
+    assert cm.nodes_up(nodes, healthy, {"node2"}) == ["node1", "node3"]
     # Slurm noticed: down, not responding (*), failed or drained.
     for bad in ("down*", "mix*", "idle*", "fail", "drain"):
-        assert cm.preemptor_nodes(nodes, {**healthy, "node3": bad}, set()) == ["node1", "node2"], bad
+        assert cm.nodes_up(nodes, {**healthy, "node3": bad}, set()) == ["node1", "node2"], bad
     # Nothing up: all of them (the preemptor waits, as on a real cluster), never an empty -w.
-    assert cm.preemptor_nodes(nodes, {n: "down*" for n in nodes}, set()) == nodes
+    assert cm.nodes_up(nodes, {n: "down*" for n in nodes}, set()) == nodes
+
+
+def test_faults_hit_nodes_that_are_up_and_the_host_loss_hits_the_host() -> None:
+    nodes = ["node1", "node2", "node3"]
+    up = ["node1", "node3"]                       # node2 crashed by an earlier fault, not repaired
+    assert cm.fault_targets("worker_kill", nodes, "node1", up) == ["node3", "node1"]
+    assert cm.fault_targets("freeze", nodes, "node3", up) == ["node1", "node3"]
+    assert cm.fault_targets("node_crash", nodes, "node1", up) == ["node3"]
+    assert cm.fault_targets("link_cut", nodes, "node1", up) == ["node3"]
+    assert cm.fault_targets("rdzv_loss", nodes, "node2", up) == ["node2"]
+    everything = ["node1", "node2", "node3"]
+    assert cm.fault_targets("link_cut", nodes, "node1", everything) == ["node2", "node3"]
+    # Only the host up: a worker fault hits it; a node fault hits a node down rather than the host
+    # (a host loss is its own kind in the schedule).
+    assert cm.fault_targets("worker_kill", nodes, "node1", ["node1"]) == ["node1"]
+    assert cm.fault_targets("node_crash", nodes, "node1", ["node1"]) == ["node2", "node3"]
+    # With nothing up (nodes_up then gives all), the old order.
+    assert cm.fault_targets("freeze", nodes, "node1", []) == ["node2", "node3", "node1"]
