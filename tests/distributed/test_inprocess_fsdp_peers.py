@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -39,24 +40,26 @@ SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_fsdp_train.py"
 STEPS = 14
 
 
-def hpc_run(out: Path, job: Path, *extra: str, nproc: int = 2, window_s: int = 60) -> subprocess.Popen[str]:
+def hpc_run(out: Path, job: Path, *extra: str, nproc: int = 2, window_s: int = 60,
+            steps: int = STEPS) -> subprocess.Popen[str]:
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S=str(window_s),
                HPC_INPROC_COPY_EVERY="2")
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2",
                              "--nproc-per-node", str(nproc), "--recovery", "inprocess", "--max-restarts", "3",
                              "--job-dir", str(job), *extra,
-                             "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15"],
+                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.15"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def kill_ranks(run: subprocess.Popen, out: Path, ranks: set[int], after: int, deadline: float) -> list[int]:
-    """SIGKILLs the workers of ``ranks`` at once, when each has run ``after`` steps."""
+def kill_ranks(run: subprocess.Popen, out: Path, ranks: set[int], after: int, deadline: float,
+               ready: Callable[[], bool] = lambda: True) -> list[int]:
+    """SIGKILLs the workers of ``ranks`` at once, when each has run ``after`` steps and ``ready()``."""
     while True:
         assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
         ran = lines(out)
         pick = {r[0]["rank"]: pid for pid, r in ran.items() if r and r[0]["rank"] in ranks and len(r) >= after}
-        if set(pick) == ranks:
+        if set(pick) == ranks and ready():
             for pid in pick.values():
                 os.kill(pid, signal.SIGKILL)
             return sorted(pick.values())
@@ -155,9 +158,13 @@ def test_a_lost_nodes_shards_go_to_a_hot_spare_from_the_peer_copy(tmp_path: Path
 def test_both_copies_of_a_shard_lost_falls_back_to_the_checkpoint_and_says_which(tmp_path: Path):
     t0 = time.time()
     out, job = tmp_path / "out", tmp_path / "job dir"
-    run = hpc_run(out, job, "--checkpoint-every-steps", "4")
+    # The step-4 save is asynchronous: its commit (the rename to step-000004/) may come after
+    # step 6 under load, and a kill before it leaves no checkpoint (CI of 7336388: a restart from
+    # step 0, as it should). The kill waits for the commit; 40 steps leave the job running.
+    run = hpc_run(out, job, "--checkpoint-every-steps", "4", steps=40)
     try:
-        kill_ranks(run, out, {0, 2}, 6, time.time() + 240)
+        kill_ranks(run, out, {0, 2}, 6, time.time() + 240,
+                   ready=lambda: (job / "checkpoints" / "step-000004").is_dir())
         text, _ = run.communicate(timeout=240)
     finally:
         if run.poll() is None:
@@ -168,6 +175,6 @@ def test_both_copies_of_a_shard_lost_falls_back_to_the_checkpoint_and_says_which
     assert any("rank(s) 0, 2 have no copy left" in e["reason"] for e in fallback), fallback
     restored = [e for e in ev if e["ev"] == "restore_end" and e.get("from_checkpoint")]
     assert restored and restored[-1]["step"] >= 4, "the restart path did not resume from the checkpoint"
-    assert {r["step"] for r in results(out).values()} == {STEPS}
+    assert {r["step"] for r in results(out).values()} == {40}
     print(f"both copies lost -> fallback, resumed from step {restored[-1]['step']}; test took "
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
