@@ -71,15 +71,17 @@ def test_a_second_fault_during_an_fsdp2_shard_transfer_falls_back_to_the_checkpo
     # copy, dies after the first shard's move. Shards may be half moved: the state is not
     # taken from memory (no rank may train on mixed state); the disk checkpoint is, and the
     # fallback's reason names the second fault.
-    from tests.distributed.test_inprocess_fsdp_peers import STEPS as FSDP_STEPS
     from tests.distributed.test_inprocess_fsdp_peers import events, hpc_run, kill_ranks, results
 
     t0 = time.time()
     monkeypatch.setenv("HPC_TEST_INPROC_FAULT", "0:1:transfer")
     out, job = tmp_path / "out", tmp_path / "job dir"
-    run = hpc_run(out, job, "--checkpoint-every-steps", "4")
+    # The kill waits for the step-4 checkpoint's commit (an asynchronous save: killed before it,
+    # its writers lost, there is no checkpoint to fall back to); 40 steps leave the job running.
+    run = hpc_run(out, job, "--checkpoint-every-steps", "4", steps=40)
     try:
-        kill_ranks(run, out, {2, 3}, 6, time.time() + 240)
+        kill_ranks(run, out, {2, 3}, 6, time.time() + 240,
+                   ready=lambda: (job / "checkpoints" / "step-000004").is_dir())
         text, _ = run.communicate(timeout=240)
     finally:
         if run.poll() is None:
@@ -92,6 +94,6 @@ def test_a_second_fault_during_an_fsdp2_shard_transfer_falls_back_to_the_checkpo
     assert not [e for e in ev if e["ev"] == "inproc_recovery"], "a generation went on from mixed state"
     restored = [e for e in ev if e["ev"] == "restore_end" and e.get("from_checkpoint")]
     assert restored and restored[-1]["step"] >= 4, "the restart path did not resume from the checkpoint"
-    assert {r["step"] for r in results(out).values()} == {FSDP_STEPS}
+    assert {r["step"] for r in results(out).values()} == {40}
     print(f"second fault in the shard transfer -> fallback, resumed from step {restored[-1]['step']}; "
           f"test took {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
