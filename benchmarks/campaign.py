@@ -323,8 +323,10 @@ def slurm_frame(record: dict[str, Any]) -> None:
     hung) at its last event, so it leaves out a hang's node-time; Slurm does not."""
     from types import SimpleNamespace
     allocs, ends = [], []
+    record["slurm_runs"] = []   # what sacct said, kept with the record (the frames are checked by it)
     for job_id in record.get("job_ids") or [record.get("job_id")]:
         for run in accounting_runs(str(job_id)).values():
+            record["slurm_runs"].append({"job_id": str(job_id), **run})
             if run.get("start") is None or run.get("end") is None:
                 continue
             ends.append(run["end"])

@@ -39,23 +39,37 @@ def runs_from_accounting(records: Sequence[AccountingRecord], job_id: str
 
     Allocations are the job's allocation records in order of start. A ``--no-kill`` job that
     loses a node is *resized*: sacct then shows a ``RESIZING`` record up to the loss and a new
-    record for the survivors; both are one allocation, and the lost node's time ends at the
-    resize.
+    record for the survivors, starting when the ``RESIZING`` one ended, on some of its nodes;
+    both are one allocation, and the lost node's time ends at the resize. A record that follows
+    a ``RESIZING`` one later, or on a node it did not hold, is the next allocation (the job was
+    requeued while resized): merged, the two allocations and the gap between them were one
+    frame, and the ledger counted the nodes of both twice over the gap and the second one.
     """
     allocs = sorted((r for r in records if r.step is None and r.job_id == job_id and r.start),
                     key=lambda r: r.start)
     ts = lambda d: d.timestamp() if d is not None else None  # noqa: E731
     runs: list[dict[str, Any]] = []
-    resizing = False
+    prev: AccountingRecord | None = None
     for r in allocs:
-        if not (runs and resizing):
+        if not (runs and prev is not None and resized_into(prev, r)):
             runs.append({"submit": ts(r.submit), "start": ts(r.start), "end": None, "node_ends": {}})
         run = runs[-1]
         run["end"] = ts(r.end)
         for node in r.nodes:
             run["node_ends"][node] = ts(r.end)
-        resizing = r.raw_state.upper().startswith("RESIZING")
+        prev = r
     return dict(enumerate(runs))
+
+
+RESIZE_SLACK_S = 2.0   # sacct's times are whole seconds; a resize's two records meet exactly
+
+
+def resized_into(before: AccountingRecord, after: AccountingRecord) -> bool:
+    """Whether ``after`` is ``before``'s allocation going on after a resize (pure)."""
+    if not before.raw_state.upper().startswith("RESIZING") or before.end is None or after.start is None:
+        return False
+    return abs(after.start.timestamp() - before.end.timestamp()) <= RESIZE_SLACK_S and \
+        set(after.nodes) <= set(before.nodes)
 
 
 def slurm_runs(job_id: str) -> dict[int, dict[str, Any]]:

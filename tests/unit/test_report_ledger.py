@@ -194,6 +194,36 @@ def test_sacct_runs_merge_a_resized_allocation_and_date_the_lost_node():
                                     "node3": ts("2026-11-24T22:17:04")}
 
 
+def test_a_run_requeued_while_resized_is_its_own_allocation():
+    """A ``--no-kill`` job resized twice (node2, then node1 lost), requeued, preempted, requeued:
+    the record after the last ``RESIZING`` one starts 12 s later on a node it did not hold, so it
+    is the next allocation. Merged (as before), the first allocation's frame ran on to the
+    second's end and the campaign's ledger counted 4-5 nodes where Slurm had 2-3."""
+    from datetime import datetime
+
+    from hpc.contract.slurm_parse import parse_sacct
+    from hpc.report.load import runs_from_accounting
+
+    tag = "hpc-tag:0"
+    text = "\n".join([
+        f"183|183|train_gpt|debug|RESIZING|0:0|00:00:20|node[1-3]|2026-11-27T10:00:00|2026-11-27T10:00:20|2026-11-27T09:59:59|None|{tag}",
+        f"183|183|train_gpt|debug|RESIZING|0:0|00:00:21|node[1,3]|2026-11-27T10:00:20|2026-11-27T10:00:41|2026-11-27T10:00:20|None|{tag}",
+        f"183|183|train_gpt|debug|PREEMPTED|0:0|00:00:34|node[2-3]|2026-11-27T10:00:53|2026-11-27T10:01:27|2026-11-27T10:00:41|BeginTime|{tag}",
+        f"183|183|train_gpt|debug|COMPLETED|0:0|00:00:23|node[1,3]|2026-11-27T10:01:50|2026-11-27T10:02:13|2026-11-27T10:01:27|BeginTime|{tag}",
+    ])
+    runs = runs_from_accounting(parse_sacct(text), "183")
+    ts = lambda s: datetime.fromisoformat(f"2026-11-27T{s}").timestamp()  # noqa: E731
+    assert [(r["start"], r["end"]) for r in runs.values()] == [
+        (ts("10:00:00"), ts("10:00:41")), (ts("10:00:53"), ts("10:01:27")), (ts("10:01:50"), ts("10:02:13"))]
+    assert runs[0]["node_ends"] == {"node1": ts("10:00:41"), "node2": ts("10:00:20"), "node3": ts("10:00:41")}
+    assert runs[1]["node_ends"] == {"node2": ts("10:01:27"), "node3": ts("10:01:27")}
+    # A resize's records meet exactly: still one allocation (the fixture of the test above).
+    joined = parse_sacct(text.replace("10:00:53", "10:00:41"))
+    assert len(runs_from_accounting(joined, "183")) == 3      # node2 was not in the record before
+    joined = parse_sacct(text.replace("node[2-3]|2026-11-27T10:00:53", "node[3]|2026-11-27T10:00:41"))
+    assert len(runs_from_accounting(joined, "183")) == 2
+
+
 def test_a_node_that_died_silently_counts_until_slurm_dropped_it():
     evs = clean_run() + [launcher(0, "alloc_start", node="n2")]          # n2 never ends
     runs = {0: {"submit": 0.0, "start": 0.0, "end": 100.0, "node_ends": {"n1": 100.0, "n2": 30.0}}}
