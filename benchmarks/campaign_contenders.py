@@ -120,8 +120,13 @@ class Baseline(Contender):
         benv = {**env, "PLAIN_PYTHON": sys.executable, "PLAIN_TRAIN": str(PLAIN), "PLAIN_OUT": str(job),
                 "PLAIN_NNODES": "2:3", "PLAIN_NPROC": "1", "PLAIN_ARGS": args,
                 "OMP_NUM_THREADS": str(cfg.threads)}
+        return self.sbatch(SBATCH, benv, job)
+
+    @staticmethod
+    def sbatch(script: Path, env: dict[str, str], job: Path) -> str:
+        """Submits ``script`` on 2-3 nodes with its output in ``job``; records and returns the id."""
         r = subprocess.run(["sbatch", "--parsable", "-N", "2-3", "-p", "debug", "-o",
-                            str(job / "slurm-%j.out"), str(SBATCH)], env=benv, capture_output=True,
+                            str(job / "slurm-%j.out"), str(script)], env=env, capture_output=True,
                            text=True, check=True)
         job_id = r.stdout.strip().split(";")[0]
         (job / "slurm_job_id").write_text(job_id + "\n")
@@ -200,12 +205,7 @@ class TorchFT(Baseline):
         args = " ".join(self.args(cfg) + ["--step-sleep", str(cfg.step_sleep)])
         tenv = {**env, "TFT_PYTHON": sys.executable, "TFT_TRAIN": str(TFT_TRAIN), "TFT_OUT": str(job),
                 "TFT_ARGS": args, "OMP_NUM_THREADS": str(cfg.threads)}
-        r = subprocess.run(["sbatch", "--parsable", "-N", "2-3", "-p", "debug", "-o",
-                            str(job / "slurm-%j.out"), str(TFT_SBATCH)], env=tenv, capture_output=True,
-                           text=True, check=True)
-        job_id = r.stdout.strip().split(";")[0]
-        (job / "slurm_job_id").write_text(job_id + "\n")
-        return job_id
+        return self.sbatch(TFT_SBATCH, tenv, job)
 
     @staticmethod
     def args(cfg: Config) -> list[str]:
