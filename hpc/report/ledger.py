@@ -35,7 +35,7 @@ reported beside the allocated time, not inside it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -267,9 +267,10 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
             lost_by_inc[id(inc)] = max(0, last - nxt.resume_step)
 
     allocations = []
+    run_of = _runs_of(by_alloc, slurm_runs)
     for alloc, aevs in sorted(by_alloc.items()):
         allocations.append(_allocation(alloc, aevs, [i for i in incs if i.alloc == alloc], incs,
-                                       lost_by_inc, outcome_of.get(alloc), _match_run(slurm_runs, aevs)))
+                                       lost_by_inc, outcome_of.get(alloc), run_of[alloc]))
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for a in allocations:
         for c, v in a.categories.items():
@@ -292,18 +293,56 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
                   hist.interruptions, interval, checkpoints)
 
 
-def _match_run(runs: Mapping[int, Mapping[str, Any]], aevs: list[Mapping[str, Any]]
-               ) -> Mapping[str, Any] | None:
+def _runs_of(by_alloc: Mapping[int, list[Mapping[str, Any]]],
+             runs: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any] | None]:
+    """Each allocation's Slurm run, no two the same, each ending before the next allocation (pure).
+
+    A job holds one allocation at a time, so no allocation's frame reaches into the next one's:
+    a run's end (and its nodes' ends) is capped at the next allocation's first event, or at its
+    run's submit time (a requeue's submit is when the allocation before it was let go). sacct
+    breaks this for a job requeued after a resize: the resized record's end is written when a
+    later allocation ends, and the next record may have no end; taken as they were, two
+    allocations claimed the same node-time (campaign, session 13, the spare's seed 1: 833
+    allocated node-s where its 3 nodes could hold 483).
+    """
+    order = sorted(by_alloc)
+    used: set[int] = set()
+    matched: dict[int, Mapping[str, Any] | None] = {}
+    for alloc in order:
+        run = _match_run(runs, by_alloc[alloc], exclude=used)
+        if run is not None:
+            used.add(id(run))
+        matched[alloc] = run
+    out: dict[int, Mapping[str, Any] | None] = {}
+    for k, alloc in enumerate(order):
+        run = matched[alloc]
+        if run is None or k + 1 == len(order):
+            out[alloc] = run
+            continue
+        last = float(by_alloc[alloc][-1]["t"])
+        cap = float(by_alloc[order[k + 1]][0]["t"])
+        nxt = matched[order[k + 1]]
+        if nxt is not None and nxt.get("submit") is not None and last <= float(nxt["submit"]) < cap:
+            cap = float(nxt["submit"])
+        clip = lambda t: None if t is None else min(float(t), cap)  # noqa: E731
+        out[alloc] = {**run, "end": clip(run.get("end")),
+                      "node_ends": {n: clip(t) for n, t in (run.get("node_ends") or {}).items()}}
+    return out
+
+
+def _match_run(runs: Mapping[int, Mapping[str, Any]], aevs: list[Mapping[str, Any]],
+               exclude: Collection[int] = ()) -> Mapping[str, Any] | None:
     """Slurm's run of this allocation: the one whose start..end holds the allocation's events.
 
     Matched by time, not by order: sacct may list runs of an older job with the same id (ids
-    wrap, a test cluster starts again at 1), or miss one.
+    wrap, a test cluster starts again at 1), or miss one. Runs in ``exclude`` (by ``id``) are
+    another allocation's.
     """
     t0, t1 = float(aevs[0]["t"]), float(aevs[-1]["t"])
     best, overlap = None, 0.0
     for run in runs.values():
         start, end = run.get("start"), run.get("end")
-        if start is None:
+        if start is None or id(run) in exclude:
             continue
         lo, hi = max(t0, float(start) - 5.0), min(t1, (float(end) if end is not None else t1) + 5.0)
         if hi - lo > overlap or (hi >= lo and best is None and t0 == t1):

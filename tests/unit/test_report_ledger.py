@@ -321,3 +321,24 @@ def test_a_script_without_the_session_restarted_re_forms_between_its_groups():
 
 def test_session_runs_carry_no_note():
     assert build(clean_run()).notes == []
+
+
+def test_a_job_requeued_after_a_resize_holds_each_second_of_its_nodes_once():
+    """Recorded on the test cluster (campaign, session 13, one hot spare, seed 1): a node crash
+    resized the job, a preemption requeued it, the rendezvous host's loss requeued it again.
+    sacct ended the resized record when the *second* allocation ended and left the second
+    record without an end: matched as they were, allocations 0 and 1 both held [0, 105] and the
+    ledger counted 833 allocated node-s, where 3 nodes over the job's 161 s hold at most 483."""
+    d = FIXTURE.parent / "spare_requeued_after_resize"
+    outcomes = [json.loads(x) for x in (d / "outcomes.jsonl").read_text().splitlines()]
+    runs = dict(enumerate(json.loads((d / "slurm_runs.json").read_text())))
+    evs = read_events(d)
+    led = build(evs, outcomes=outcomes, slurm_runs=runs)
+    a0, a1, a2 = led.allocations
+    span = max(e["t"] for e in evs) - min(e["t"] for e in evs)
+    assert led.allocated_node_s <= 3 * span
+    # one allocation at a time: each ends before the next begins; the first when Slurm requeued it
+    assert max(a0.node_ends.values()) == runs[1]["submit"] <= a1.start
+    assert max(a1.node_ends.values()) <= a2.start
+    for a in led.allocations:
+        assert sum(a.categories.values()) == pytest.approx(a.node_s, rel=1e-9)
