@@ -11,7 +11,9 @@ member node is lost, the survivors' re-form takes them in (up to the job's large
 member holding the newest step broadcasts the state, and the world has its size again with no
 checkpoint read. The launcher then records ``workers_started`` (the spare's join in the
 goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
-launcher does, and ends with them. A job that finishes first releases the joiners (``done``):
+launcher does, kills a worker stopped (SIGSTOP) for :data:`~runtime.launch.inprocess_silent.STOPPED_S`
+as a member node's launcher does (then announced dead: without it a frozen taken-in worker held
+its peers in the step boundary's broadcast until the allocation ended), and ends with them. A job that finishes first releases the joiners (``done``):
 they exit 0, not needed.
 
 A spare's launcher watches its host's store as a member node's fence does
@@ -40,7 +42,7 @@ from typing import Any
 
 from hpc.contract import inprocess as proto
 from runtime.ending import outcome
-from runtime.launch import host_store, inprocess_agent
+from runtime.launch import host_store, inprocess_agent, inprocess_silent
 
 log = logging.getLogger("hpc.launch")
 POLL_S = 0.5
@@ -95,7 +97,12 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
     store = None
     watch = _HostWatch(plan.rdzv_endpoint, lambda silent: _host_lost(plan, events, procs, silent, relaunch))
     watch.start()
+    frozen = inprocess_silent.StoppedWorkers()
     while any(p.poll() is None for p in procs):
+        now = time.monotonic()   # a stopped worker is frozen: killed, then announced dead below
+        for pid in frozen.frozen({p.pid: inprocess_agent.proc_state(p.pid) for p in procs
+                                  if p.poll() is None}, now):
+            frozen.kill(pid, now)
         try:
             current = raw.check([proto.ROOT + proto.CURRENT])
             watch.answered_at = time.monotonic()
@@ -108,8 +115,9 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
             for p in procs:
                 if p.poll() not in (None, 0) and p.pid not in announced and store is not None:
                     announced.add(p.pid)
-                    why = f"launcher on {me}: worker {p.pid} died, " \
-                          f"{inprocess_agent.describe_exit(inprocess_agent.popen_status(p.returncode))}"
+                    why = f"launcher on {me}: worker {p.pid} " + (
+                        frozen.killed.get(p.pid) or "died, " +
+                        inprocess_agent.describe_exit(inprocess_agent.popen_status(p.returncode)))
                     store.set(proto.dead(proto.uid(me, p.pid)), why)
                     if joined:
                         gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0

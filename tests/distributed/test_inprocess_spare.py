@@ -11,6 +11,7 @@ the spare's join is in the goodput ledger's events (``workers_started`` of node 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,12 +32,12 @@ SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
 STEPS = 20
 
 
-def hpc_run(out: Path, job: Path, *extra: str) -> subprocess.Popen[str]:
+def hpc_run(out: Path, job: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5")
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2", *extra,
                              "--nproc-per-node", "1", "--recovery", "inprocess", "--job-dir", str(job),
-                             "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.2"],
+                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.2"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -86,4 +87,53 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_with_the_same_worlds_weight
     first = lines(out)[spare][0]["t"]
     print(f"node lost -> spare's first step {first - killed_at:.2f} s (asked -> taken in "
           f"{join['wait_s']:.2f} s, taken in -> state {join['receive_s']:.2f} s); test {time.time() - t0:.0f} s, "
+          f"load {os.getloadavg()[0]:.1f}")
+
+
+def test_a_frozen_worker_on_the_taken_in_spare_is_killed_and_the_survivor_goes_on(tmp_path: Path):
+    """Campaign, session 14 (one hot spare, seed 1): the spare took a crashed node's place, then
+    its worker was frozen (SIGSTOP). Its launcher watched only for deaths, so the survivor waited
+    in the step boundary's broadcast until the allocation was cancelled 576 s later. The spare's
+    launcher must treat a stopped worker as a member node's does: kill it and announce it dead;
+    the survivor goes on in process (no spare left: the world shrinks) and finishes."""
+    steps = 40
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, "--spare-nodes", "1", steps=steps)
+    spare = None
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            ran = lines(out)
+            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+            if victim is not None:
+                break
+            time.sleep(0.05)
+        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: the spare takes its place
+        os.kill(victim, signal.SIGKILL)
+        while spare is None or len(lines(out)[spare]) < 2:   # the spare's worker trains
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            spare = next((p for p in lines(out) if p not in (survivor, victim)), None)
+            time.sleep(0.05)
+        os.kill(spare, signal.SIGSTOP)
+        stopped_at = time.time()
+        text, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if spare is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(spare, signal.SIGKILL)
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == steps, (outcome, text[-5000:])
+    results = {r["pid"]: r for r in (json.loads(f.read_text()) for f in out.glob("result-*.json"))}
+    assert set(results) == {survivor}, "the survivor was restarted, or the frozen spare trained on"
+    assert results[survivor]["world"] == 1 and results[survivor]["step"] == steps
+    assert not [f for f in results[survivor]["opened_while_recovering"] if f.startswith(str(job / "checkpoints"))]
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    recoveries = [e for e in events if e["ev"] == "inproc_recovery" and e["t"] > stopped_at]
+    assert recoveries, "no re-form after the spare's worker froze"
+    assert "stopped (SIGSTOP)" in text and "SIGKILLed by its launcher" in text, text[-5000:]
+    print(f"spare's worker stopped -> re-formed without it {recoveries[0]['t'] - stopped_at:.1f} s; "
           f"load {os.getloadavg()[0]:.1f}")
