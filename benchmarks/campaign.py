@@ -145,7 +145,7 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
     end_alloc = max((a.end for a in ledger.allocations), default=t_end)
     recoveries = contender.recoveries(job)
     costs = cm.fault_costs(faults, [(t, s, g) for t, s, _, g in trace], ledger.allocations, end_alloc,
-                           recoveries)
+                           recoveries, cfg.steps)
     worlds = sorted({w for _, _, w, _ in trace})
     finished = bool(result) and int(result.get("final_step", -1)) == cfg.steps and not timed_out
     world = int(result["world_size"]) if result else 0
@@ -159,7 +159,7 @@ def run_one(contender: Contender, seed: int, cfg: Config, env: dict[str, str], s
         "allocations": len(ledger.allocations), "worlds_seen": worlds, "final_world": world,
         "weights_sha256": (result or {}).get("weights_sha256"), "load_1m": cm.spread(loads),
         "threads": (result or {}).get("threads"),
-        "repairs": inj.log, "trace": trace, "inproc_recoveries": recoveries,
+        "repairs": inj.log, "trace": trace, "inproc_recoveries": recoveries, "steps": cfg.steps,
     }
     record = cm.with_trace_steps_twice(record)   # a crashed host's last events are lost
     print(f"  [{contender.name} seed {seed}] done in {record['wall_s']:.0f} s: finished {finished}, "
@@ -338,7 +338,7 @@ def slurm_frame(record: dict[str, Any]) -> None:
     faults = [{k: f[k] for k in ("kind", "t", "step", "scheduled_step", "target")} for f in record["faults"]]
     record["faults_ledger_frame"] = record["faults"]
     slurm = cm.fault_costs(faults, trace, allocs, max(ends),
-                           [tuple(r) for r in record.get("inproc_recoveries") or ()])
+                           [tuple(r) for r in record.get("inproc_recoveries") or ()], record.get("steps"))
     # Each frame can only miss node-time (the ledger a hang's tail, sacct an allocation of a
     # requeued job it did not list: seen): a fault costs the larger of the two.
     for f, led in zip(slurm, record["faults_ledger_frame"]):

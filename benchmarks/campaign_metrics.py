@@ -211,7 +211,7 @@ def torchft_recoveries(records: Sequence[Mapping[str, Any]]) -> list[tuple[float
 
 
 def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float,
-            recoveries: Sequence[tuple[float, int]] = ()) -> float | None:
+            recoveries: Sequence[tuple[float, int]] = (), last_step: int | None = None) -> float | None:
     """When the job was back after a fault at ``t_fault``: the first step a later worker group
     completed beyond every step done before that group began (None: never).
 
@@ -226,7 +226,16 @@ def back_at(trace: Sequence[tuple[float, int, Any]], t_fault: float,
     this fault's: the job is back at the first step beyond every step done before it. Without
     them, a later fault's new group (a preemption's requeue) was taken for this fault's
     recovery, and an in-process recovery was charged until that requeue's first step.
+
+    ``last_step``: the run's last step. When given, a step counts as back only if the job went
+    on to a later step, or it is the last: a frozen worker's peers may finish the step in
+    flight and then hang (campaign session 14, the baseline's seed 3: the freeze at step 54,
+    step 55 done, then nothing until the run's cap 400 s later, charged 1 node-s as "back at
+    55").
     """
+    if last_step is not None:
+        trace = [p for i, p in enumerate(trace)
+                 if p[1] >= last_step or any(q[1] > p[1] and q[0] > p[0] for q in trace[i + 1:])]
     before = [p for p in trace if p[0] <= t_fault]
     after = [p for p in trace if p[0] > t_fault]
     seen = {p[2] for p in before}
@@ -277,7 +286,8 @@ def node_seconds(allocations: Iterable[Any], t0: float, t1: float) -> float:
 
 def fault_costs(faults: Sequence[Mapping[str, Any]], trace: Sequence[tuple[float, int, Any]],
                 allocations: Iterable[Any], run_end: float,
-                recoveries: Sequence[tuple[float, int]] = ()) -> list[dict[str, Any]]:
+                recoveries: Sequence[tuple[float, int]] = (),
+                last_step: int | None = None) -> list[dict[str, Any]]:
     """Each fault's node-seconds lost: allocated from the fault until back at its step (pure).
 
     Args:
@@ -286,11 +296,13 @@ def fault_costs(faults: Sequence[Mapping[str, Any]], trace: Sequence[tuple[float
         allocations: The job's ledger allocations.
         run_end: The end of the run (a fault never recovered from counts until then).
         recoveries: The job's in-process recoveries, (time, step gone on from) (:func:`back_at`).
+        last_step: The run's last step (:func:`back_at`: a step with none after it is no
+            recovery unless it is the last).
     """
     allocations = list(allocations)
     out = []
     for f in faults:
-        back = back_at(trace, float(f["t"]), recoveries)
+        back = back_at(trace, float(f["t"]), recoveries, last_step)
         end = back if back is not None else run_end
         out.append({**f, "back_s": (end - float(f["t"])), "recovered": back is not None,
                     "lost_node_s": node_seconds(allocations, float(f["t"]), end)})

@@ -283,3 +283,21 @@ def test_faults_hit_nodes_that_are_up_and_the_host_loss_hits_the_host() -> None:
     assert cm.fault_targets("node_crash", nodes, "node1", ["node1"]) == ["node2", "node3"]
     # With nothing up (nodes_up then gives all), the old order.
     assert cm.fault_targets("freeze", nodes, "node1", []) == ["node2", "node3", "node1"]
+
+
+def test_a_step_finished_in_flight_before_a_hang_is_no_recovery():
+    # Campaign session 14, the baseline's seed 3: a worker frozen at step 54; the others finished
+    # step 55 (in flight) and hung until the run's cap. Without the run's last step the metric
+    # took step 55 for "back" (1 node-s); with it, the freeze is never recovered.
+    trace = [(190.0, 53, "g"), (195.0, 54, "g"), (195.4, 55, "g")]
+    assert cm.back_at(trace, 195.2) == 195.4, "without last_step: the old reading"
+    assert cm.back_at(trace, 195.2, last_step=60) is None
+    [cost] = cm.fault_costs([{"kind": "freeze", "t": 195.2, "step": 54}], trace, [], 600.0, last_step=60)
+    assert not cost["recovered"] and cost["back_s"] == pytest.approx(600.0 - 195.2)
+    # A recovery that goes on is still back at its first step; the last step counts on its own.
+    on = trace + [(210.0, 56, "g"), (211.0, 60, "g")]
+    assert cm.back_at(on, 195.2, last_step=60) == 195.4
+    assert cm.back_at([(1.0, 58, "g"), (2.0, 59, "g"), (5.0, 60, "g")], 2.5, last_step=60) == 5.0
+    # In place (an in-process recovery at 196 from step 54): back at 55 only if a step follows.
+    assert cm.back_at(on[:2] + [(197.0, 55, "g"), (198.0, 56, "g")], 195.2, [(196.0, 54)], 60) == 197.0
+    assert cm.back_at(on[:2] + [(197.0, 55, "g")], 195.2, [(196.0, 54)], 60) is None
