@@ -23,7 +23,8 @@ the joiners are stopped, an ``inproc_fallback`` says why, and the launcher resta
 the lost-host path (``relaunch``: a request to a silent store may never return, so the loop
 that made it cannot be relied on to end) and ends as a node that lost its rendezvous host
 (under Slurm: the succession; under hpc run: a node failure) instead of waiting on a silent
-store with no end.
+store with no end. A spare taken in takes the same path when its workers die and the store
+does not answer (they died with the host, before the watch's bound).
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         if not joined:
             log.info("hot spare not needed: the job ended while this node waited")
         return outcome.AgentEnd("succeeded", "", started, ended=time.time())
+    if not host_store.answers(plan.rdzv_endpoint):
+        # The workers died with the host (their group and store were on it), before the store
+        # watch's bound: the host's loss, not theirs. Ended as a failed node instead, the last
+        # launcher of a MIN-2 job left nobody to elect a host or requeue (campaign, session 14,
+        # seed 3: the allocation held one idle node until the run's cap).
+        _host_lost(plan, events, procs, time.monotonic() - watch.answered_at, relaunch)
     return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
                             exit_codes=tuple(c for c in codes if c), ended=time.time())
 

@@ -137,3 +137,45 @@ def test_a_frozen_worker_on_the_taken_in_spare_is_killed_and_the_survivor_goes_o
     assert "stopped (SIGSTOP)" in text and "SIGKILLed by its launcher" in text, text[-5000:]
     print(f"spare's worker stopped -> re-formed without it {recoveries[0]['t'] - stopped_at:.1f} s; "
           f"load {os.getloadavg()[0]:.1f}")
+
+
+def test_a_taken_in_spare_whose_host_is_lost_takes_the_lost_host_path(tmp_path: Path):
+    """Campaign, session 14 (one hot spare, seed 3): node rank 1 crashed, the spare took its place,
+    then the rendezvous host crashed. The spare's worker died with the host's group, its launcher
+    ended as a failed node before its store watch's bound, and the job held one idle node until
+    the run's cap: nobody was left to elect a host or requeue. The spare's launcher must take the
+    lost-host path (under hpc run: the job ends as a node failure, at once)."""
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, "--spare-nodes", "1", steps=60)
+    spare = None
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            ran = lines(out)
+            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+            if victim is not None:
+                break
+            time.sleep(0.05)
+        host = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: the spare takes its place
+        os.kill(victim, signal.SIGKILL)
+        while spare is None or len(lines(out)[spare]) < 2:
+            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+            spare = next((p for p in lines(out) if p not in (host, victim)), None)
+            time.sleep(0.05)
+        os.killpg(launcher_pid(job, 0), signal.SIGKILL)   # the rendezvous host crashes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(host, signal.SIGKILL)
+        lost_at = time.time()
+        text, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    ended = time.time() - lost_at
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines()]
+    fallback = [e for e in events if e["ev"] == "inproc_fallback" and e.get("spare") and e["t"] > lost_at]
+    assert fallback and "is lost" in fallback[0]["reason"], (fallback, text[-5000:])
+    assert "a hot spare's worker failed" not in text, text[-5000:]
+    print(f"host lost -> the spare's lost-host path {fallback[0]['t'] - lost_at:.1f} s, job ended {ended:.1f} s; "
+          f"load {os.getloadavg()[0]:.1f}")
