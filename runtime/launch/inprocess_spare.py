@@ -11,10 +11,11 @@ member node is lost, the survivors' re-form takes them in (up to the job's large
 member holding the newest step broadcasts the state, and the world has its size again with no
 checkpoint read. The launcher then records ``workers_started`` (the spare's join in the
 goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
-launcher does, kills a worker stopped (SIGSTOP) for :data:`~runtime.launch.inprocess_silent.STOPPED_S`
-as a member node's launcher does (then announced dead: without it a frozen taken-in worker held
-its peers in the step boundary's broadcast until the allocation ended), and ends with them. A job that finishes first releases the joiners (``done``):
-they exit 0, not needed.
+launcher does, kills a worker stopped (SIGSTOP) for
+:data:`~runtime.launch.inprocess_silent.STOPPED_S` as a member node's launcher does (then it is
+announced dead: without that, a frozen taken-in worker held its peers in the step boundary's
+broadcast until the allocation ended), and ends with them. A job that finishes first releases
+the joiners (``done``): they exit 0, not needed.
 
 A spare's launcher watches its host's store as a member node's fence does
 (:data:`runtime.launch.host_store.STORE_LOST_S`): the store carries the joiners' whole world,
