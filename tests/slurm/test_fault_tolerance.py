@@ -354,7 +354,12 @@ def test_cut_link_survivors_resume_within_a_minute(env, slurm_cluster, tmp_path,
     survivors = [h for h in hangs(job) if h["node"] in ("node1", "node2")]
     assert survivors, hangs(job)
     assert all((job / h["stacks"]).exists() for h in survivors)
-    assert all(h["suspect_node"].startswith("node3") for h in survivors), survivors
+    # Each survivor names node3, or follows another node's action on it without a suspect of its
+    # own (kind "collective": under CI's load node2's watch saw node1 act before node3's silence;
+    # my CI of 7e28ab3). Nobody names anyone else.
+    named = [h for h in survivors if h["suspect_node"]]
+    assert named and all(h["suspect_node"].startswith("node3") for h in named), survivors
+    assert all(h["suspect_node"] or h["kind"] == "collective" for h in survivors), survivors
     print("outcomes:", outcomes(job))
     for log in sorted(job.glob("logs/alloc-0/node-node3.log")):
         print("node3 launcher:", "\n".join(x for x in log.read_text().splitlines() if "[rank" not in x)[-3000:])
