@@ -41,6 +41,32 @@ def hpc_run(out: Path, job: Path, *extra: str, steps: int = STEPS) -> subprocess
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def crash_node1(run: subprocess.Popen[str], out: Path, job: Path, deadline: float) -> tuple[int, int]:
+    """Once rank 1 has trained 5 steps, node rank 1 crashes (its launcher and worker SIGKILLed);
+    returns (rank 0's worker, rank 1's killed worker)."""
+    while True:
+        assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+        ran = lines(out)
+        victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+        if victim is not None:
+            break
+        time.sleep(0.05)
+    survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+    os.killpg(launcher_pid(job, 1), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
+    return survivor, victim
+
+
+def spare_training(run: subprocess.Popen[str], out: Path, others: tuple[int, ...], deadline: float) -> int:
+    """The spare's worker (a pid not in ``others``), once it has trained 2 steps."""
+    spare = None
+    while spare is None or len(lines(out)[spare]) < 2:
+        assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+        spare = next((p for p in lines(out) if p not in others), None)
+        time.sleep(0.05)
+    return spare
+
+
 def test_a_spare_takes_a_lost_nodes_place_in_process_with_the_same_worlds_weights(tmp_path: Path):
     t0 = time.time()
     plain = hpc_run(tmp_path / "plain out", tmp_path / "plain job")   # the uninterrupted 2-node run
@@ -48,16 +74,7 @@ def test_a_spare_takes_a_lost_nodes_place_in_process_with_the_same_worlds_weight
     run = hpc_run(out, job, "--spare-nodes", "1")
     try:
         deadline = time.time() + 300
-        while True:
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            ran = lines(out)
-            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
-            if victim is not None:
-                break
-            time.sleep(0.05)
-        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
-        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: launcher and worker
-        os.kill(victim, signal.SIGKILL)
+        survivor, victim = crash_node1(run, out, job, deadline)
         killed_at = time.time()
         text, _ = run.communicate(timeout=300)
         plain_text, _ = plain.communicate(timeout=300)
@@ -102,20 +119,8 @@ def test_a_frozen_worker_on_the_taken_in_spare_is_killed_and_the_survivor_goes_o
     spare = None
     try:
         deadline = time.time() + 300
-        while True:
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            ran = lines(out)
-            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
-            if victim is not None:
-                break
-            time.sleep(0.05)
-        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
-        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: the spare takes its place
-        os.kill(victim, signal.SIGKILL)
-        while spare is None or len(lines(out)[spare]) < 2:   # the spare's worker trains
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            spare = next((p for p in lines(out) if p not in (survivor, victim)), None)
-            time.sleep(0.05)
+        survivor, victim = crash_node1(run, out, job, deadline)
+        spare = spare_training(run, out, (survivor, victim), deadline)
         os.kill(spare, signal.SIGSTOP)
         stopped_at = time.time()
         text, _ = run.communicate(timeout=240)
@@ -147,23 +152,10 @@ def test_a_taken_in_spare_whose_host_is_lost_takes_the_lost_host_path(tmp_path: 
     lost-host path (under hpc run: the job ends as a node failure, at once)."""
     out, job = tmp_path / "out", tmp_path / "job"
     run = hpc_run(out, job, "--spare-nodes", "1", steps=60)
-    spare = None
     try:
         deadline = time.time() + 300
-        while True:
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            ran = lines(out)
-            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
-            if victim is not None:
-                break
-            time.sleep(0.05)
-        host = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
-        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: the spare takes its place
-        os.kill(victim, signal.SIGKILL)
-        while spare is None or len(lines(out)[spare]) < 2:
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            spare = next((p for p in lines(out) if p not in (host, victim)), None)
-            time.sleep(0.05)
+        host, victim = crash_node1(run, out, job, deadline)
+        spare_training(run, out, (host, victim), deadline)   # the spare took node rank 1's place
         os.killpg(launcher_pid(job, 0), signal.SIGKILL)   # the rendezvous host crashes
         with contextlib.suppress(ProcessLookupError):
             os.kill(host, signal.SIGKILL)
