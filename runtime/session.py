@@ -677,6 +677,7 @@ class Session:
         self._rec.restored(self._checkpointer, self.step, manifest is not None,
                            interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
                            if spec else interval.AUTO)
+        self._checkpointer.agree_schedule()   # tuned from rank 0's reading of the history
         meta = dict(manifest.metadata) if manifest else {}
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"),
                           check_written=manifest is not None)

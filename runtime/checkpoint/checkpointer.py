@@ -348,6 +348,18 @@ class Checkpointer:
             due = bool(flag.item())
         return due
 
+    def agree_schedule(self) -> None:
+        """Rank 0's save schedule and last saved step on every rank (one broadcast).
+
+        The step rules of :meth:`should_save` run on each rank with no collective, and a
+        save is one: a rank whose rules differ waits alone in the save's gather while its
+        peers go on into the next step's collectives. The rules are tuned from the job's
+        event history, which only rank 0 reads (``--checkpoint-interval auto``: after a
+        measured save rank 0 plans no probe save where the others would plan one), so the
+        Session calls this once the schedule is set, at every restore.
+        """
+        self.schedule, self._last_save_step = self._broadcast((self.schedule, self._last_save_step))
+
     def estimated_save_s(self) -> float:
         """Expected duration of a blocking save: last measured, else size / assumed rate."""
         if self.last_save_s is not None:

@@ -34,7 +34,12 @@ p.add_argument("--shrunk-step-sleep", type=float, default=None, help="a survivor
                "the world is smaller than at its start (holds the job open for a slow joiner under load)")
 p.add_argument("--joiner-delay", type=float, default=0.0, help="a joiner (a restarted worker) starts "
                "this much slower (seconds before its Session: a GPU's CUDA and NCCL start-up)")
+p.add_argument("--boundary-every", type=int, default=0, help="the Session's step-boundary "
+               "agreement every N steps once calibrated, as on steps of ~0.1/N s (0: measured)")
 args = p.parse_args()
+if args.boundary_every:
+    import runtime.session
+    runtime.session.POLL_TARGET_S, runtime.session.MAX_POLL_EVERY = 1e9, args.boundary_every
 if os.environ.get("HPC_INPROC_JOIN") == "1":
     time.sleep(args.joiner_delay)
 out = Path(args.out)
