@@ -166,7 +166,9 @@ def run(spec: JobSpec, *, verbose: bool = False, argv: Sequence[str] | None = No
     done = already_finished(spec)
     if done is not None:
         result = Path(spec.job_dir) / jobdir.RESULT
-        _say(f"hpc run: {spec.job_dir} already finished this job (step {done.last_step}); nothing to "
+        at = f"at step {done.last_step}" if done.last_step is not None else \
+            "the script reports no step"
+        _say(f"hpc run: {spec.job_dir} already finished this job ({at}); nothing to "
              f"run{f', its result stays in {result}' if result.exists() else ''}. To train again, "
              "use another --job-dir (or change the script's arguments to go on from its checkpoint)")
         return 0
@@ -257,6 +259,14 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
         # The recorded outcome is the job's: a launcher killed on the way (a lost node a spare
         # replaced) must not turn a finished job into exit 137.
         code = last.exit_code
+    if (interrupts[0] or warned) and last is not None and last.kind == "finished":
+        # The warning was sent, but the script went on to its end: nothing to resume.
+        sent = "Ctrl-C" if interrupts[0] else warned[0]
+        _say(f"hpc run: finished (the {sent} came, but the script ran to its end) in "
+             f"{time.monotonic() - started:.1f}s, exit {code}; job dir {job_dir}")
+        if (result := job_dir / jobdir.RESULT).exists() and code == 0:
+            _say(f"hpc run: result {result}")
+        return code
     if interrupts[0]:
         _say(_interrupted(job_dir, spec, interrupts[0], last, code, time.monotonic() - started))
         _say(f"hpc run: resume with: {resume}")

@@ -4,8 +4,10 @@ tests/distributed/scripts/plain_snapshot.py is a plain torchrun DDP script with 
 snapshot file and no signal handler. Under ``hpc run`` the warning signal (SIGUSR2, sent to
 ``hpc run`` as a user testing a handler would) reaches its workers, which ignore it:
 
-* when the script finishes anyway, the outcome says when the signal came (seconds before the
-  workers ended), not that it "arrived after the work was done";
+* when the script finishes anyway (the warning came from a Ctrl-C), the outcome says when the
+  signal came (seconds before the workers ended), not that it "arrived after the work was
+  done"; ``hpc run`` says it finished, with no resume line, and the same command again says
+  the job is done without a "step None" (the script reports no step);
 * when the stop it announced ends the workers, ``hpc run`` says how to resume without a
   "step None": hpc saw no checkpoint of its own;
 * ``hpc report`` counts the workers' running time as productive (not 98 % start-up) and notes
@@ -37,13 +39,14 @@ def start(job: Path, steps: int, step_sleep: float) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def warn_at_step(p: subprocess.Popen, job: Path, step: int, timeout: float = 120) -> float:
-    """Sends SIGUSR2 to ``hpc run`` once rank 0 printed ``step N``; returns when."""
+def warn_at_step(p: subprocess.Popen, job: Path, step: int, timeout: float = 120,
+                 sig: signal.Signals = signal.SIGUSR2) -> float:
+    """Sends ``sig`` to ``hpc run`` once rank 0 printed ``step N``; returns when."""
     log = job / "logs" / "alloc-0" / "restart-0" / "rank-0.log"
     end = time.time() + timeout
     while time.time() < end:
         if log.exists() and f"step {step} loss" in log.read_text():
-            p.send_signal(signal.SIGUSR2)
+            p.send_signal(sig)
             return time.time()
         assert p.poll() is None, p.communicate()[0]
         time.sleep(0.1)
@@ -60,10 +63,14 @@ def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_pa
     job = tmp_path / "finish"
     steps, sleep = 80, 0.1                     # 8 s of steps; the warning comes at step 10
     p = start(job, steps, sleep)
-    sent = warn_at_step(p, job, 10)
+    sent = warn_at_step(p, job, 10, sig=signal.SIGINT)   # a Ctrl-C: hpc run sends the warning
     out, _ = p.communicate(timeout=120)
     done = time.time()
     assert p.returncode == 0, out
+    said = [x for x in out.splitlines() if x.startswith("hpc run: ")]
+    assert any(x.startswith("hpc run: finished (the Ctrl-C came, but the script ran to its end)")
+               for x in said), out
+    assert not any("resume" in x or "stopped" in x for x in said), out
     o = outcome(job)
     assert o["kind"] == "finished", o
     assert "after the work was done" not in o["reason"], o
@@ -84,6 +91,11 @@ def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_pa
     table = subprocess.run([sys.executable, "-m", "hpc", "report", str(job)], cwd=REPO,
                            capture_output=True, text=True, timeout=60).stdout
     assert "note: allocation 0: the script records no Session events" in table, table
+
+    again = start(job, steps, sleep)          # the same command: nothing to run
+    out, _ = again.communicate(timeout=120)
+    assert again.returncode == 0, out
+    assert "already finished this job (the script reports no step)" in out and "None" not in out, out
 
 
 def test_stopped_by_the_warning_says_how_to_resume_without_a_step_it_does_not_know(tmp_path: Path) -> None:
