@@ -226,7 +226,7 @@ def test_the_console_follows_log_every_and_agrees_with_the_result(baseline: Base
     t0 = time.monotonic()
     code, again = finish(start(job, 2, "--log-every", "10", "--step-sleep", "0.1"))
     assert code == 0, again
-    assert "already finished this job (step 40)" in again and "train_gpt:" not in again
+    assert "already finished this job (at step 40)" in again and "train_gpt:" not in again
     assert time.monotonic() - t0 < 10                     # no launcher, no workers started
     assert (job / "result.json").read_bytes() == before
     # The same job dir with other arguments that train no further: the script says so.
