@@ -25,6 +25,13 @@ if [ ! -e .venv/torch_extensions/deepspeed_shm_comm/deepspeed_shm_comm.so ]; the
 b = get_accelerator().create_op_builder('ShareMemCommBuilder')
 b is None or b.load()" >/dev/null 2>&1 || echo "setup: DeepSpeed's CPU op did not build (the first test using DeepSpeed will build it)"
 fi
+# The test suite's process count (tests/costs.py): each interpreter started with HPC_TEST_PROCS
+# set appends a line to that file; without it, one environment lookup.
+site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cat > "$site/hpc_test_procs.pth.new" <<'PTH'
+import os; exec("try:\n p = os.environ.get('HPC_TEST_PROCS')\n p and open(p, 'a').write(f'{os.getpid()}\\n')\nexcept OSError:\n pass")
+PTH
+mv "$site/hpc_test_procs.pth.new" "$site/hpc_test_procs.pth"
 # The project's own modules, compiled once: where PYTHONDONTWRITEBYTECODE is set (this sandbox's
 # image sets it) nothing else writes them, and every process of a job or a test (thousands in
 # the suite) recompiled runtime/ and hpc/ at each start (~0.3-0.5 s of CPU each; pip already

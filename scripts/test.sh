@@ -14,21 +14,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-system.sh
 bash scripts/setup.sh
+export HPC_TEST_COSTS="$PWD/.test-costs"   # one record per test (tests/costs.py)
+rm -rf "$HPC_TEST_COSTS"
 if [ $# -gt 0 ] || [ "${HPC_TEST_LANES:-2}" = 1 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 ( set -o pipefail
-  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
+  HPC_TEST_LANE=slurm PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m slurm -p no:cacheprovider 2>&1 | sed -u 's/^/[slurm] /' ) &
 slurm=$!
 ( set -o pipefail
-  PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m "(waits or unit or inprocess) and not slurm" -p no:cacheprovider 2>&1 | sed -u 's/^/[waits] /' ) &
+  HPC_TEST_LANE=waits PYTHONUNBUFFERED=1 .venv/bin/python -m pytest -m "(waits or unit or inprocess) and not slurm" -p no:cacheprovider 2>&1 | sed -u 's/^/[waits] /' ) &
 waits=$!
 set +e
-.venv/bin/python -m pytest -m "not slurm and not waits and not unit and not inprocess"
+HPC_TEST_LANE=distributed .venv/bin/python -m pytest -m "not slurm and not waits and not unit and not inprocess"
 local_rc=$?
 wait "$waits"
 waits_rc=$?
 wait "$slurm"
 slurm_rc=$?
+.venv/bin/python -m tests.costs "$HPC_TEST_COSTS" || true
 echo "test lanes: distributed+gpu exit $local_rc, waits+inprocess+unit exit $waits_rc, slurm exit $slurm_rc"
 [ "$local_rc" -eq 0 ] && [ "$waits_rc" -eq 0 ] && [ "$slurm_rc" -eq 0 ]
