@@ -128,6 +128,45 @@ def permanent_failure(failures: Mapping[int, Any]) -> str | None:
     return None
 
 
+USAGE_EXIT = 2   # argparse's (and the shell's) status for a command line it refused
+
+
+def startup_failure(failures: Mapping[int, Any], *, stepped: bool | None,
+                    previous: str | None) -> tuple[str | None, str | None]:
+    """Why failed workers that never made a step would fail again at start-up (pure).
+
+    A restart is for a fault that goes away. A script that refused its command line (status
+    2), or that raised the same exception twice before any step, fails the same way each time
+    it starts: the restarts would only spend the user's time. Infrastructure faults (a peer's
+    broken connection, a death by signal, a node lost) are never judged so.
+
+    Args:
+        failures: Rank -> torch's ``ProcessFailure`` of the failed workers.
+        stepped: Whether a step was made in this allocation (then the failure is no start-up's);
+            None when it is not known (a script without the Session records no steps): then
+            only the usage error is judged.
+        previous: The signature this returned for the allocation's last failed start, if any.
+
+    Returns:
+        (the reason, or None when a restart may help; this failure's signature, for ``previous``).
+    """
+    if stepped or not failures:
+        return None, None
+    rank, failure = root_failure(failures)
+    exitcode = getattr(failure, "exitcode", None)
+    if exitcode == USAGE_EXIT:
+        return (f"rank {rank} exited with status {USAGE_EXIT} (a usage error) before its first step",
+                None)
+    if stepped is None or not isinstance(failure.message, dict) \
+            or any(m in str(failure.message) for m in COLLATERAL_ERRORS):
+        return None, None   # no exception of the script's own: a signal, a peer's connection
+    signature = f"{exitcode}: {failure_message(failure.message)}"
+    if signature == previous:
+        return (f"rank {rank} failed the same way twice before its first step "
+                f"({failure_message(failure.message)})", signature)
+    return None, signature
+
+
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The rank whose failure explains the others, and that failure (pure).
 

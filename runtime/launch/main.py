@@ -221,6 +221,24 @@ def _futile(plan: LaunchPlan, result: Any) -> str | None:
     return outcome.permanent_failure(getattr(result, "failures", None) or {})
 
 
+class _Startups:
+    """The allocation's failed starts: a script that fails the same way before any step is
+    not started again (:func:`~runtime.ending.outcome.startup_failure`)."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.previous: str | None = None
+
+    def futile(self, result: Any) -> str | None:
+        failures = getattr(result, "failures", None) or {}
+        if not failures:
+            return None
+        seen = {e.get("ev") for e in read_events(self.plan.job_dir) if e.get("alloc") == self.plan.allocation}
+        stepped = "first_step" in seen if "session_start" in seen else None   # None: no Session
+        why, self.previous = outcome.startup_failure(failures, stepped=stepped, previous=self.previous)
+        return why
+
+
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0,
                tee: RankTee | None = None, names: Sequence[str] = (),
@@ -332,6 +350,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     joining.emit(rdzv_failure.JOIN_EVENT, epoch=epoch)   # which nodes arrived, if the round times out
     joining.close()
     started = time.time()
+    startups = _Startups(plan)
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
     follow_node0 = False   # a rendezvous error while the host answered: node 0 records the end
@@ -341,7 +360,8 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         # node a newer rendezvous epoch has fenced off.
         with stopping.no_restarts_once_stopping(
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
-                futile=lambda result: _futile(plan, result) or watchdog.repeated(),
+                futile=lambda result: _futile(plan, result) or watchdog.repeated()
+                or startups.futile(result),
                 on_restart=on_restart), release, recovery as inproc_state:
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:

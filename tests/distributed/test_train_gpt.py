@@ -244,3 +244,16 @@ def test_the_console_follows_log_every_and_agrees_with_the_result(baseline: Base
     again = result(lost)
     assert (again["final_step"], again["weights_sha256"], again["sample_order_sha256"]) == \
         (40, final["weights_sha256"], final["sample_order_sha256"]), out
+
+
+def test_a_usage_error_ends_the_job_without_spending_restarts(tmp_path: Path):
+    """A script that refuses its command line (argparse: status 2) fails the same way at every
+    start: the job ends with its error after one start, not after every restart."""
+    job = tmp_path / "job"
+    code, out = finish(start(job, 2, "--no-such-flag", hpc_args=("--max-restarts", "3")))
+    assert code != 0, out
+    assert "unrecognized arguments: --no-such-flag" in out, out
+    assert "starting the workers again" not in out, out
+    assert [p.name for p in (job / "logs" / "alloc-0").glob("restart-*")] == ["restart-0"], out
+    launcher = "".join(p.read_text() for p in (job / "logs" / "alloc-0").glob("node-*.log"))
+    assert "exited with status 2 (a usage error) before its first step" in launcher, launcher
