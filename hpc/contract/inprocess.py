@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -299,10 +300,56 @@ class Order:
 def order_file(pid: int) -> str:
     """Where standby ``pid``'s :class:`Order` is kept once it became a worker: node-local and
     memory-backed (``/dev/shm``, else the temporary directory), outside the launcher's heartbeat
-    directory (removed when its agent ends, while a worker kept through a host's loss lives on)."""
+    directory (removed when its agent ends, while a worker kept through a host's loss lives on).
+
+    The order holds the worker's whole environment (a W&B key among it): it lies in the user's
+    own directory there (:func:`private_dir`), written 0600 (:func:`write_private`)."""
+    return os.path.join(private_dir(), f"standby-{pid}.json")
+
+
+def private_dir() -> str:
+    """``hpc-<uid>`` in ``/dev/shm`` (else the temporary directory): 0700, owned by this user.
+
+    One that another user made first (to read or plant files), or that is open to others, is
+    not used: then the temporary directory's, under the same rules.
+
+    Raises:
+        OSError: neither place gives such a directory.
+    """
     shm = "/dev/shm"
-    root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    return os.path.join(root, f"hpc-standby-{os.getuid()}-{pid}.json")
+    roots = ([shm] if os.path.isdir(shm) and os.access(shm, os.W_OK) else []) + [tempfile.gettempdir()]
+    problems = []
+    for root in roots:
+        path = os.path.join(root, f"hpc-{os.getuid()}")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            problems.append(f"{path}: {e.strerror or e}")
+            continue
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return path
+        problems.append(f"{path}: not a directory of this user's alone (mode {st.st_mode & 0o7777:o}, "
+                        f"owner {st.st_uid})")
+    raise OSError(f"no private directory for the job's node-local files: {'; '.join(problems)}")
+
+
+def write_private(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically, readable by this user only (0600)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def lost_uids(uids: Sequence[str], members: Sequence[str]) -> list[str]:

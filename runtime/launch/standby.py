@@ -149,17 +149,17 @@ class Standby:
             return None
         order = proto.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd(),
                             stdout=stdout, stderr=stderr)
-        path = Path(proto.order_file(proc.pid))
+        path = None
         try:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(order.encode())
-            os.replace(tmp, path)
+            path = Path(proto.order_file(proc.pid))
+            proto.write_private(str(path), order.encode())   # the worker's environment: 0600
             proc.stdin.write(order.encode().encode() + b"\n")
             proc.stdin.close()
         except OSError as e:   # it died meanwhile (a broken pipe), or no room for the record
             log.warning("in-process recovery: the warm standby %d cannot take the order (%s); "
                         "the joiner starts cold", proc.pid, e)
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
             return None
         self.handed.append(proc.pid)
         self.proc, self.armed_at = None, time.monotonic()

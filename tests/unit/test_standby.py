@@ -47,7 +47,7 @@ def test_the_order_round_trips():
     order = proto.Order(argv=("/py", "-m", "runtime.worker", "a b.py", "--lr=1"),
                         env={"A": "1", "B": "x=y"}, cwd="/w", stdout="/l/rank-2.log")
     assert proto.Order.decode(order.encode()) == order
-    assert proto.order_file(123).endswith(f"hpc-standby-{os.getuid()}-123.json")
+    assert proto.order_file(123).endswith(f"/hpc-{os.getuid()}/standby-123.json")
 
 
 def test_a_scripts_libraries_are_warmed_not_its_own_modules(tmp_path: Path):

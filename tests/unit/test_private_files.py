@@ -1,0 +1,57 @@
+"""The node-local files of a job (a warm standby's order holds the worker's whole environment,
+a W&B key among it) are this user's alone: 0600 in a 0700 directory of their own; a directory
+another user made first is not used."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from hpc.contract import inprocess as proto
+
+pytestmark = pytest.mark.unit
+NOBODY = 65534
+
+
+def test_an_order_is_written_0600_in_a_0700_directory_and_another_user_cannot_read_it() -> None:
+    path = proto.order_file(999_999_999)
+    proto.write_private(path, '{"env": {"WANDB_API_KEY": "k" }}')
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        folder = os.stat(os.path.dirname(path))
+        assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid()
+        if os.getuid() != 0:
+            pytest.skip("reading as another user needs root")   # CI runs as root
+        r = subprocess.run(["cat", path], capture_output=True, text=True, user=NOBODY)
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    finally:
+        os.unlink(path)
+
+
+def test_a_directory_another_user_made_first_is_not_used(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.getuid() != 0:
+        pytest.skip("planting another user's directory needs root")
+    fake = 424_242                                   # "this user", for the test
+    monkeypatch.setattr(os, "getuid", lambda: fake)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = [Path("/dev/shm") / f"hpc-{fake}", tmp_path / f"hpc-{fake}"]
+    for d in planted:
+        d.mkdir(mode=0o777, exist_ok=True)
+        os.chown(d, NOBODY, NOBODY)
+    try:
+        with pytest.raises(OSError, match="not a directory of this user's alone"):
+            proto.private_dir()
+        os.chown(planted[1], fake, fake)              # ours, but open to others
+        os.chmod(planted[1], 0o755)
+        with pytest.raises(OSError, match="mode 755"):
+            proto.private_dir()
+        os.chmod(planted[1], 0o700)
+        assert proto.private_dir() == str(planted[1])
+    finally:
+        planted[0].rmdir()
