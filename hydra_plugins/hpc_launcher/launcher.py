@@ -119,6 +119,37 @@ def failed_return(overrides: Sequence[str], error: BaseException) -> JobReturn:
     return ret
 
 
+def set_aside(hpc_dir: Path, tasks: int) -> list[tuple[Path, Path]]:
+    """Moves each task's job directory that an earlier multirun left in ``hpc_dir`` aside.
+
+    A multirun is a new run of its tasks: the same sweep directory again (a fixed
+    ``hydra.sweep.dir``, the code changed since) must run them, not find them finished and
+    return the earlier results. Only a requeue of the same array continues a task, and that
+    never comes here. The earlier directory is renamed (``task-0.earlier-1``), not deleted.
+
+    Returns:
+        (earlier, aside) for each directory moved.
+
+    Raises:
+        JobDirInUse: a task directory's job is still running or queued (another multirun into
+            the same sweep directory): nothing is moved, the message says what holds it.
+    """
+    from hpc.contract import jobdir, joblock
+
+    held = [d for d in (jobdir.sweep_task_dir(hpc_dir, i) for i in range(tasks))
+            if (d / jobdir.JOBSPEC).is_file()]
+    for d in held:                       # all or nothing: refuse before moving any
+        joblock.acquire(d, "the Hydra launcher (a new multirun)").release()
+    moved = []
+    for d in held:
+        n = 1
+        while (aside := d.with_name(f"{d.name}.earlier-{n}")).exists():
+            n += 1
+        os.rename(d, aside)
+        moved.append((d, aside))
+    return moved
+
+
 class HpcLauncher(Launcher):
     """``hydra/launcher=hpc``: one job array on Slurm (see the module docstring)."""
 
@@ -170,6 +201,9 @@ class HpcLauncher(Launcher):
         log.info(f"hpc launcher: sweep output dir {sweep_dir}, hpc jobs in {spec.job_dir}")
         for i, overrides in enumerate(job_overrides):
             log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(overrides))}")
+        for earlier, aside in set_aside(Path(spec.job_dir), len(job_overrides)):
+            log.warning(f"hpc launcher: {earlier} held a job of an earlier multirun into this sweep "
+                        f"directory; it is kept as {aside.name} and the task starts afresh")
         job_dirs = self.run(spec, task_args(job_overrides, initial_job_idx))
         returns = [self.collect(d, o) for d, o in zip(job_dirs, job_overrides)]
         for i, ret in enumerate(returns):

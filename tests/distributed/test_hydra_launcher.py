@@ -4,10 +4,9 @@ Each Hydra job runs as an hpc job for real: ``hydra/launcher=hpc_local`` runs th
 Slurm array would run (``_task.py`` under the per-node launcher and torchrun, the pickled task
 function, rank 0's ``JobReturn``) with ``hpc run``, so Hydra's checks of what comes back (config,
 overrides, job name/id/num, the output directories) apply to the same code path as on the
-cluster (tests/slurm/test_hydra_on_cluster.py submits the array). Only a few of Hydra's
-``LauncherTestSuite`` cases run (each task is a real launcher and torchrun start, 5-15 s):
-two jobs (``sweep_2_jobs``), a job that fails inside its hpc job, and Hydra's own refusal to
-sweep its config.
+cluster (tests/slurm/test_hydra_on_cluster.py submits the array). Hydra's own suites
+run in tests/distributed/test_hydra_suites.py; here, the project's own cases: a job that fails
+inside its hpc job, Hydra's own refusal to sweep its config, a bad launcher option.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import HydraException
-from hydra.test_utils.launcher_common_tests import sweep_1_job, sweep_2_jobs
+from hydra.test_utils.launcher_common_tests import sweep_1_job
 
 from tests.wandb_offline import offline_env
 
@@ -36,14 +35,6 @@ def returns_100(_: object) -> int:
 
 
 LAUNCHER = ["hydra/launcher=hpc_local"]
-
-
-@pytest.mark.timeout(240)
-def test_two_jobs_each_with_its_overrides_and_its_own_hpc_job(hydra_sweep_runner, tmpdir) -> None:
-    # Hydra's helper checks each JobReturn (overrides +a=0 / +a=1, the config, job name, id and
-    # number, the output directories); the sweep directory is gone when it returns.
-    sweep_2_jobs(hydra_sweep_runner, overrides=list(LAUNCHER), task_function=returns_100,
-                 temp_dir=tmpdir)
 
 
 def fails_in_the_job(_: object) -> int:
