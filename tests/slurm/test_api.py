@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_login_imports import BLOCK_HEAVY
+from tests.unit.support import BLOCK_HEAVY
 
 pytestmark = pytest.mark.slurm
 

@@ -127,7 +127,7 @@ def test_an_elastic_container_job_gives_excluded_nodes_back_from_outside(tmp_pat
     batch shell shrinks the allocation and srun starts on the kept nodes only."""
     from hpc.render import render_sbatch
     from runtime.exclusions import add
-    from tests.unit.test_site_options import SRUN, _run_script
+    from tests.unit.support import SRUN, _run_script
 
     job = tmp_path / "job dir"
     (job / "logs").mkdir(parents=True)

@@ -11,16 +11,15 @@
 
 from __future__ import annotations
 
-import ast
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.unit import import_graph
+from tests.unit.import_graph import ROOT, Import, imports, modules
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("hpc", "runtime")
 HEAVY = ("torch", "wandb", "torchx", "submitit", "matplotlib")
 
 _COMMANDS = ("the API is loaded by every `hpc submit`; each API call loads the command module "
@@ -47,73 +46,6 @@ ALLOWED: dict[str, str] = {
 
 def allowed(module: str, target: str) -> bool:
     return module in ALLOWED or f"{module} -> {target}" in ALLOWED
-
-
-@dataclass(frozen=True)
-class Import:
-    module: str      # the importing module
-    target: str      # the project module imported
-    line: int
-    local: bool      # inside a function
-    typing: bool     # under `if TYPE_CHECKING:`
-    lazy: bool = False   # a name a package exports lazily (its module `__getattr__` imports it)
-
-
-def modules() -> dict[str, Path]:
-    out = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            out[".".join(parts)] = path
-    return out
-
-
-def _ids(nodes: list[ast.AST]) -> set[int]:
-    return {id(n) for node in nodes for n in ast.walk(node)}
-
-
-def imports(mods: dict[str, Path]) -> tuple[list[Import], dict[str, set[str]]]:
-    """Every import of a project module, and each module's top-level third-party roots."""
-    edges: list[Import] = []
-    third: dict[str, set[str]] = {m: set() for m in mods}
-
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    trees = {mod: ast.parse(path.read_text()) for mod, path in mods.items()}
-    lazy_exports = {mod for mod, tree in trees.items() if any(
-        isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)}
-    for mod, path in mods.items():
-        tree = trees[mod]
-        in_function = _ids([n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))])
-        typing_only = _ids([n for n in ast.walk(tree) if isinstance(n, ast.If)
-                            and "TYPE_CHECKING" in ast.unparse(n.test)])
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([node.module] if node.module else []))
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            else:
-                continue
-            local, typing = id(node) in in_function, id(node) in typing_only
-            for name in names:
-                target = resolve(name)
-                if target is None:
-                    if not local and not typing:
-                        third[mod].add(name.split(".")[0])
-                elif target != mod:
-                    lazy = isinstance(node, ast.ImportFrom) and target in lazy_exports
-                    edges.append(Import(mod, target, node.lineno, local, typing, lazy))
-    return edges, third
 
 
 def heavy_modules(mods: dict[str, Path], edges: list[Import], third: dict[str, set[str]]) -> set[str]:
@@ -216,8 +148,8 @@ def test_the_checks_see_circles_and_local_imports(tmp_path: Path, monkeypatch) -
     (pkg / "b.py").write_text("def f():\n    from hpc import a\n    from hpc import c\n")
     (pkg / "c.py").write_text("import torch\n")
     (pkg / "d.py").write_text("def g():\n    from hpc.c import x\n")
-    monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    monkeypatch.setitem(globals(), "PACKAGES", ("hpc",))
+    monkeypatch.setattr(import_graph, "ROOT", tmp_path)
+    monkeypatch.setattr(import_graph, "PACKAGES", ("hpc",))
     mods = modules()
     edges, third = imports(mods)
     assert circles(mods, edges) == [["hpc.a", "hpc.b"]]

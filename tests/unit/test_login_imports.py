@@ -4,20 +4,12 @@ node); `hpc report` loads matplotlib only to draw a picture."""
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from tests.unit.support import BLOCK_HEAVY
 
-BLOCK_HEAVY = textwrap.dedent("""
-    import sys
-    class Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("torch", "wandb", "torchx", "submitit", "matplotlib"):
-                raise ImportError("login node must not import " + name)
-    sys.meta_path.insert(0, Block())
-""")
+pytestmark = pytest.mark.unit
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

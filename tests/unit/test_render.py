@@ -19,6 +19,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.render import render_sbatch, sbatch_quote
 from hpc.secrets import check_no_secrets, is_secret_name
+from tests.unit.support import sbatch_parse_argument
 
 pytestmark = pytest.mark.unit
 
@@ -67,36 +68,6 @@ def test_golden(name: str) -> None:
     assert path.exists(), f"{path} missing: run with HPC_UPDATE_GOLDEN=1 to create it"
     expected = path.read_text()
     assert text == expected, "rendered script differs from the golden file:\n" + _diff(expected, text, path.name)
-
-
-def sbatch_parse_argument(line: str) -> list[str]:
-    """Slurm 22.05's _get_argument loop (src/sbatch/opt.c), applied to a whole #SBATCH line."""
-    args, i = [], 0
-    while True:
-        while i < len(line) and line[i].isspace():
-            i += 1
-        if i >= len(line):
-            return args
-        arg, quoted, q, esc = [], False, "", False
-        while i < len(line) and (quoted or not line[i].isspace()):
-            c = line[i]
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc, i = True, i + 1
-                continue
-            elif quoted:
-                if c == q:
-                    quoted, i = False, i + 1
-                    continue
-            elif c in "\"'":
-                quoted, q, i = True, c, i + 1
-                continue
-            elif c == "#":
-                return args + ["".join(arg)] if arg else args
-            arg.append(c)
-            i += 1
-        args.append("".join(arg))
 
 
 def test_sbatch_quote_round_trips(hostile_dir: Path) -> None:

@@ -11,7 +11,7 @@ The rule that keeps the rooms honest: a launcher-side module never imports a wor
 a worker-side module never a launcher-side one, and a shared module neither (imports under
 ``if TYPE_CHECKING:`` aside: they run nowhere). A crossing that must stay is listed in
 :data:`CROSSINGS` with its reason. The graph is read from the source (AST), as
-tests/unit/test_import_graph.py does.
+tests/unit/import_graph.py does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_import_graph import Import, imports, modules
+from tests.unit.import_graph import Import, imports, modules
 
 pytestmark = pytest.mark.unit
 

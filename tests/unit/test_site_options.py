@@ -2,14 +2,13 @@
 sbatch's own spellings, setup lines and containers, in every backend that can carry them.
 
 Scripts are checked the way they will be read: ``#SBATCH`` lines through sbatch's own argument
-parser (re-implemented in test_render), the shell parts by running them in bash with stand-in
+parser (re-implemented in tests/unit/support.py), the shell parts by running them in bash with stand-in
 Slurm commands (no container runtime runs on this machine: see docs/config.md#containers).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.render import render_sbatch
 from runtime.ending.requeue import request_batch_requeue
-from tests.unit.test_render import sbatch_parse_argument
+from tests.unit.support import SRUN, _run_script, _stub_bin, sbatch_parse_argument
 
 pytestmark = pytest.mark.unit
 
@@ -259,39 +258,6 @@ def test_a_failing_setup_line_ends_the_node_with_its_name(tmp_path: Path) -> Non
 
 def test_without_setup_the_launcher_runs_directly() -> None:
     assert slurm_options.with_node_setup(spec(), ["python", "-m", "x"]) == ["python", "-m", "x"]
-
-
-def _stub_bin(tmp_path: Path, scripts: dict[str, str]) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, body in scripts.items():
-        p = bin_dir / name
-        p.write_text("#!/bin/bash\n" + body)
-        p.chmod(p.stat().st_mode | stat.S_IEXEC)
-    return bin_dir
-
-
-# srun stand-in: records its argv (one per line), drops its own options, runs the command.
-SRUN = """printf '%s\\n' "$@" > "$RECORD/srun.argv"
-while [ "${1#--}" != "$1" ]; do shift; done
-"$@"
-"""
-
-
-def _run_script(text: str, tmp_path: Path, extra: dict[str, str] | None = None,
-                stubs: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    record = tmp_path / "record"
-    record.mkdir(exist_ok=True)
-    bin_dir = _stub_bin(tmp_path, {"srun": SRUN, "scontrol": 'echo "$@" >> "$RECORD/scontrol"\n'
-                                   '[ "$1" = show ] && [ "$2" = hostnames ] && echo node1\n'
-                                   '[ "$1" = show ] && [ "$2" = partition ] && '
-                                   'echo "PartitionName=low GraceTime=10 State=UP"\ntrue\n',
-                                   "squeue": 'echo 2030-01-01T00:00:00\n', **(stubs or {})})
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD": str(record), "HOME": str(tmp_path),
-           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_JOB_PARTITION": "low", **(extra or {})}
-    return subprocess.run(["bash", "-c", text], env=env, capture_output=True, text=True,
-                          timeout=30, cwd=tmp_path)
 
 
 def test_setup_runs_in_the_batch_shell_before_srun_and_on_the_node(tmp_path: Path) -> None:
