@@ -166,13 +166,20 @@ def _clean_cluster_after_test(slurm_cluster: SlurmTestCluster, tmp_path: Path,
     slurm_cluster.restore()
 
 
+# The environment of the tests in test_fault_tolerance and test_succession_on_cluster (a module
+# with an `env` of its own uses that one).
+@pytest.fixture
+def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
+    return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
+
+
 # The uninterrupted runs that chaos tests compare against: started once per session by the first
 # test that needs one (each is a 20-57 s local `hpc run`, which runs while that test's cluster job
 # does), shared by every module.
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mapping]:
     """2 nodes x 2 processes, tiny preset: final step, weights and sample-order digests."""
-    from tests.slurm.test_fault_tolerance import Baseline
+    from tests.slurm.support import Baseline
     run = Baseline(tmp_path_factory.mktemp("baseline"))
     yield run
     run.stop()
@@ -181,7 +188,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mapping]:
 @pytest.fixture(scope="session")
 def elastic_baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mapping]:
     """As :func:`baseline`, with a global batch that divides at world size 4 and 6."""
-    from tests.slurm.test_fault_tolerance import ELASTIC, Baseline
+    from tests.slurm.support import ELASTIC, Baseline
     run = Baseline(tmp_path_factory.mktemp("elastic-baseline"), *ELASTIC)
     yield run
     run.stop()

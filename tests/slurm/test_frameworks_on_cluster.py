@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_fault_tolerance import hpc, outcomes, restarts, wait_done, wait_until
+from tests.conftest import wait_until
+from tests.slurm.support import hpc, outcomes, restarts, wait_done
 from tests.wandb_offline import read_run
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,20 +19,16 @@ was computed twice; at the end the job is finished. The fault -> next step times
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-import tests.slurm.test_fault_tolerance as ft
-from runtime.liveness import proc
+import tests.slurm.support as ft
 from tests.conftest import wait_until
+from tests.slurm.support import events, twice, workers
 
 pytestmark = pytest.mark.slurm
 STEPS = 120
@@ -43,40 +39,11 @@ def env(slurm_cluster, tmp_path: Path) -> dict[str, str]:
     return {**slurm_cluster.env, "HPC_HOME": str(tmp_path / "hpc-home"), "WANDB_MODE": "offline"}
 
 
-def workers(node: str) -> set[int]:
-    """The training processes in ``node``'s network namespace (not the launchers)."""
-    cluster = sys.modules["hpc_test_slurm_cluster"]
-    out = subprocess.run(["ip", "netns", "pids", cluster.netns_name(node)], capture_output=True,
-                         text=True).stdout.split()
-    found = set()
-    for pid in map(int, out):
-        # The command line a worker runs (a warm standby that became a joiner: its order's);
-        # an idle standby (``runtime.worker.standby``) is no worker.
-        argv = proc.cmdline(pid)
-        if "runtime.worker" in argv and any(a.endswith("train_gpt.py") for a in argv):
-            found.add(pid)
-    return found
-
-
-def events(job: Path) -> list[dict]:
-    path = job / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
 def step_now(job: Path) -> int:
     try:
         return int(ft.progress(job).get("step", 0))
     except (FileNotFoundError, ValueError):
         return 0
-
-
-def twice(job: Path) -> list[int]:
-    """Steps rank 0 recorded more than once (its step windows in ``events.jsonl``)."""
-    runs = collections.Counter()
-    for e in events(job):
-        if e["ev"] == "steps":
-            runs.update(range(int(e["first"]), int(e["last"]) + 1))
-    return sorted(s for s, n in runs.items() if n > 1)
 
 
 def recovered(job: Path, since: float) -> list[dict]:

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import sacct_rows
-from tests.slurm.test_fault_tolerance import (ELASTIC, TRAIN, hpc, latest_step, outcomes, progress,
-                                              wait_done, wait_until)
+from tests.conftest import sacct_rows, wait_until
+from tests.slurm.support import ELASTIC, TRAIN, hpc, latest_step, outcomes, progress, wait_done
 
 pytestmark = pytest.mark.slurm
 

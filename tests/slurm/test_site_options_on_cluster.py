@@ -229,7 +229,7 @@ def test_a_container_job_and_a_job_slurm_will_not_requeue_both_stopped_go_on(env
       job is continued once, as a new job chained after it, from its checkpoint, with the same
       W&B run and the same sample order as an uninterrupted run.
     """
-    from tests.slurm.test_fault_tolerance import assert_same_as_baseline
+    from tests.slurm.support import assert_same_as_baseline
 
     contained, contained_id = _submit_contained(env, tmp_path)
     job = tmp_path / "no requeue"

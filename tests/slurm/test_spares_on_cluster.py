@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from tests.conftest import wait_until
-from tests.slurm.test_fault_tolerance import (assert_same_as_baseline, hpc, latest_step, outcomes,
-                                              restarts, submit, wait_done)
+from tests.slurm.support import (assert_same_as_baseline, hpc, latest_step, outcomes, restarts,
+                                 submit, wait_done)
 
 import pytest
 

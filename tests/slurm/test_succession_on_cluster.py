@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_fault_tolerance import (ELASTIC, assert_same_as_baseline, hpc, latest_step,
-                                              outcomes, progress, restarts, submit, wait_done,
-                                              wait_until)
+from tests.conftest import wait_until
+from tests.slurm.support import (ELASTIC, assert_same_as_baseline, hpc, latest_step, outcomes,
+                                 progress, restarts, submit, wait_done)
 
 pytestmark = pytest.mark.slurm
 
-# The fixture `env` is test_fault_tolerance's (pytest finds it here); `elastic_baseline` is conftest's.
-from tests.slurm.test_fault_tolerance import env  # noqa: E402,F401,F811
+# The fixtures `env` and `elastic_baseline` are conftest's.
 
 
 def _manifests(job: Path) -> list[dict]:
@@ -126,7 +125,7 @@ def test_inprocess_rendezvous_host_loss_is_survived_in_process(env, slurm_cluste
     re-form there in process: the same PIDs, no checkpoint read, at most one step computed
     twice, world 4 after, in the same allocation, and the job finishes. A cut node1 stops its
     own workers and commits nothing after the survivors' epoch."""
-    from tests.slurm.test_inprocess_on_cluster import workers
+    from tests.slurm.support import workers
 
     job = tmp_path / f"inprochead{fault}"
     job_id = submit({**env, "HPC_PROGRESS_EVERY_S": "0.5"}, job, "--nodes", "2:3", "--max-restarts", "3",
@@ -168,7 +167,7 @@ def test_inprocess_rendezvous_host_loss_is_survived_in_process(env, slurm_cluste
 def _kill_adopted_worker(job: Path, pids: set[int]) -> int:
     """SIGKILLs one of ``pids`` (a node's adopted workers) once the job trained two steps past
     its re-form; returns it."""
-    from tests.slurm.test_inprocess_on_cluster import events
+    from tests.slurm.support import events
 
     def reformed_at() -> int | None:
         recs = [e for e in events(job) if e["ev"] == "inproc_recovery"]
@@ -184,7 +183,7 @@ def _check_joined(job: Path, killed: int, wall0: float) -> None:
     """The killed adopted worker's joiner joined (no fallback to the restart path). Its
     environment is the dead worker's, from /proc: with the epoch it had started in, the joiner
     broke its own connections to the new store and died three times in a row (the campaign)."""
-    from tests.slurm.test_inprocess_on_cluster import events
+    from tests.slurm.support import events
 
     evs = [e for e in events(job) if e["t"] > wall0]
     detect = [e for e in evs if e["ev"] == "inproc_detect" and e.get("pid") == killed]
@@ -199,7 +198,7 @@ def _check_joined(job: Path, killed: int, wall0: float) -> None:
 
 def _check_kept_in_process(env: dict, job: Path, fault: str, *, kept: dict, wall0: float, at: int,
                            cut_step: int, extra_recoveries: int = 0) -> None:
-    from tests.slurm.test_inprocess_on_cluster import events, twice
+    from tests.slurm.support import events, twice
 
     logs = [f"logs/alloc-0/node-{n}.log" for n in ("node1", "node2", "node3")]
     for f in logs[1:]:   # which way each survivor kept its workers (the agent's error, or the fence)
