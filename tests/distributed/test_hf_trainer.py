@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.distributed.test_own_script import env_for, launcher_pid, outcomes, wait_for
+from tests.distributed.own_script_support import env_for, launcher_pid, outcomes, wait_for
 from tests.wandb_offline import read_run
 
 pytestmark = pytest.mark.distributed

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import lines
-from tests.distributed.test_inprocess_silent import hpc_run
+from tests.distributed.inprocess_support import hpc_run, lines
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 

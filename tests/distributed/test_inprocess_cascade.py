@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_recovery import (GLOBAL_BATCH, STEPS, expected_batches, logs, result_of,
-                                                       run_world, steps_of)
+from tests.distributed.inprocess_support import (GLOBAL_BATCH, STEPS, expected_batches, logs, result_of,
+                                                 run_world, steps_of)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
@@ -71,7 +71,7 @@ def test_a_second_fault_during_an_fsdp2_shard_transfer_falls_back_to_the_checkpo
     # copy, dies after the first shard's move. Shards may be half moved: the state is not
     # taken from memory (no rank may train on mixed state); the disk checkpoint is, and the
     # fallback's reason names the second fault.
-    from tests.distributed.test_inprocess_fsdp_peers import events, hpc_run, kill_ranks, results
+    from tests.distributed.inprocess_fsdp_support import events, hpc_run, kill_ranks, results
 
     t0 = time.time()
     monkeypatch.setenv("HPC_TEST_INPROC_FAULT", "0:1:transfer")

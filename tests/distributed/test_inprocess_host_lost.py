@@ -32,10 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import lines
-from tests.distributed.test_inprocess_silent import events, hpc_run, wait_for
-from tests.distributed.test_launcher import PROBE, REPO, alive
-from tests.distributed.test_spares_local import launcher_pid
+from tests.conftest import REPO
+from tests.distributed.inprocess_support import events, hpc_run, lines, wait_for
+from tests.distributed.support import PROBE, alive, launcher_pid
 
 # Mostly the survivor's wait for the silent store (STORE_LOST_S) and the launcher's end: 8 CPU-s
 # of 41 s in CI of 8c3b77e; CI runs it in the lane of the tests that wait on a clock.

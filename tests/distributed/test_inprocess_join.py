@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.inprocess_support import kill_when, lines
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
@@ -36,23 +37,6 @@ def hpc_run(out: Path, job: Path) -> subprocess.Popen[str]:
                              "--recovery", "inprocess", "--max-restarts", "2", "--job-dir", str(job),
                              "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def lines(out: Path) -> dict[int, list[dict]]:
-    """pid -> its step lines."""
-    return {int(f.stem.split("-")[1]): [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-            for f in out.glob("steps-*.jsonl")}
-
-
-def kill_when(run: subprocess.Popen, out: Path, pick, deadline: float) -> int:
-    """SIGKILLs the first worker ``pick(pid, its lines)`` chooses; returns its pid."""
-    while True:
-        assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-        for pid, ran in lines(out).items():
-            if ran and pick(pid, ran):
-                os.kill(pid, signal.SIGKILL)
-                return pid
-        time.sleep(0.05)
 
 
 def test_two_killed_workers_are_replaced_by_joiners_and_the_weights_are_the_uninterrupted_ones(tmp_path: Path):

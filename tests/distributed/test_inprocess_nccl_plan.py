@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.test_gpu_inprocess_nccl import fault_on_one_rank, kill_one_of_two
+from tests.gpu.support import fault_on_one_rank, kill_one_of_two
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 

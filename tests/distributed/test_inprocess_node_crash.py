@@ -31,9 +31,8 @@ from pathlib import Path
 import pytest
 
 from runtime.launch.inprocess_silent import LOST_S
-from tests.distributed.test_inprocess_join import lines
-from tests.distributed.test_inprocess_silent import SCRIPT, events, wait_for
-from tests.distributed.test_spares_local import launcher_pid
+from tests.distributed.inprocess_support import SCRIPT, events, lines, wait_for
+from tests.distributed.support import launcher_pid
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 REPO = Path(__file__).resolve().parents[2]

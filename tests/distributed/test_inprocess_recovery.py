@@ -13,78 +13,17 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.inprocess_support import (GLOBAL_BATCH, REPO, SCRIPT, STEPS, expected_batches, logs,
+                                                 result_of, run_world, steps_of)
+
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
-STEPS, GLOBAL_BATCH = 20, 12
-
-
-def run_world(tmp_path: Path, *, kill_rank: int | None = None, kill_at: int = 6,
-              fault: str = "", world: int = 3, window_s: float = 5.0,
-              extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[int], Path]:
-    import torch.distributed as dist
-
-    out = tmp_path / "out dir"
-    out.mkdir()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="1", HPC_RECOVERY="inprocess",
-                   HPC_INPROC_STORE=f"127.0.0.1:{store.port}", HPC_JOB_DIR=str(tmp_path / "job"),
-                   WANDB_MODE="disabled", HPC_INPROC_WINDOW_S=str(window_s), PYTHONPATH=str(REPO))
-        env.pop("HPC_TEST_INPROC_FAULT", None)
-        if fault:
-            env["HPC_TEST_INPROC_FAULT"] = fault
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), "--steps",
-                                       str(STEPS), "--global-batch", str(GLOBAL_BATCH), *extra], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    if kill_rank is not None:
-        victim = procs[kill_rank]
-        deadline = time.time() + 240
-        while len(steps_of(out, victim.pid)) < kill_at:
-            assert time.time() < deadline and victim.poll() is None, "the victim never reached its step"
-            time.sleep(0.05)
-        os.kill(victim.pid, signal.SIGKILL)
-    codes = []
-    for p in procs:
-        try:
-            p.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            p.kill()
-        codes.append(p.returncode)
-    store_keep = store   # noqa: F841 - the store lives until every worker ended
-    return procs, codes, out
-
-
-def steps_of(out: Path, pid: int) -> list[dict]:
-    f = out / f"steps-{pid}.jsonl"
-    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
-
-
-def result_of(out: Path, pid: int) -> dict:
-    return json.loads((out / f"result-{pid}.json").read_text())
-
-
-def logs(procs: list[subprocess.Popen]) -> str:
-    return "\n".join(f"--- pid {p.pid} ---\n{(p.stdout.read() if p.stdout else '')[-3000:]}" for p in procs)
-
-
-def expected_batches() -> list[int]:
-    from runtime.sampler import ResumableSampler
-    s = ResumableSampler(600, global_batch=GLOBAL_BATCH, seed=3)
-    return [s.next_global_batch()[0] for _ in range(STEPS)]
 
 
 def test_survivors_of_a_sigkill_go_on_in_process_with_equal_weights(tmp_path: Path):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import lines
+from tests.distributed.inprocess_support import lines
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 

@@ -22,43 +22,15 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import lines
-from tests.distributed.test_spares_local import launcher_pid
+from tests.distributed.inprocess_support import events, hpc_run, lines, wait_for
+from tests.distributed.support import launcher_pid
 
 pytestmark = pytest.mark.distributed
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
-
-
-def hpc_run(out: Path, job: Path, steps: int, *extra: str, train: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-    out.mkdir()
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5")
-    return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), *extra, "--recovery",
-                             "inprocess", "--job-dir", str(job), "--", "--out", str(out), "--steps",
-                             str(steps), "--step-sleep", "0.2", *train],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for(run: subprocess.Popen, cond, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.time() < deadline and run.poll() is None, f"{what}: {run.stdout.read() if run.poll() is not None else ''}"
-        time.sleep(0.05)
-
-
-def events(job: Path) -> list[dict]:
-    return [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
 
 
 def after(out: Path, pid: int, t: float) -> list[dict]:

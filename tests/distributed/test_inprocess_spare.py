@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import lines
-from tests.distributed.test_spares_local import launcher_pid, launchers
+from tests.distributed.inprocess_support import lines
+from tests.distributed.support import launcher_pid, launchers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_inprocess_join import kill_when, lines
+from tests.distributed.inprocess_support import kill_when, lines
 from tests.wandb_offline import offline_env, read_files, read_run, run_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]

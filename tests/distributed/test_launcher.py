@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.distributed.support import PROBE, alive, outcomes
 
 pytestmark = pytest.mark.distributed
-PROBE = REPO / "tests" / "distributed" / "scripts" / "worker_probe.py"
 
 
 def hpc_run(job_dir: Path, *script_args: str, nproc: int = 2, extra: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -40,23 +40,6 @@ def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def outcomes(job_dir: Path) -> list[dict]:
-    path = job_dir / "outcomes.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 # One hostile job path with everything in it (spaces, quotes, shell metacharacters), as in

@@ -23,7 +23,7 @@ import pytest
 
 from runtime.stopping import KILL_AFTER_S
 from tests.conftest import REPO
-from tests.distributed.test_own_script import env_for, launcher_pid, outcomes, wait_for
+from tests.distributed.own_script_support import env_for, launcher_pid, outcomes, wait_for
 
 pytestmark = [pytest.mark.distributed, pytest.mark.waits]   # CI runs these in a lane of their own
 SCRIPT = REPO / "examples" / "lightning_resume.py"

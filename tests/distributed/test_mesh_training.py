@@ -18,29 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.wandb_offline import read_run
+from tests.distributed.mesh_support import losses, result, run
 
 pytestmark = pytest.mark.distributed
-TRAIN = REPO / "examples" / "train_gpt.py"
-STEPS = ("--max-steps", "10", "--log-every", "1")
-
-
-def run(job: Path, nproc: int, *args: str, hpc_args: tuple[str, ...] = ()) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "hpc", "run", str(TRAIN), "--nproc-per-node", str(nproc),
-           "--job-dir", str(job), *hpc_args, "--", "--preset", "tiny", *STEPS, *args]
-    p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=300)
-    return p.returncode, p.stdout
-
-
-def result(job: Path) -> dict:
-    return json.loads((job / "result.json").read_text())
-
-
-def losses(job: Path) -> dict[int, float]:
-    """The loss W&B recorded at each step, over every allocation of the job."""
-    history = read_run(job / "wandb", (job / "wandb_run_id").read_text().strip()).history
-    return {int(row["_step"]): float(row["loss"]) for row in history if "loss" in row}
 
 
 @pytest.fixture(scope="module")
@@ -153,4 +133,3 @@ def test_survivors_that_cannot_form_a_whole_pipeline_end_cleanly_for_a_requeue(t
     kind = classify("succeeded", intent, intent["allocation"])
     assert kind == "node_failure"
     assert decide_requeue(kind, policy="auto", allocation=0, max_requeues=20, under_slurm=True).requeue
-

@@ -19,18 +19,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.wandb_offline import offline_env, read_files, read_run, run_files
+from tests.distributed.own_script_support import env_for, launcher_pid, outcomes, wait_for
+from tests.wandb_offline import read_files, read_run, run_files
 
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "plain_snapshot.py"
-
-
-def env_for(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "HPC_", "WANDB_"))}
-    wandb = offline_env(tmp / "wandb-env")
-    del wandb["WANDB_DIR"]            # the launcher's WANDB_DIR=JOB_DIR must apply
-    return env | wandb
 
 
 def hpc_run(job: Path, env: dict[str, str], *script_args: str,
@@ -40,27 +33,6 @@ def hpc_run(job: Path, env: dict[str, str], *script_args: str,
            "--out", str(job), *script_args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def outcomes(job: Path) -> list[dict]:
-    path = job / "outcomes.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def launcher_pid(job: Path) -> int:
-    out = subprocess.run(["pgrep", "-f", f"runtime.launch --job-dir {job}"], capture_output=True,
-                         text=True).stdout.split()
-    assert len(out) == 1, out
-    return int(out[0])
 
 
 @pytest.mark.timeout(240)

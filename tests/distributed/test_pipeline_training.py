@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_mesh_training import losses, result, run
+from tests.distributed.mesh_support import losses, result, run
 
 pytestmark = pytest.mark.distributed
 

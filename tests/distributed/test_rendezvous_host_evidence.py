@@ -31,7 +31,8 @@ import pytest
 from hpc.contract.jobspec import JobSpec
 from runtime.ending.outcome import EXIT_CODES
 from runtime.launch import host_store
-from tests.distributed.test_launcher import PROBE, REPO, outcomes
+from tests.conftest import REPO
+from tests.distributed.support import PROBE, outcomes
 
 pytestmark = pytest.mark.distributed
 

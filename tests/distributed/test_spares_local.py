@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, wait_until
+from tests.distributed.support import launcher_pid, launchers
 
 pytestmark = pytest.mark.distributed
 TRAIN = REPO / "examples" / "train_gpt.py"
@@ -37,30 +38,6 @@ def latest_step(job: Path) -> int:
         return int((job / "checkpoints" / "latest").read_text().strip().split("-")[-1])
     except (FileNotFoundError, ValueError):
         return 0
-
-
-def launchers(job: Path) -> tuple[set[int], set[int]]:
-    """(node ranks whose workers started, node ranks ready to join)."""
-    try:
-        evs = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return set(), set()
-    return ({e["node_rank"] for e in evs if e.get("ev") == "workers_started"},
-            {e["node_rank"] for e in evs if e.get("ev") == "node_ready"})
-
-
-def launcher_pid(job: Path, node_rank: int) -> int:
-    """The pid of ``hpc run``'s launcher for ``node_rank`` (its own session: its pgid)."""
-    for pid in os.listdir("/proc"):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        words = [a.decode(errors="replace") for a in argv]
-        if "runtime.launch" in words and str(job) in words and \
-                words[words.index("--node-rank") + 1] == str(node_rank):
-            return int(pid)
-    raise AssertionError(f"no launcher for node rank {node_rank}")
 
 
 def test_a_spare_replaces_a_killed_node_and_the_weights_are_those_of_the_same_world(tmp_path: Path):

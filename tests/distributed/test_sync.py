@@ -22,6 +22,7 @@ import pytest
 
 from hpc.contract.errors import HpcError
 from tests.conftest import REPO
+from tests.distributed.support import key_env, real_sync_env
 from tests.wandb_offline import offline_env
 
 pytestmark = pytest.mark.distributed
@@ -61,10 +62,6 @@ def job(wandb_job: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "job"
     shutil.copytree(wandb_job, copy)
     return copy
-
-
-def key_env(tmp_path: Path, url: str) -> dict[str, str]:
-    return {"WANDB_API_KEY": "k" * 40, "WANDB_BASE_URL": url, "HOME": str(tmp_path)}
 
 
 class Recorder:
@@ -221,12 +218,6 @@ for step in range(first, last + 1):
     sink.log({"loss": 1.0 / step}, step)
 sink.close()
 """
-
-
-def real_sync_env(tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in (offline_env(tmp_path / "sync-env") | key_env(tmp_path, url)).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("WANDB_MODE")
 
 
 @pytest.mark.timeout(180)

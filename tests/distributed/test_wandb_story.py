@@ -21,7 +21,7 @@ import pytest
 
 from hpc.report.ledger import CATEGORIES
 from tests.conftest import REPO
-from tests.distributed.test_sync import real_sync_env
+from tests.distributed.support import real_sync_env
 from tests.wandb_offline import offline_env
 
 pytestmark = pytest.mark.distributed
