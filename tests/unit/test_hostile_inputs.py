@@ -11,7 +11,6 @@ parse back to exactly one option, and the scripts and commands, executed by bash
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import stat
 import subprocess
@@ -204,12 +203,10 @@ def test_binary_hpc_toml_exit_2(script: Path, capsys: pytest.CaptureFixture[str]
 # --- what the backends hand over ---------------------------------------------------------------
 
 def _sbatch_parser():  # type: ignore[no-untyped-def]
-    """test_render's re-implementation of sbatch's #SBATCH argument parser (Slurm 22.05)."""
-    spec = importlib.util.spec_from_file_location("_render_tests", Path(__file__).with_name("test_render.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.sbatch_parse_argument
+    """The suite's re-implementation of sbatch's #SBATCH argument parser (Slurm 22.05)."""
+    from tests.unit.support import sbatch_parse_argument
+
+    return sbatch_parse_argument
 
 
 STUB = """#!/bin/sh
