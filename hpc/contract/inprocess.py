@@ -79,6 +79,7 @@ member behind the agreed step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import tempfile
@@ -524,6 +525,66 @@ def parse_max_reforms(raw: str) -> int:
         raise ValueError(f"{MAX_REFORMS_ENV}={raw!r}: expected an integer >= 1 (re-forms in a row at "
                          f"one step before the restart path; default {DEFAULT_MAX_REFORMS})")
     return n
+
+
+def _number(name: str, raw: str, default: float, low: float, high: float, *, whole: bool = False,
+            unit: str = "") -> float:
+    """``raw`` as a finite number in [low, high] (the default when empty), else ValueError
+    naming the variable, the value and the range (pure)."""
+    if not raw.strip():
+        return default
+    try:
+        x = float(int(raw)) if whole else float(raw)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and low <= x <= high):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"{name}={raw!r}: expected {kind} from {low:g} to {high:g}{unit} "
+                         f"(default {default:g})")
+    return x
+
+
+def parse_window_s(raw: str) -> float:
+    """``HPC_INPROC_WINDOW_S``: how long a leader waits for silent members (0.1-600 s)."""
+    return _number(WINDOW_ENV, raw, DEFAULT_WINDOW_S, 0.1, 600.0, unit=" seconds")
+
+
+def parse_timeout_s(raw: str) -> float | None:
+    """``HPC_INPROC_TIMEOUT_S``: a training collective's fixed bound (1 s to a day); None:
+    the stall deadline's."""
+    return _number(TIMEOUT_ENV, raw, math.nan, 1.0, 86400.0, unit=" seconds") if raw.strip() else None
+
+
+WARM_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off")
+LAUNCHER_SET_ENV = (STORE_ENV, JOIN_ENV, MAX_WORLD_ENV, CHANNEL_ENV, RECOVERY_ENV)
+
+
+def check_env(name: str, value: str) -> None:
+    """Refuses a job's own value of an in-process variable it may not set or set so (pure).
+
+    The tunables (window, timeout, re-forms, the FSDP2 copy's interval and memory bound, the
+    warm standby) are parsed as the workers parse them; the variables the launcher sets for
+    each worker (its store, a joiner's mark, the largest world, the channel, the recovery mode)
+    are not the job's to set: a stray ``HPC_INPROC_JOIN=1`` made every worker a joiner.
+
+    Raises:
+        ValueError: naming the variable, its value and what it takes.
+    """
+    if name in LAUNCHER_SET_ENV:
+        raise ValueError(f"{name}={value!r}: set by the launcher for each worker, not by the job"
+                         + (" (use --recovery)" if name == RECOVERY_ENV else ""))
+    if name == WINDOW_ENV:
+        parse_window_s(value)
+    elif name == TIMEOUT_ENV:
+        parse_timeout_s(value)
+    elif name == MAX_REFORMS_ENV:
+        parse_max_reforms(value)
+    elif name == COPY_EVERY_ENV:
+        _number(name, value, DEFAULT_COPY_EVERY, 1, 1e9, whole=True, unit=" steps")
+    elif name == COPY_MAX_MB_ENV:
+        _number(name, value, DEFAULT_COPY_MAX_MB, 1e-3, 1e9, unit=" MB")
+    elif name == WARM_ENV and value.strip().lower() not in WARM_VALUES:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(WARM_VALUES)}")
 
 
 def repeats(members: Members, max_reforms: int) -> str | None:

@@ -137,6 +137,11 @@ def _env_check(v: Any, flag: str) -> None:
             raise SpecError(flag, f"{name}={value}", "NAME=VALUE with a valid variable name",
                             f"{flag} NCCL_DEBUG=INFO")
         values.check_env_value(name, value, flag)
+        try:
+            inprocess.check_env(name, value)
+        except ValueError as e:
+            raise SpecError(flag, f"{name}={value}", str(e).partition(": ")[2],
+                            f"{flag} {inprocess.WINDOW_ENV}=5") from None
 
 
 def _args(v: Any, flag: str) -> tuple[str, ...]:

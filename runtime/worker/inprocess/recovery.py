@@ -194,9 +194,9 @@ class InProcess:
         if not address:
             raise RuntimeError(f"{proto.RECOVERY_ENV}=inprocess needs {proto.STORE_ENV}=host:port "
                                "(the launcher sets it); set it or use --recovery restart")
-        window = float(environ.get(proto.WINDOW_ENV, "") or proto.DEFAULT_WINDOW_S)
-        fixed = environ.get(proto.TIMEOUT_ENV, "")
-        bound = (lambda: float(fixed)) if fixed else step_bound_s
+        window = proto.parse_window_s(environ.get(proto.WINDOW_ENV, ""))
+        fixed = proto.parse_timeout_s(environ.get(proto.TIMEOUT_ENV, ""))
+        bound = (lambda: fixed) if fixed is not None else step_bound_s
         joining = environ.get(proto.JOIN_ENV, "") == "1"
         max_world = int(environ.get(proto.MAX_WORLD_ENV, "") or 0)
         max_reforms = proto.parse_max_reforms(environ.get(proto.MAX_REFORMS_ENV, ""))

@@ -71,7 +71,7 @@ def options(environ: Mapping[str, str]) -> tuple[int, int]:
         every, max_mb = int(raw_every), float(raw_max)
     except ValueError:
         every, max_mb = 0, 0.0
-    if every < 1 or max_mb <= 0:
+    if every < 1 or not (math.isfinite(max_mb) and max_mb > 0):
         raise ValueError(f"{proto.COPY_EVERY_ENV}={raw_every!r}, {proto.COPY_MAX_MB_ENV}={raw_max!r}: "
                          f"expected a whole number of steps >= 1 and megabytes > 0 (defaults "
                          f"{proto.DEFAULT_COPY_EVERY} and {proto.DEFAULT_COPY_MAX_MB:g})")
