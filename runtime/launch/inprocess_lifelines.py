@@ -62,6 +62,21 @@ class _Line:
         self.bye = False
 
 
+def listen_host(store_address: str) -> str:
+    """The address the listener binds (pure): loopback when the job's store is on loopback (a
+    job of one machine, ``hpc run``: nothing outside it may reach the listener), else every
+    interface (the workers of other nodes connect to the store host's name, which may resolve
+    there to an address this node's own resolver does not give)."""
+    import ipaddress
+
+    host = store_address.rpartition(":")[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    return "127.0.0.1" if loopback else ""
+
+
 class Lifelines(threading.Thread):
     """The store host launcher's listener (see the module docstring).
 
@@ -77,7 +92,7 @@ class Lifelines(threading.Thread):
         super().__init__(name="hpc-lifelines", daemon=True)
         self.store_address, self.replacement, self.events = store_address, replacement, events
         self.host = host or socket.gethostname()
-        self.server = socket.create_server(("", 0), backlog=256)
+        self.server = socket.create_server((listen_host(store_address), 0), backlog=256)
         self.server.setblocking(False)
         self.port = self.server.getsockname()[1]
         self.closed: dict[str, proto.Hello] = {}    # workers whose line closed, not yet named
