@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import logging
 import os
 import time
@@ -242,13 +243,46 @@ class JobRecord:
         return bool(self.cluster and cluster and self.cluster != cluster)
 
 
+# The fields every reader does arithmetic or text on, by type: a line whose value does not fit
+# is skipped (and reported), so no reader meets a string where it counts, or an infinity.
+_EVENT_INTS = ("alloc", "first", "last", "count")
+_EVENT_INTS_OR_NONE = ("step", "probe_step", "last_step", "saved_step", "restart", "rank", "node_rank",
+                       "gen", "world_size", "old_world_size", "exit_code")
+_EVENT_FLOATS = ("t0", "t_proc")
+_EVENT_FLOATS_OR_NONE = ("save_s", "block_s", "every_s")
+_EVENT_TEXTS = ("node", "kind", "reason")
+_MAX_INT = 2**53
+_MAX_T = 1e11     # seconds since 1970: year 5138
+
+
+def _number(value: Any, *, whole: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if whole:
+        return isinstance(value, int) and abs(value) < _MAX_INT
+    return math.isfinite(value) and abs(value) < _MAX_T
+
+
 def event(data: Any) -> dict[str, Any]:
-    """``events.jsonl``: an event is a JSON object with a numeric ``t`` and a name ``ev``
-    (the names and their fields: :mod:`hpc.contract.events`)."""
+    """``events.jsonl``: an event is a JSON object with a time ``t`` (finite, in [0, 1e11)) and
+    a name ``ev``, and its common fields of their types (the names and their fields:
+    :mod:`hpc.contract.events`)."""
     if not isinstance(data, dict):
         raise ValueError(f"not an object but {type(data).__name__}")
-    if not isinstance(data.get("t"), (int, float)) or isinstance(data.get("t"), bool) or "ev" not in data:
-        raise ValueError("no numeric 't' or no 'ev'")
+    t = data.get("t")
+    if not _number(t, whole=False) or t < 0 or not isinstance(data.get("ev"), str):
+        raise ValueError("no time 't' in [0, 1e11) or no name 'ev'")
+    for key in _EVENT_INTS + _EVENT_INTS_OR_NONE:
+        if key in data and not _number(data[key], whole=True) and \
+                not (data[key] is None and key in _EVENT_INTS_OR_NONE):
+            raise ValueError(f"{key!r} is not a whole number: {str(data[key])[:40]!r}")
+    for key in _EVENT_FLOATS + _EVENT_FLOATS_OR_NONE:
+        if key in data and not _number(data[key], whole=False) and \
+                not (data[key] is None and key in _EVENT_FLOATS_OR_NONE):
+            raise ValueError(f"{key!r} is not a finite number: {str(data[key])[:40]!r}")
+    for key in _EVENT_TEXTS:
+        if key in data and data[key] is not None and not isinstance(data[key], str):
+            raise ValueError(f"{key!r} is not text: {str(data[key])[:40]!r}")
     return data
 
 
@@ -343,7 +377,7 @@ def parse(data: bytes, decode: type[T] | Callable[[Any], T], path: Path = Path("
             continue
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: nested deeper than the stack
             bad.append(BadLine(path, n, f"not JSON: {text[:80]!r}"))
             continue
         try:
