@@ -32,7 +32,6 @@ from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch.forwarding import children
 from runtime.liveness import proc
-from runtime.liveness.watchdog import heartbeat_root
 
 log = logging.getLogger("hpc.launch")
 
@@ -54,8 +53,10 @@ def keep_handles(pcontext: Any) -> None:
 
 def channel_path(launcher_pid: int) -> Path:
     """The node-local file where launcher ``launcher_pid`` names a new epoch's store (it
-    keeps its PID across ``execv``, so its workers find the file where they were told)."""
-    return heartbeat_root() / f"hpc-inproc-{os.getuid()}-{launcher_pid}.json"
+    keeps its PID across ``execv``, so its workers find the file where they were told): in the
+    user's own 0700 directory (:func:`~hpc.contract.inprocess.private_dir`), where no other
+    user can plant one that sends the kept workers to another store."""
+    return Path(proto.private_dir()) / f"channel-{launcher_pid}.json"
 
 
 def why_not(*, succession: bool, spares: int, kept: Mapping[int, int], nproc: int) -> str | None:
@@ -145,9 +146,7 @@ def _log_file(pid: int) -> str:
 def publish(launcher_pid: int, rebind: proto.Rebind) -> Path:
     """Names the new epoch's store to this launcher's workers (atomically)."""
     path = channel_path(launcher_pid)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(rebind.encode())
-    os.replace(tmp, path)
+    proto.write_private(str(path), rebind.encode())
     return path
 
 
