@@ -55,3 +55,14 @@ def test_a_directory_another_user_made_first_is_not_used(tmp_path: Path,
         assert proto.private_dir() == str(planted[1])
     finally:
         planted[0].rmdir()
+
+
+def test_the_channel_file_for_kept_workers_is_private_too() -> None:
+    from runtime.launch import inprocess_adopt
+
+    path = inprocess_adopt.publish(999_999_998, proto.Rebind(1, "127.0.0.1:1", "s", ("a",)))
+    try:
+        assert path.parent == Path(proto.private_dir()) and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert proto.Rebind.decode(path.read_text()).epoch == 1
+    finally:
+        path.unlink()
