@@ -304,7 +304,7 @@ def order_file(pid: int) -> str:
     directory (removed when its agent ends, while a worker kept through a host's loss lives on).
 
     The order holds the worker's whole environment (a W&B key among it): it lies in the user's
-    own directory there (:func:`private_dir`), written 0600 (:func:`write_private`)."""
+    own directory there (:func:`private_dir`), written 0600 (:func:`hpc.contract.jobdir.write_atomic`)."""
     return os.path.join(private_dir(), f"standby-{pid}.json")
 
 
@@ -335,22 +335,6 @@ def private_dir() -> str:
         problems.append(f"{path}: not a directory of this user's alone (mode {st.st_mode & 0o7777:o}, "
                         f"owner {st.st_uid})")
     raise OSError(f"no private directory for the job's node-local files: {'; '.join(problems)}")
-
-
-def write_private(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` atomically, readable by this user only (0600)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def lost_uids(uids: Sequence[str], members: Sequence[str]) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
+from hpc.contract import jobdir
 from runtime.launch.forwarding import children
 from runtime.liveness import proc
 
@@ -146,7 +147,7 @@ def _log_file(pid: int) -> str:
 def publish(launcher_pid: int, rebind: proto.Rebind) -> Path:
     """Names the new epoch's store to this launcher's workers (atomically)."""
     path = channel_path(launcher_pid)
-    proto.write_private(str(path), rebind.encode())
+    jobdir.write_atomic(path, rebind.encode(), durable=False)   # 0600
     return path
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from hpc.contract import inprocess as proto
+from hpc.contract import jobdir
 from runtime.liveness.heartbeat import read_all
 
 log = logging.getLogger("hpc.launch")
@@ -152,7 +153,7 @@ class Standby:
         path = None
         try:
             path = Path(proto.order_file(proc.pid))
-            proto.write_private(str(path), order.encode())   # the worker's environment: 0600
+            jobdir.write_atomic(path, order.encode(), durable=False)   # the worker's environment: 0600
             proc.stdin.write(order.encode().encode() + b"\n")
             proc.stdin.close()
         except OSError as e:   # it died meanwhile (a broken pipe), or no room for the record
