@@ -21,3 +21,13 @@ def small_disk(tmp_path: Path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def hydra_quiet_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hydra launcher tests' jobs: W&B offline in the test's directory, an index of their own."""
+    from tests.wandb_offline import offline_env
+
+    for key, value in offline_env(tmp_path / "wandb-env").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HPC_HOME", str(tmp_path / "hpc-home"))

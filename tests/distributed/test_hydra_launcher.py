@@ -18,16 +18,9 @@ import pytest
 from hydra.errors import HydraException
 from hydra.test_utils.launcher_common_tests import sweep_1_job
 
-from tests.wandb_offline import offline_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("hydra_restore_singletons")]
-
-
-@pytest.fixture(autouse=True)
-def quiet_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in offline_env(tmp_path / "wandb-env").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPC_HOME", str(tmp_path / "hpc-home"))
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.usefixtures("hydra_restore_singletons", "hydra_quiet_wandb")]
 
 
 def returns_100(_: object) -> int:

@@ -14,21 +14,13 @@ one more app start and ``hpc run``) run with ``HPC_TEST_HYDRA_ALL=1`` (all 20 pa
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
 
-from tests.wandb_offline import offline_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("hydra_restore_singletons")]
-
-
-@pytest.fixture(autouse=True)
-def quiet_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in offline_env(tmp_path / "wandb-env").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPC_HOME", str(tmp_path / "hpc-home"))
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.usefixtures("hydra_restore_singletons", "hydra_quiet_wandb")]
 
 
 @pytest.mark.parametrize("launcher_name, overrides", [("hpc_local", [])])
