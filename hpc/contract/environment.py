@@ -36,6 +36,8 @@ RESUMED = "HPC_RESUMED"                  # "1": an earlier allocation or worker 
 REQUEUE_COUNT = "HPC_REQUEUE_COUNT"      # how many times the job was requeued (0 the first time)
 RESTART_COUNT = "HPC_RESTART_COUNT"      # elastic restarts of the workers in this allocation
 WARNING_LEAD_S = "HPC_WARNING_LEAD_S"    # seconds from the time-limit warning to the time limit
+WARM_START = "HPC_WARM_START"            # job's own: "0": each worker starts cold (runtime.launch.warm_start)
+WARM_START_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off")
 STOP_FILE = "HPC_STOP_FILE"              # JSON written when a stop begins: kind, signal, deadline
 # A script that saved on the warning and stopped before its work was done exits with this status
 # (EX_TEMPFAIL): the allocation is recorded as the stop and the job requeued. 0 means done.

@@ -100,6 +100,7 @@ MAX_REFORMS_ENV = "HPC_INPROC_MAX_REFORMS"  # re-forms in a row at one step befo
 CHANNEL_ENV = "HPC_INPROC_CHANNEL"  # node-local file where the launcher names a new epoch's store (Rebind)
 WARM_ENV = "HPC_INPROC_WARM"        # "0": a dead worker's joiner starts cold (no warm standby; the launcher reads it)
 STANDBY_MODULE = "runtime.worker.standby"   # a warm standby's ``python -m`` module (its command line)
+FORK_MODULE = "runtime.worker.forkserver"   # the node's fork server's (its forked workers show it too)
 DEFAULT_MAX_REFORMS = 3
 
 # NCCL's settings for in-process recovery: name -> (value, why, values of the user's that leave

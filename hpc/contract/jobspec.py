@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc.contract import components, inprocess, interval, jobdir, jobpaths, spec_terms, stall, values
+from hpc.contract import environment as job_env
 from hpc.contract import parallel as mesh
 from hpc.contract.errors import HpcError, SpecError
 
@@ -139,6 +140,8 @@ def _env_check(v: Any, flag: str) -> None:
         values.check_env_value(name, value, flag)
         try:
             inprocess.check_env(name, value)
+            if name == job_env.WARM_START and value.strip().lower() not in job_env.WARM_START_VALUES:
+                raise ValueError(f"{name}={value!r}: expected one of {', '.join(job_env.WARM_START_VALUES)}")
         except ValueError as e:
             raise SpecError(flag, f"{name}={value}", str(e).partition(": ")[2],
                             f"{flag} {inprocess.WINDOW_ENV}=5") from None

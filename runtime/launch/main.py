@@ -52,7 +52,7 @@ from runtime.ending import outcome
 from hpc.contract import inprocess as proto_inproc
 from runtime.launch import (health, host_store, inprocess_adopt, inprocess_agent, inprocess_lifelines,
                             inprocess_silent, inprocess_spare, quorum, rdzv_failure, rendezvous,
-                            spares)
+                            spares, standby, warm_start)
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -160,10 +160,36 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         _slow_join_for_tests(plan)
     if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
         pending = outcome.AgentEnd("rendezvous", f"lost the rendezvous host {epoch.host}", time.time())
+    warm = _fork_server(plan)
+    try:
+        return _epochs(plan, forwarder, tee, board, slurm, order, me, epoch, epochs, pending, adopt, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _fork_server(plan: LaunchPlan) -> warm_start.ForkServer | None:
+    """This launcher's fork server, started now (its imports overlap the rendezvous), or None:
+    off (``HPC_WARM_START=0``), in-process recovery (its workers start cold, its joiners from
+    warm standbys), or a command that is not a worker's."""
+    argv = [sys.executable, *plan.argv]
+    if plan.spec.recovery == "inprocess" or not warm_start.enabled(os.environ) \
+            or not standby.worker_command(argv):
+        return None
+    server = warm_start.ForkServer(sys.executable, plan.spec.script, os.environ)
+    server.start()
+    return server
+
+
+def _epochs(plan: LaunchPlan, forwarder: SignalForwarder, tee: RankTee, board: succession.Board,
+            slurm: SlurmEnv, order: list[str], me: str, epoch: Any, epochs: list[str],
+            pending: outcome.AgentEnd | None, adopt: dict[int, int] | None,
+            warm: warm_start.ForkServer | None) -> int:
+    """The agent's runs, one per rendezvous epoch, and the launcher's exit status."""
     while True:
         end = pending or _run_agent(plan, forwarder, epoch.index, board if slurm.active else None,
                                     members=len(epoch.members), tee=tee, names=epoch.members,
-                                    adopt=adopt)
+                                    adopt=adopt, warm=warm)
         if pending is None:   # adopt: taken by that agent; kept: kept by it for the next epoch
             kept = end.extra.pop("adopt", None) or {}
             if adopt:   # any left alive that it did not keep is stopped
@@ -242,7 +268,8 @@ class _Startups:
 def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                board: succession.Board | None, members: int = 0,
                tee: RankTee | None = None, names: Sequence[str] = (),
-               adopt: dict[int, int] | None = None) -> outcome.AgentEnd:
+               adopt: dict[int, int] | None = None,
+               warm: warm_start.ForkServer | None = None) -> outcome.AgentEnd:
     """One run of torch's elastic agent (one rendezvous epoch), with the stall watch and, under
     Slurm, the fence: a newer epoch decided without this node stops its workers. ``names``:
     the epoch's members by node rank (Slurm's host names; none under hpc run); ``adopt``:
@@ -362,7 +389,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
                 futile=lambda result: _futile(plan, result) or watchdog.repeated()
                 or startups.futile(result),
-                on_restart=on_restart), release, recovery as inproc_state:
+                on_restart=on_restart), release, warm_start.serving(warm), recovery as inproc_state:
             elastic_launch(config, sys.executable)(*plan.argv)
     except ChildFailedError as e:
         result = "failed"

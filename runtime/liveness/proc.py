@@ -100,8 +100,10 @@ def _started_with(pid: int) -> dict[str, str]:
 
 
 def _order(pid: int) -> proto.Order | None:
-    """A standby's order, once it has one (None: not a standby, or still waiting)."""
-    if proto.STANDBY_MODULE not in _started_as(pid):
+    """A standby's or a forked worker's order, once it has one (None: neither, or a standby
+    still waiting)."""
+    started_as = _started_as(pid)
+    if proto.STANDBY_MODULE not in started_as and proto.FORK_MODULE not in started_as:
         return None
     try:
         with open(proto.order_file(pid), "rb") as f:

@@ -83,7 +83,7 @@ def become(order: proto.Order) -> None:
             target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(target, fd)
             os.close(target)
-    _name(os.path.basename(sys.executable))
+    name_process(os.path.basename(sys.executable))
     null = os.open(os.devnull, os.O_RDONLY)   # a cold worker reads nothing either
     os.dup2(null, 0)
     os.close(null)
@@ -97,7 +97,7 @@ def become(order: proto.Order) -> None:
     worker_main(args[2:])
 
 
-def _name(name: str) -> None:
+def name_process(name: str) -> None:
     """Sets what ``ps`` and ``/proc/PID/comm`` show (Linux; 15 characters)."""
     try:
         import ctypes
@@ -120,7 +120,7 @@ def main() -> None:
             and hasattr(signal, job.warning_signal):
         signal.signal(getattr(signal, job.warning_signal), signal.SIG_IGN)
     warm_up(sys.argv[1] if len(sys.argv) > 1 else "")
-    _name(READY_NAME)   # ready: ps and /proc/PID/comm say so
+    name_process(READY_NAME)   # ready: ps and /proc/PID/comm say so
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return   # the launcher ended without needing it

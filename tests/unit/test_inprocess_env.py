@@ -22,6 +22,7 @@ pytestmark = pytest.mark.unit
     ("HPC_INPROC_COPY_EVERY", "1.5", "a whole number"),
     ("HPC_INPROC_MAX_REFORMS", "0", "integer >= 1"),
     ("HPC_INPROC_WARM", "maybe", "one of 1, 0"),
+    ("HPC_WARM_START", "maybe", "one of 1, 0"),
     ("HPC_INPROC_JOIN", "1", "set by the launcher"),
     ("HPC_INPROC_STORE", "10.0.0.1:29500", "set by the launcher"),
     ("HPC_RECOVERY", "inprocess", "use --recovery"),
