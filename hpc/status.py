@@ -391,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
     if as_json:
         print(to_json(views), end="")
         return 0
-    print("".join(summaries) + (format_table(views) if views else ""), end="")
+    print(values.printable("".join(summaries) + (format_table(views) if views else "")), end="")
     return 0
 
 

@@ -248,6 +248,16 @@ def _control(text: str) -> str | None:
     return next((c for c in text if unicodedata.category(c) in _CONTROL_CATEGORIES), None)
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal (pure): every control character but the line break
+    and the tab (escape sequences, carriage returns, bells, bidi marks, U+2028) written as its Python escape,
+    so a record's hostile text cannot move the cursor, recolour or rewrite what the reader sees."""
+    if _control(text.replace("\n", "").replace("\t", "")) is None:
+        return text
+    return "".join(c if c in "\n\t" or unicodedata.category(c) not in _CONTROL_CATEGORIES
+                   else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
+
+
 # Backslashes are refused in text and paths: sbatch's #SBATCH parser (Slurm 22.05) reads a
 # backslash as an escape even inside quotes, so a value shell-quoted by submitit would reach Slurm
 # changed (the job's log path somewhere other than its job directory).

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from hpc.contract import jobdir
+from hpc.contract import jobdir, values
 from hpc.contract.errors import HpcError, SpecError
 from hpc.contract.jobpaths import JobPaths
 
@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         data["inproc"] = story
         sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write(table)
+        sys.stdout.write(values.printable(table))   # a record's text cannot steer the terminal
     for flag, path in (("--png", args.png), ("--html", args.html)):
         if not path:
             continue

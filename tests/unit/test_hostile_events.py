@@ -76,3 +76,27 @@ def test_a_line_nested_deeper_than_the_stack_is_skipped_by_any_reader() -> None:
     data = b'{"t": 1, "ev": "a"}\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n{"t": 2, "ev": "b"}\n'
     kept, bad = records.parse(data, records.event)
     assert [e["ev"] for e in kept] == ["a", "b"] and len(bad) == 1 and "not JSON" in bad[0].why
+
+
+def test_escape_sequences_in_records_reach_the_terminal_as_text(tmp_path: Path, capsys) -> None:
+    """A record's text with ANSI escapes, a carriage return and a bidi override: ``hpc report``
+    prints it, but as escapes (``\\x1b``), so it cannot recolour, move the cursor or hide text."""
+    import argparse
+
+    from hpc.contract.values import printable
+    from hpc.report.command import main as report
+
+    job = tmp_path / "job"
+    shutil.copytree(FIXTURE, job)
+    hostile = "\x1b[2J\x1b[31mpwned\rfake\u202e"
+    for name in ("events.jsonl", "outcomes.jsonl"):   # the allocations' kinds are printed
+        recs = [json.loads(x) for x in (job / name).read_text().splitlines() if x.strip()]
+        for e in recs:
+            if isinstance(e.get("kind"), str):
+                e["kind"] = hostile + e["kind"]
+        (job / name).write_text("".join(json.dumps(e) + "\n" for e in recs))
+    assert report(argparse.Namespace(job=str(job), json=False, png=None, html=None)) == 0
+    out = capsys.readouterr().out
+    assert "pwned" in out and "\\x1b[31mpwned\\x0dfake\\u202e" in out, out   # shown, escaped
+    assert not any(c in out for c in "\x1b\r\u202e"), out
+    assert printable("a\tb\nc") == "a\tb\nc"
