@@ -112,6 +112,32 @@ def _order(pid: int) -> proto.Order | None:
         return None
 
 
+def forget_stale_orders() -> list[str]:
+    """Removes the orders and channels (:func:`hpc.contract.inprocess.private_dir`) of processes
+    that are gone, or whose pid now runs something else: a worker killed with SIGKILL leaves
+    its order (its whole environment) behind. Returns the names removed."""
+    try:
+        root = proto.private_dir()
+        names = os.listdir(root)
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        stem, _, ext = name.rpartition(".")
+        kind, _, pid = stem.partition("-")
+        if ext != "json" or not pid.isdigit() or kind not in ("standby", "channel"):
+            continue
+        argv = _started_as(int(pid))
+        live = bool(argv) and (kind == "channel" or proto.STANDBY_MODULE in argv or proto.FORK_MODULE in argv)
+        if not live:
+            try:
+                os.unlink(os.path.join(root, name))
+                gone.append(name)
+            except OSError:
+                pass
+    return gone
+
+
 def started_at(pid: int) -> float | None:
     """Wall-clock time ``pid`` started (from its start tick and the boot time), None if gone."""
     fields = _stat(pid)

@@ -65,3 +65,35 @@ def test_the_channel_file_for_kept_workers_is_private_too() -> None:
         assert proto.Rebind.decode(path.read_text()).epoch == 1
     finally:
         path.unlink()
+
+
+def test_records_of_ended_processes_are_removed_and_live_ones_kept() -> None:
+    """A worker killed with SIGKILL leaves its order (its environment) in the private directory:
+    the next launcher removes it, and the orders of live standbys and forked workers stay."""
+    import subprocess
+    import sys
+
+    import time
+
+    from runtime.liveness.proc import forget_stale_orders
+
+    root = Path(proto.private_dir())
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", proto.FORK_MODULE])
+    files: dict[str, Path] = {}
+    try:
+        while proto.FORK_MODULE not in Path(f"/proc/{live.pid}/cmdline").read_bytes().decode():
+            time.sleep(0.01)   # until it runs its own command line (before its exec: ours)
+        files = {name: root / name for name in (f"standby-{ended.pid}.json", f"standby-{os.getpid()}.json",
+                                                f"standby-{live.pid}.json", f"channel-{ended.pid}.json")}
+        for path in files.values():
+            path.write_text("{}")
+        gone = forget_stale_orders()
+        assert {f"standby-{ended.pid}.json", f"standby-{os.getpid()}.json", f"channel-{ended.pid}.json"} <= set(gone)
+        assert files[f"standby-{live.pid}.json"].exists() and f"standby-{live.pid}.json" not in gone
+    finally:
+        live.kill()
+        live.wait()
+        for path in files.values():
+            path.unlink(missing_ok=True)
