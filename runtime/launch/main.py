@@ -42,6 +42,7 @@ from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import expand_hostlist
 from runtime.env import SlurmEnv, rendezvous_host
 from runtime.events import EventLog, LauncherRecorder
+from runtime.liveness.proc import forget_stale_orders
 from runtime.liveness.watchdog import Watchdog, heartbeat_dir
 from runtime.launch.lifeline import GRACE_S, watch_parent
 from runtime.launch.network import NetworkError, detect
@@ -156,6 +157,9 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
     pending = None
     if not adopt:   # a channel left by an earlier launcher of this PID must not move new workers
         inprocess_adopt.channel_path(os.getpid()).unlink(missing_ok=True)
+    stale = forget_stale_orders()   # environments of workers killed before they could remove them
+    if stale:
+        log.info("removed %d record(s) of ended processes from %s", len(stale), proto_inproc.private_dir())
     if lost_epoch is None:
         _slow_join_for_tests(plan)
     if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
