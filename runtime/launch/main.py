@@ -174,11 +174,9 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
 
 def _fork_server(plan: LaunchPlan) -> warm_start.ForkServer | None:
     """This launcher's fork server, started now (its imports overlap the rendezvous), or None:
-    off (``HPC_WARM_START=0``), in-process recovery (its workers start cold, its joiners from
-    warm standbys), or a command that is not a worker's."""
+    off (``HPC_WARM_START=0``), or a command that is not a worker's."""
     argv = [sys.executable, *plan.argv]
-    if plan.spec.recovery == "inprocess" or not warm_start.enabled(os.environ) \
-            or not standby.worker_command(argv):
+    if not warm_start.enabled(os.environ) or not standby.worker_command(argv):
         return None
     server = warm_start.ForkServer(sys.executable, plan.spec.script, os.environ)
     server.start()

@@ -18,8 +18,9 @@ A worker starts cold, as before, when the server is not ready within :data:`READ
 died, refuses (its imports started a thread), when the worker's environment differs from the
 server's in a variable an import may read (:func:`runtime.launch.standby.differences`; named
 in the log once), or when the command is not ``python -m runtime.worker``. ``HPC_WARM_START=0``
-turns it off (every worker its own interpreter). In-process recovery (``--recovery
-inprocess``) starts its workers cold and keeps its warm standbys for joiners.
+turns it off (every worker its own interpreter). Under in-process recovery (``--recovery
+inprocess``) the workers of each start come from here too; a dead worker's joiner comes from the
+node's warm standby (:mod:`runtime.launch.standby`), which the in-process agent starts itself.
 """
 
 from __future__ import annotations

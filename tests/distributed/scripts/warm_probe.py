@@ -2,8 +2,10 @@
 line (a fork of the warm server), its parent, session, generators, streams; rank 1 of the first
 start exits 3 (torch's agent restarts the workers); every worker's atexit handler leaves a file."""
 import sys
+import time
 
 WARM = "torch" in sys.modules   # before any import of this script's own
+STARTED = time.time()
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
@@ -21,7 +23,7 @@ args = p.parse_args()
 out = Path(args.out)
 rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 record = {
-    "warm": WARM, "pid": os.getpid(), "ppid": os.getppid(), "agent": int(os.environ["HPC_AGENT_PID"]),
+    "warm": WARM, "t": STARTED, "pid": os.getpid(), "ppid": os.getppid(), "agent": int(os.environ["HPC_AGENT_PID"]),
     "sid": os.getsid(0), "random": random.random(), "numpy": float(np.random.random()),
     "argv": sys.argv, "name": __name__, "path0": sys.path[0], "cwd": os.getcwd(),
     "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -31,4 +33,5 @@ record = {
 atexit.register(lambda: (out / f"atexit-{rank}-{restart}").write_text("ran"))
 print(f"warm probe rank {rank} restart {restart}", flush=True)
 if restart == 0 and rank == 1:
+    (out / "crashed").write_text(str(time.time()))
     sys.exit(3)
