@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Mapping
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.contract import components, jobdir, jobpaths
 from hpc.contract.components import WandbConfig
+from hpc.contract.events import read_events
 from hpc.contract.jobspec import WANDB_MODES
 from hpc.sync import offline_folders
 from hpc.wandb_records import iter_records
@@ -169,7 +171,11 @@ class WandbSink:
         open row, committed only by the next step). Its heir logs those again from its memory
         (in-process recovery); after a restart the re-done steps fill them."""
         root = Path(self.settings.dir) if self.settings.dir is not None else self.job_dir
-        settle_orphaned_writers(offline_folders(root / jobpaths.WANDB_DIR, self.run_id), self.run_id)
+        # A lost rank 0 on this node: its service is seen in /proc until it has written all it
+        # will. One on another node: only its file going quiet tells (QUIET_S after a write).
+        here = rank0_only_on(self.job_dir, socket.gethostname())
+        settle_orphaned_writers(offline_folders(root / jobpaths.WANDB_DIR, self.run_id), self.run_id,
+                                quiet_s=0.0 if here else QUIET_S)
         written: int | None = None
         # Steps only grow from one start's folder to the next: the newest folder with a row
         # holds the highest, in its last blocks unless a long summary or config came after.
@@ -415,6 +421,15 @@ def orphaned_services(run_file: str, proc: Path = Path("/proc")) -> list[int]:
         if any(os.path.basename(f) == run_file for f in files):
             out.append(int(entry.name))
     return out
+
+
+def rank0_only_on(job_dir: Path, host: str) -> bool:
+    """Whether every rank 0 of the job so far ran on ``host``, this one and an earlier one at
+    least (their ``session_start`` events): then an earlier rank 0's W&B service, if it still
+    writes, is this node's to see. An earlier rank 0 without a record (lost before its events
+    were written) leaves it unknown: False."""
+    hosts = [e.get("node") for e in read_events(job_dir) if e.get("ev") == "session_start" and e.get("rank") == 0]
+    return len(hosts) >= 2 and all(h == host for h in hosts)
 
 
 def settle_orphaned_writers(folders: list[Path], run_id: str, *, max_s: float = SETTLE_MAX_S,

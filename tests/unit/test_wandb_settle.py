@@ -67,3 +67,25 @@ def test_no_orphan_and_an_old_file_cost_no_wait(tmp_path: Path) -> None:
     os.utime(folder / "run-abc.wandb", (1.0, 1.0))
     assert settle_orphaned_writers([folder], "abc") < 0.5
     assert settle_orphaned_writers([], "abc") < 0.5
+
+
+def test_the_quiet_wait_is_only_for_a_rank_0_that_ran_on_another_node(tmp_path: Path) -> None:
+    """A restart on the node where every rank 0 ran sees any orphaned service in /proc, so it
+    does not wait for the file to go quiet (3 s of every restart, all ranks waiting); a rank 0
+    that ran elsewhere, or none recorded besides this one, keeps the wait."""
+    import json
+
+    from runtime.worker.wandb_sink import rank0_only_on
+
+    def events(*nodes: str, other_rank: str = "c") -> None:
+        lines = [{"t": 1.0 + i, "ev": "session_start", "alloc": 0, "node": n, "rank": 0, "restart": i}
+                 for i, n in enumerate(nodes)]
+        lines.append({"t": 9.0, "ev": "session_start", "alloc": 0, "node": other_rank, "rank": 1, "restart": 0})
+        (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+
+    events("a", "a")
+    assert rank0_only_on(tmp_path, "a") and not rank0_only_on(tmp_path, "b")
+    events("b", "a")
+    assert not rank0_only_on(tmp_path, "a")
+    events("a")
+    assert not rank0_only_on(tmp_path, "a")
