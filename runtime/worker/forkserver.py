@@ -31,6 +31,7 @@ of the launcher's socket. It ends when the launcher closes that socket.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -46,6 +47,7 @@ from runtime.worker.standby import name_process
 from runtime.worker.standby import become, warm_up
 from runtime.worker.start import bind_to_parent
 
+W_AND_B_MODULES = ("wandb", "wandb.apis.public")
 MAX_ORDER = 4 << 20   # bytes: one order is a JSON line (an environment)
 READY = b"ready\n"
 
@@ -189,6 +191,14 @@ def main(argv: list[str]) -> None:
             _IGNORED.append(getattr(signal, name))
     sock = socket.socket(fileno=int(argv[0]))
     warm_up(argv[1] if len(argv) > 1 else "")
+    if os.environ.get("WANDB_MODE", "") != "disabled":
+        # Rank 0's W&B run: wandb and what its init imports (~1 CPU-s and ~1 s of every start
+        # of rank 0 on the reference machine, while every other rank waits in its first step).
+        for name in W_AND_B_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:   # noqa: BLE001, S112 - the worker's own import decides
+                continue
     name_process("hpc-forkserver")
     serve(sock)
 
