@@ -1,15 +1,16 @@
 """What a worker start costs, forked from the launcher's warm fork server (the default) against
 started cold (``HPC_WARM_START=0``), on the same job.
 
-Each round is one ``hpc run`` of ``tests/distributed/scripts/warm_probe.py`` (a torch-only
-script: no training, so the start is all there is) on ``--nproc-per-node N`` workers; rank 1 of
-the first start exits 3, torch's agent restarts the workers once, and the job ends. Two
-figures per round:
+Each round is one ``hpc run`` of the example (``examples/train_gpt.py --preset tiny``, a Session
+script, DDP on gloo) on ``--nproc-per-node N`` workers; rank 0 fails at step 10 of the first
+start (``--fail-at-step 10 --fail-once``), torch's agent restarts the workers once, they resume
+from the checkpoint of step 10 and finish at step 20. Two figures per round:
 
 - the CPU seconds of the whole run (``hpc run``, its launcher, the fork server, every worker:
   ``RUSAGE_CHILDREN`` of this process, which waits for ``hpc run``, which waits for the rest);
-- the restart's latency: from rank 1's exit to the first restarted worker running its script's
-  first line (the agent's look, the new round, the workers' start).
+- the restart's start-up: from the agent's second ``workers_started`` to the restarted
+  workers' first step (``events.jsonl``): the workers' python, imports, process group, DDP and
+  restore.
 
 Rounds alternate; each ``warm`` round is divided by the ``cold`` rounds on either side of it
 (:mod:`benchmarks.pairstats`), so drift slower than a round cancels.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.pairstats import sandwich_ratios, summarize  # noqa: E402
 
-SCRIPT = REPO / "tests" / "distributed" / "scripts" / "warm_probe.py"
+SCRIPT = REPO / "examples" / "train_gpt.py"
 
 
 def _cpu() -> float:
@@ -43,21 +44,25 @@ def _cpu() -> float:
 
 
 def one(kind: str, tmp: Path, i: int, nproc: int) -> dict:
-    out, job = tmp / f"out-{i}", tmp / f"job-{i}"
-    out.mkdir()
+    job = tmp / f"job-{i}"
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_WARM_START="1" if kind == "warm" else "0")
     cpu0, t0 = _cpu(), time.time()
     run = subprocess.run([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", str(nproc),
-                          "--max-restarts", "1", "--job-dir", str(job), "--", "--out", str(out)],
+                          "--max-restarts", "1", "--checkpoint-every-steps", "10", "--job-dir", str(job), "--",
+                          "--preset", "tiny", "--max-steps", "20", "--fail-at-step", "10", "--fail-once"],
                          env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     cpu, wall = _cpu() - cpu0, time.time() - t0
     if run.returncode != 0:
         raise RuntimeError(f"round {i} ({kind}) failed: {(run.stdout + run.stderr)[-3000:]}")
-    recs = [json.loads(p.read_text()) for p in out.glob("rec-*-1.json")]
-    if len(recs) != nproc or any(r["warm"] != (kind == "warm") for r in recs):
-        raise RuntimeError(f"round {i} ({kind}): the restarted workers were not all {kind}: {recs}")
-    crashed = float((out / "crashed").read_text())
-    return {"kind": kind, "cpu_s": cpu, "wall_s": wall, "restart_s": min(r["t"] for r in recs) - crashed,
+    events = [json.loads(x) for x in (job / "events.jsonl").read_text().splitlines() if x.strip()]
+    started = [e["t"] for e in events if e["ev"] == "workers_started"]
+    first = [e["t"] for e in events if e["ev"] == "first_step" and e.get("restart") == 1]
+    if len(started) != 2 or not first:
+        raise RuntimeError(f"round {i} ({kind}): not one restart: {len(started)} starts, {len(first)} first steps")
+    node_log = "".join(p.read_text() for p in (job / "logs").glob("alloc-0/node-*.log"))
+    if kind == "warm" and "warm start" in node_log:
+        raise RuntimeError(f"round {i}: a worker started cold: {node_log[-2000:]}")
+    return {"kind": kind, "cpu_s": cpu, "wall_s": wall, "restart_s": first[0] - started[1],
             "load": os.getloadavg()[0]}
 
 
@@ -89,7 +94,7 @@ def main() -> None:
     print(f"1-min load {load0:.2f} -> {load1:.2f}, {os.cpu_count()} CPUs")
     if args.json:
         args.json.write_text(json.dumps({
-            "what": f"one hpc run of warm_probe.py on {args.nproc} workers with one crash and restart",
+            "what": f"one hpc run of the tiny example on {args.nproc} workers with one failure and restart",
             "rounds": records, "figures": figures, "nproc": args.nproc, "load_1min": [load0, load1],
             "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
