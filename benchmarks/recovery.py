@@ -115,8 +115,11 @@ class Bench:
         wait(gone, 60, f"job {job_id} to end")
 
     def workers(self, node: str) -> list[int]:
-        """Our workers on ``node``."""
-        return self.sc.node_processes(node, lambda argv: b"runtime.worker" in argv)
+        """Our workers on ``node`` (a forked one's command line is its order's: ``proc.cmdline``)."""
+        from runtime.liveness import proc
+
+        return [pid for pid in self.sc.node_processes(node, lambda argv: True)
+                if "runtime.worker" in proc.cmdline(pid)]
 
 
 def inject(b: Bench, fault: str) -> tuple[str, int | None]:
