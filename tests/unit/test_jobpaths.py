@@ -31,6 +31,7 @@ OTHER_MEANINGS = {
     ("runtime/launch/main.py", "health"): "an exclusion's kind (a failed health check)",
     ("hpc/sync.py", "wandb"): "python -m wandb",
     ("runtime/wandb_env.py", "wandb"): "the wandb module's name",
+    ("runtime/worker/forkserver.py", "wandb"): "the wandb module's name (imported ahead of need)",
     ("runtime/checkpoint/storage.py", "rank-"): "a checkpoint shard's name, not a log",
 }
 
