@@ -68,6 +68,18 @@ def training(heartbeat_dir: str) -> bool:
     return bool(heartbeat_dir) and any(b.steps_done >= 1 for b in read_all(Path(heartbeat_dir)))
 
 
+def cold_because(argv: Sequence[str], env: Mapping[str, str], python: str,
+                 started_with: Mapping[str, str]) -> str:
+    """Why the worker ``argv``/``env`` cannot come from a warm process started on ``python``
+    with ``started_with`` (pure but for the interpreters' paths), or "": not a worker's command
+    on that interpreter, or an environment that differs where an import may read it."""
+    if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(python):
+        return f"the command is not {python} -m runtime.worker: {list(argv)[:3]}"
+    if diff := differences(started_with, env):
+        return f"its environment differs in {', '.join(diff)}"
+    return ""
+
+
 def worker_command(argv: Sequence[str]) -> bool:
     """Whether ``argv`` is a worker's command a standby can run (pure)."""
     return len(argv) >= 4 and list(argv[1:3]) == ["-m", "runtime.worker"]
@@ -140,11 +152,7 @@ class Standby:
         proc = self.proc
         if proc is None or proc.poll() is not None or proc.stdin is None:
             return None
-        why = ""
-        if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(self.python):
-            why = f"the command is not {self.python} -m runtime.worker: {list(argv)[:3]}"
-        elif diff := differences(self.env, env):
-            why = f"its environment differs in {', '.join(diff)}"
+        why = cold_because(argv, env, self.python, self.env)
         if why:
             log.warning("in-process recovery: the joiner starts cold, not from the warm standby: %s", why)
             return None

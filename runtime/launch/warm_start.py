@@ -39,7 +39,7 @@ from typing import Any
 
 from hpc.contract import inprocess as proto
 from hpc.contract.environment import WARM_START
-from runtime.launch.standby import PER_RANK, differences, worker_command
+from runtime.launch.standby import PER_RANK, cold_because
 
 log = logging.getLogger("hpc.launch")
 
@@ -175,11 +175,7 @@ class ForkServer:
         with self._lock:
             if not self._ready():
                 return None
-            why = ""
-            if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(self.python):
-                why = f"the command is not {self.python} -m runtime.worker: {list(argv)[:3]}"
-            elif diff := differences(self.env, env):
-                why = f"its environment differs from the fork server's in {', '.join(diff)}"
+            why = cold_because(argv, env, self.python, self.env)
             if why:
                 if why not in self.told:
                     self.told.add(why)
