@@ -19,7 +19,9 @@ So after a failed step a rank holds the whole state of the step *before* it, and
 step completed holds the state after it; the re-form takes the newest (one step is computed
 twice at most). ``HPC_TEST_INPROC_FAULT=RANK:STEP:kill|fail`` injects a fault right after the
 reduction and before the optimizer step; ``RANK:STEP:save`` makes the rank leave as it starts
-the save after ``STEP`` steps, while its peers enter the save's collectives; ``RANK:STEP:repeat``
+the save after ``STEP`` steps, while its peers enter the save's collectives; ``RANK:GEN:group``
+makes rank ``RANK`` of generation ``GEN`` die once that generation closed, before its group
+forms (a second fault right after a re-form); ``RANK:STEP:repeat``
 fails that step's all-reduce on that rank every time the rank runs it, before the reduction (a
 failure that repeats: the re-forms go on from that step each time). Several faults: comma
 separated (tests only).
@@ -314,6 +316,13 @@ class StepGuard:
             self._faults.remove((self.rank, gen, "transfer"))
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def inject_in_group(self, gen: int) -> None:
+        """The ``group`` test fault (``RANK:GEN:group``): rank ``RANK`` of the closed generation
+        ``gen`` dies (SIGKILL) before its group forms; its peers wait for it there."""
+        if (self.rank, gen, "group") in self._faults:
+            self._faults.remove((self.rank, gen, "group"))
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _inject(self) -> None:
         fault = next((f for f in self._faults if f[:2] == (self.rank, self.step)
                       and f[2] in ("kill", "fail")), None)
@@ -335,9 +344,9 @@ def _parse_faults(raw: str) -> list[tuple[int, int, str]]:
     out = []
     for one in filter(None, (x.strip() for x in raw.split(","))):
         rank, step, kind = one.split(":")
-        if kind not in ("kill", "fail", "save", "repeat", "transfer"):
-            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat "
-                             "or transfer")
+        if kind not in ("kill", "fail", "save", "repeat", "transfer", "group"):
+            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat, "
+                             "transfer or group")
         out.append((int(rank), int(step), kind))
     return out
 

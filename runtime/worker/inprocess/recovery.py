@@ -174,6 +174,7 @@ class InProcess:
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
         self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
+        self._forming: tuple[int, list[int]] = (-1, [])   # a generation's own store connection (its fds)
         self._stage = ""                       # the recovery's stage running (group, re-wrap, transfer)
         self._phase = proto.UNTOUCHED          # how far a transfer overwrote this rank's state
 
@@ -253,11 +254,11 @@ class InProcess:
         rank = members.rank_of(self.me)
         assert rank is not None
         self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
+        self.guard.reset(members.gen)
+        self._watch_faults()   # (before the group forms: a member lost meanwhile ends its wait)
         self._init_pg(members.gen, rank, members.world_size)
         self._start_bound()
-        self.guard.reset(members.gen)
         self._open_line()
-        self._watch_faults()
         self.joined = members
         return members
 
@@ -300,6 +301,8 @@ class InProcess:
                 return
             aborted = nccl.abort_all() if self.plan.abort_nccl else 0
             n = sockets.break_connections(sockets.devices(self._before))
+            if self._forming[0] == gen:   # its store waits (a group forming without a lost member)
+                n += sockets.shutdown(self._forming[1])
         log.info("in-process recovery: fault of generation %d announced: %d NCCL backend(s) "
                  "aborted, %d connection(s) of its gloo groups shut down", gen, aborted, n)
 
@@ -318,8 +321,13 @@ class InProcess:
 
     def _init_pg(self, gen: int, rank: int, world_size: int) -> None:
         """The generation's process group (and, on NCCL, its gloo side group, made here so a
-        joiner makes it in the same order)."""
-        prefixed = dist.PrefixStore(proto.pg_prefix(gen), self.store)
+        joiner makes it in the same order), on the generation's own store connection."""
+        prefixed = dist.PrefixStore(proto.pg_prefix(gen), self._generation_store(gen))
+        # torch names the group by a count it raises before it forms the group, and sets back to
+        # 0 only when a formed group is destroyed: after a try whose group never formed (a member
+        # lost meanwhile) this rank would name the next one differently from its peers and a
+        # fresh joiner, and they would wait for each other under different names for ever.
+        dist.distributed_c10d._world.group_count = 0
         if self.plan.device_bound:
             dist.init_process_group(self.plan.backend, store=prefixed, rank=rank, world_size=world_size,
                                     timeout=self.timeout, device_id=self.device)
@@ -328,6 +336,25 @@ class InProcess:
                                     timeout=self.timeout)
         if self.plan.side_group:
             self.side = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def _generation_store(self, gen: int) -> Any:
+        """A store connection for generation ``gen``'s groups alone (this one and every group
+        made after it: torch makes them on the default group's store).
+
+        A group forms in the store: each rank waits there, for the group's timeout, until every
+        other rank has written its address. A member that dies after the generation closed
+        never writes it, and the others would wait the whole timeout (a second fault right
+        after a re-form). Shutting this connection down when the generation's fault is
+        announced (:meth:`_break_generation`) ends those waits at once; the next re-form makes
+        a new one. A test's store without an address is shared (nothing to break)."""
+        address, space = getattr(self, "address", None), getattr(self, "space", None)
+        if not address or space is None:
+            return self.store
+        before = sockets.tcp_sockets()
+        raw = connect(address)
+        self._forming = (gen, sorted(sockets.tcp_sockets() - before))
+        _OLD_GROUPS.append([raw])   # kept for the generation's groups, never destroyed
+        return dist.PrefixStore(space, raw)
 
     def attach(self, state: Mapping[str, Any]) -> None:
         """Takes the registered state: DDP models get the guard's hook, optimizers its wrap,
@@ -435,10 +462,11 @@ class InProcess:
         self.rank, self.world_size = rank, members.world_size
         self.guard.rank = rank
         self._stage = "group"
-        self._init_pg(members.gen, rank, members.world_size)
         self.guard.reset(members.gen)
+        self._watch_faults()   # (before the group forms: a member lost meanwhile ends its wait)
+        self.guard.inject_in_group(members.gen)
+        self._init_pg(members.gen, rank, members.world_size)
         self._open_line()   # (after a move to a new epoch's store: to its host)
-        self._watch_faults()
         self._stage = "re-wrap"
         (regroup or self.rewrap)()
         rec.t_group = time.time()
@@ -580,6 +608,8 @@ class InProcess:
                 log.warning("unregistering the old process group: %s", e)
         _OLD_GROUPS.append(old)
         broken = sockets.break_connections(sockets.devices(self._before))
+        broken += sockets.shutdown(self._forming[1])   # its store waits too
+        self._forming = (-1, [])
         log.info("in-process recovery: the old generation's %d NCCL backend(s) aborted, %d gloo "
                  "connection(s) shut down", aborted, broken)
         return aborted

@@ -123,6 +123,35 @@ def devices(since: set[int]) -> Captured:
     return got
 
 
+def tcp_sockets() -> set[int]:
+    """This process's TCP socket descriptors (empty where ``/proc`` is absent)."""
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return set()
+    return {int(n) for n in names if n.isdigit() and _link(int(n)).startswith("socket:")}
+
+
+def shutdown(fds: list[int]) -> int:
+    """Shuts down the connected TCP sockets among ``fds`` (the descriptors stay open: their
+    owner closes them); a wait on one of them fails at once. Returns how many were shut down."""
+    n = 0
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError as e:   # not connected any more: nothing to break
+            log.debug("shutdown of fd %d: %s", fd, e)
+        finally:
+            s.close()   # closes the duplicate only
+    return n
+
+
 def break_connections(captured: Captured) -> int:
     """Shuts down every connected TCP socket of the captured gloo devices.
 
