@@ -387,7 +387,7 @@ def trial(plan: Plan, where: Path, base: dict, *, step_sleep: float, hang_s: flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--replacement", choices=("wait", "shrink"), default=None,

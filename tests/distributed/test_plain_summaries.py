@@ -62,6 +62,7 @@ def outcome(job: Path) -> dict:
 def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_path: Path) -> None:
     job = tmp_path / "finish"
     steps, sleep = 80, 0.1                     # 8 s of steps; the warning comes at step 10
+    began = time.time()
     p = start(job, steps, sleep)
     sent = warn_at_step(p, job, 10, sig=signal.SIGINT)   # a Ctrl-C: hpc run sends the warning
     out, _ = p.communicate(timeout=120)
@@ -86,7 +87,10 @@ def test_ignored_warning_then_finished_and_the_report_counts_the_training(tmp_pa
     ledger = json.loads(r.stdout)
     cats, total = ledger["categories"], ledger["allocated_node_s"]
     assert cats["productive"] >= steps * sleep, ledger       # at least the steps' own sleep
-    assert cats["startup"] < 0.5 * total and ledger["goodput"] > 0.4, ledger
+    # Start-up ends when the workers run: before rank 0 printed step 10 (the bound is that
+    # event, not a share of the run; under load start-up was 19 of 32 s: CI of 28e66a2).
+    assert cats["startup"] <= sent - began + 1.0, (ledger, sent - began)
+    assert abs(sum(cats.values()) - total) < 0.05 * total, ledger
     assert ledger["notes"] and "no Session events" in ledger["notes"][0], ledger
     table = subprocess.run([sys.executable, "-m", "hpc", "report", str(job)], cwd=REPO,
                            capture_output=True, text=True, timeout=60).stdout
