@@ -24,6 +24,7 @@ from typing import Any
 from hpc.contract import components
 from hpc.contract.components import PreemptionConfig
 from hpc.contract.environment import JobEnvironment
+from runtime.liveness import posted
 
 DEFAULT_GRACE_S = 30.0          # SIGTERM -> SIGKILL on a preemption (Slurm's GraceTime/KillWait)
 TIME_LIMIT_SLACK_S = 45.0       # Slurm checks time limits only about every 30 s
@@ -177,7 +178,7 @@ class PreemptionWatcher:
         result = None
         self.flagged = False
         if self._pending is not None:
-            self._pending.wait()
+            posted.wait(self._pending)
             *code, flag = self._tensor.tolist()
             self.flagged = bool(flag)
             result = self._to_request(*code)
@@ -189,7 +190,7 @@ class PreemptionWatcher:
     def drain(self) -> None:
         """Waits for a posted collective (call before tearing the group down)."""
         if self._pending is not None:
-            self._pending.wait()
+            posted.wait(self._pending)
             self._pending = None
 
     def _to_request(self, any_signal: float, term: float, neg_first: float) -> StopRequest | None:

@@ -45,7 +45,7 @@ from hpc.contract.parallel import MeshError, ParallelDims, resolve
 from runtime.console import NOTE
 from runtime.env import WorkerEnv
 from runtime.events import NULL_RECORDER, SessionRecorder
-from runtime.liveness import events, stragglers
+from runtime.liveness import events, posted, stragglers
 from runtime.liveness.deadline import (USER_PHASE_S, StallPolicy, collective_timeout_s, p99,
                                        policy_for, step_deadline_s)
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
@@ -851,7 +851,7 @@ class Session:
             work = dist.broadcast(t, src=0, group=self.cpu_group, async_op=True)
             if self._inproc is not None:
                 self._inproc.guard.settle([work])
-            work.wait()
+            posted.wait(work)
             every = int(t.item())
         if self.is_rank0 and every > 1:
             log.info("steps take ~%.1f ms: preemption agreement every %d steps", median * 1e3, every)

@@ -162,6 +162,10 @@ class HangEvent:
                     "batch), mark it in the script with `with session.phase(\"eval\"):` (or "
                     "`session.phase(NAME, budget_s=SECONDS)`), or raise --busy-timeout; if not, "
                     "its stack shows where it stays")
+        elif self.kind == "desync":
+            todo = ("the ranks took different paths through their collectives (a save, an "
+                    "evaluation or a metric decided on one rank's own clock, data or state): make "
+                    "that decision the same on every rank; the stacks show each rank's call")
         else:
             todo = ("if that pause is expected, mark it with `session.phase(NAME, budget_s=SECONDS)` "
                     "or raise --stall-timeout; else the stacks show where the ranks wait")

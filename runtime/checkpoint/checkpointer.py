@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hpc.contract.components import CHECKPOINT, CheckpointConfig
 from runtime import succession
+from runtime.liveness import posted
 from runtime.worker import rng
 from runtime.console import NOTE
 from runtime.checkpoint.manifest import (
@@ -261,7 +262,7 @@ class Checkpointer:
         if (err := self._broadcast(err)) is not None:
             raise CheckpointError(err)
 
-    wait_work: Any = staticmethod(lambda work: work.wait())
+    wait_work: Any = staticmethod(posted.wait)
     """How the step-boundary decision waits for its collective (in-process recovery sets a
     wait it can leave when a peer is lost)."""
 

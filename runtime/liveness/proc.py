@@ -13,9 +13,9 @@ import stat
 from hpc.contract import inprocess as proto
 
 
-def _stat(pid: int) -> list[str] | None:
+def _stat(pid: int, *, main_thread: bool = False) -> list[str] | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -46,6 +46,16 @@ def stopped(pid: int) -> bool:
 def cpu_ticks(pid: int) -> int | None:
     """User plus system CPU time the process used so far, in clock ticks; None if gone."""
     fields = _stat(pid)
+    try:
+        return int(fields[11]) + int(fields[12]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def main_thread_ticks(pid: int) -> int | None:
+    """The main thread's own CPU time in clock ticks (its process's other threads left out);
+    None if gone."""
+    fields = _stat(pid, main_thread=True)
     try:
         return int(fields[11]) + int(fields[12]) if fields else None
     except (IndexError, ValueError):

@@ -32,10 +32,19 @@ frozen process, a lost peer or a rank that could not even be dumped (:data:`HARD
 mark a node as bad. When every local rank
 waits in a collective and none is stopped, the stall comes from another node (a cut link, a
 peer that froze there): the verdict says so instead of naming an innocent local rank.
+
+:func:`desync`, whatever the deadlines (the first steps' long budget included): local ranks
+whose main threads all wait, idle, in *different* collectives (rank 0 in DDP's all-reduce
+inside ``backward``, rank 1 in a checkpoint's ``all_gather_object``) are deadlocked: each waits
+for a collective the other never enters, so no budget can help. Decided on evidence only: every
+main thread inside a collective, none of them using the CPU for :data:`DESYNC_S` (a rank that
+computes, or whose process still moves data, is not waiting), at least two collectives, none a
+point-to-point one (pipeline stages wait in different sends and receives by design).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,14 +57,22 @@ COLLECTIVE_FRAMES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/paral
                      "/torch/_tensor.py")
 # Our own waits on a posted collective (the step boundary's stop agreement, the metrics'
 # reduction): the top frame is ours, the wait itself is C code below it.
-OWN_COLLECTIVE_FRAMES = ("runtime/preemption.py", "runtime/worker/metrics.py")
+OWN_COLLECTIVE_FRAMES = ("runtime/liveness/posted.py",)
 WORKER_FRAME = "runtime/worker/start.py"   # the bottom of every worker's main thread
 TOP_FRAMES = 4
 QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
 IN_PROCESS_PHASES = ("recover", "join")   # the Session's phases of an in-process recovery
 PEER_REPORT_S = 10.0   # extra wait before blaming another node, while other nodes watch too
+DESYNC_S = 10.0   # local ranks idle this long in different collectives: a deadlock
+# Collectives whose ranks legitimately wait in different calls (a pipeline's stages).
+P2P_CALLS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+             "recv_object_list", "P2POp")
+# Frames of decorators around torch's collectives: the call is the function they wrap.
+WRAPPER_FUNCS = ("wrapper", "inner", "_fn", "decorate_context", "_call_impl", "_wrapped_call_impl")
 # Kinds of stall (HangEvent.kind): which evidence decided it.
 FROZEN, LOST, BUSY, USER, COLLECTIVE, QUIET = "frozen", "lost", "busy", "user", "collective", "quiet"
+DESYNC = "desync"
+POSTED = "a posted collective"   # waiting_call's name for our own wait (runtime.liveness.posted)
 HARDWARE_KINDS = (FROZEN, LOST, QUIET)   # the kinds that exclude the suspect's node
 
 
@@ -242,11 +259,9 @@ def weigh(verdict: Verdict, stacks: Mapping[int, str], policy: StallPolicy, *,
     return blame(verdict, stacks)
 
 
-def main_thread_in_collective(stack: str) -> bool | None:
-    """Whether a worker's faulthandler dump shows its main thread inside a collective.
-
-    None when the dump is empty or has no main thread (the worker could not dump).
-    """
+def _main_frames(stack: str) -> list[str] | None:
+    """The main thread's ``File ...`` lines of a faulthandler dump, most recent first (None:
+    no main thread in it)."""
     blocks, current = [], []
     for line in stack.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")):
@@ -257,12 +272,90 @@ def main_thread_in_collective(stack: str) -> bool | None:
             current.append(line.strip())
     if current:
         blocks.append(current)
-    main = next((b for b in blocks if any(WORKER_FRAME in f for f in b)), None)
+    return next((b for b in blocks if any(WORKER_FRAME in f for f in b)), None)
+
+
+def main_thread_in_collective(stack: str) -> bool | None:
+    """Whether a worker's faulthandler dump shows its main thread inside a collective.
+
+    None when the dump is empty or has no main thread (the worker could not dump).
+    """
+    main = _main_frames(stack)
     if main is None:
         return None
     top = main[:TOP_FRAMES]
     return any(m in f for f in top for m in COLLECTIVE_FRAMES) or \
         any(m in top[0] for m in OWN_COLLECTIVE_FRAMES)
+
+
+_FRAME = re.compile(r'File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def waiting_call(stack: str) -> tuple[str, str] | None:
+    """The collective a worker's main thread waits in, and where it was called from:
+    ``("all_gather_object", "runtime/checkpointer.py:315 <- runtime/session.py:834")``; None
+    when the main thread is not inside a collective (or could not be dumped).
+
+    The call is the outermost function of torch on the stack, the decorators around it
+    skipped, or :data:`POSTED` for our own wait on a posted collective (the frame below it
+    says which); the place is the first two frames outside them."""
+    if not main_thread_in_collective(stack):
+        return None
+    call, where = "", []
+    for text in _main_frames(stack) or []:
+        m = _FRAME.search(text)
+        if m is None:
+            continue
+        path = m["path"]
+        ours = any(o in path for o in OWN_COLLECTIVE_FRAMES)
+        if not where and ("/torch/" in path or ours):
+            if m["func"] not in WRAPPER_FUNCS:
+                call = POSTED if ours else m["func"]
+            continue
+        if WORKER_FRAME in path or len(where) == 2:
+            break
+        where.append(f"{'/'.join(path.split('/')[-2:])}:{m['line']}")
+    return call or "?", " <- ".join(where)
+
+
+def desync(ranks: Sequence[RankState], stacks: Mapping[int, str], idle_s: Mapping[int, float], *,
+           bound_s: float = DESYNC_S) -> Verdict | None:
+    """Local ranks deadlocked in different collectives (see the module docstring), or None.
+
+    Args:
+        ranks: From :func:`assess` (this node's workers).
+        stacks: ``rank -> dump``, just taken.
+        idle_s: ``rank ->`` seconds its main thread used no CPU while its process moved
+            nothing (the watchdog's reading of ``/proc``).
+        bound_s: How long every rank must have been idle and without progress.
+    """
+    if len(ranks) < 2 or any(r.frozen or r.beat.phase in IN_PROCESS_PHASES for r in ranks):
+        return None
+    if any(r.age_s < bound_s or idle_s.get(r.beat.rank, 0.0) < bound_s for r in ranks):
+        return None
+    calls = {r.beat.rank: waiting_call(stacks.get(r.beat.rank, "")) for r in ranks}
+    if any(c is None for c in calls.values()):
+        return None
+    if any(c[0] in P2P_CALLS for c in calls.values() if c):
+        return None
+    by_call: dict[str, list[int]] = {}   # our own waits differ by where they were posted
+    for rank, c in sorted(calls.items()):
+        assert c is not None
+        by_call.setdefault(c[0] if c[0] != POSTED else f"{c[0]} at {c[1].split(' <- ')[0]}", []).append(rank)
+    if len(by_call) < 2:
+        return None
+    odd = min(by_call.values(), key=lambda rs: (len(rs), rs[0]))[0]
+    quiet = min(min(r.age_s, idle_s[r.beat.rank]) for r in ranks)
+    parts = []
+    for rs in by_call.values():
+        call, where = calls[rs[0]] or ("?", "")
+        who = f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+        parts.append(f"{who} in {call}" + (f" ({where})" if where else ""))
+    steps = "/".join(map(str, sorted({r.beat.step for r in ranks})))
+    return Verdict(True, tuple(ranks), odd,
+                   f"ranks wait in different collectives, idle for {quiet:.0f}s at step {steps}: "
+                   f"{'; '.join(parts)}: a deadlock (each waits for a collective the others never "
+                   "enter; a decision that differed between ranks)", kind=DESYNC)
 
 
 def blame(verdict: Verdict, stacks: Mapping[int, str]) -> Verdict:

@@ -7,6 +7,14 @@ into the job directory (``liveness/alloc-A/node-N.json``): the latest progress o
 node progresses or has a busy rank, ranks elsewhere that wait for it in a collective are not
 stuck.
 
+Whatever the deadlines, local ranks whose main threads have used no CPU for
+:data:`.verdict.DESYNC_S` while none progressed (and no other node progressed or reported a
+busy rank) are looked at once (again every :data:`LOOK_EVERY_S`): waiting in *different*
+collectives is a deadlock (:func:`.verdict.desync`), acted on at once, however long the first
+steps' budget. The idleness is the kernel's: each worker's main thread's own CPU time, from
+``/proc/PID/task/PID/stat`` (:data:`WAITING_SHARE`), and its whole process's (a process still
+receiving a broadcast is not idle, only its main thread is: :data:`MOVING_SHARE`).
+
 When every local rank is past its deadline without a hard fault (a frozen process, a lost
 peer), it takes the ranks' stacks (again every :data:`LOOK_EVERY_S` while the ranks make no
 progress) and weighs them (:func:`.verdict.weigh`): a rank alive and working outside any
@@ -63,8 +71,8 @@ from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
-from runtime.liveness.verdict import (HARDWARE_KINDS, Verdict, assess, blame, judge,
-                                      weigh)
+from runtime.liveness.verdict import (DESYNC_S, HARDWARE_KINDS, RankState, Verdict, assess, blame,
+                                      desync, judge, weigh)
 
 log = logging.getLogger("hpc.liveness")
 POLL_S = 0.5
@@ -72,6 +80,8 @@ GAP_S = 2.5   # a look or a store contact this late: this launcher itself was fr
 NCCL_DUMP_WAIT_S = 2.0       # torch writes the flight recorder from its own thread
 LOOK_EVERY_S = 5.0           # stacks of ranks past their deadline without a hard fault, this often
 BUSY_LOG_EVERY_S = 300.0     # a rank still running long is logged again this often
+WAITING_SHARE = 0.02         # a main thread using more of a CPU than this is not waiting
+MOVING_SHARE = 0.05          # a process using more of a CPU than this is still working (moving data)
 
 
 def heartbeat_root() -> Path:
@@ -192,6 +202,9 @@ class Watchdog:
         self._group: set[int] = set()      # the current worker group's pids
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self._cpu: dict[int, tuple[int, float]] = {}   # pid -> (CPU ticks, last time it worked)
+        # pid -> (its main thread's ticks, its process's ticks, since when both were quiet)
+        self._quiet: dict[int, tuple[int, int, float]] = {}
+        self._next_desync_look = 0.0
         self.beacon = beacon
         self.exclude_nodes = exclude_nodes
         # --recovery inprocess: a lost peer node is announced (host -> seconds silent) so the
@@ -325,7 +338,10 @@ class Watchdog:
                         lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None,
                         peer_busy=tracker.peer_busy() if tracker else "")
         dumps = None
-        if verdict.stalled and not verdict.hard:
+        odd = self._desync(ranks, self._idle(ranks, now), tracker, now) if not verdict.hard else None
+        if odd is not None:
+            verdict, dumps = odd
+        elif verdict.stalled and not verdict.hard:
             verdict, dumps = self._weigh(verdict, sorted(pids), now, peers_watch=peers_watch,
                                          peer_stall=self._peer_stall(verdict))
         else:
@@ -356,6 +372,44 @@ class Watchdog:
         quick = tracker.lost(mono, after_s=self.on_lost_after_s)
         if quick:
             self.on_lost({r: (tracker.hosts.get(r, "?"), s) for r, s in quick.items()})
+
+    # --- ranks deadlocked in different collectives ------------------------------------------------
+    def _idle(self, ranks: tuple[RankState, ...], now: float) -> dict[int, float]:
+        """rank -> seconds its main thread used no more than :data:`WAITING_SHARE` of a CPU
+        (a wait that polls wakes now and then) and its process no more than
+        :data:`MOVING_SHARE` (0 while it works)."""
+        out = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for r in ranks:
+            pid = r.beat.pid
+            main, total = proc.main_thread_ticks(pid), proc.cpu_ticks(pid)
+            if main is None or total is None:
+                continue
+            before = self._quiet.get(pid)
+            span = now - before[2] if before is not None else 0.0
+            if before is None or (main - before[0]) / tick > WAITING_SHARE * span + 1.0 / tick or \
+                    (total - before[1]) / tick > MOVING_SHARE * span + 2.0 / tick:
+                self._quiet[pid] = before = (main, total, now)
+            out[r.beat.rank] = now - before[2]
+        return out
+
+    def _desync(self, ranks: tuple[RankState, ...], idle: dict[int, float], tracker: Any,
+                now: float) -> tuple[Verdict, dict[int, str]] | None:
+        """A look at the stacks of ranks idle for :data:`DESYNC_S` without progress, here and
+        (as far as this node knows) everywhere; the deadlock :func:`.verdict.desync` finds."""
+        if len(ranks) < 2 or len(idle) < len(ranks) or min(idle.values()) < DESYNC_S or \
+                min(r.age_s for r in ranks) < DESYNC_S:
+            return None
+        if tracker is not None:
+            age = tracker.peer_progress_age(now)
+            if (age is not None and age < DESYNC_S) or tracker.peer_busy():
+                return None
+        if time.monotonic() < self._next_desync_look:
+            return None
+        self._next_desync_look = time.monotonic() + LOOK_EVERY_S
+        dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in ranks})
+        found = desync(ranks, dumps, idle)
+        return (found, dumps) if found is not None else None
 
     # --- weighing a candidate stall with the stacks -------------------------------------------
     def _new_episode(self, key: tuple) -> None:
@@ -470,6 +524,8 @@ class Watchdog:
         self._beating &= live
         for pid in set(self._cpu) - live:
             del self._cpu[pid]
+        for pid in set(self._quiet) - live:
+            del self._quiet[pid]
         for p in self.directory.glob("*-*.*"):
             try:
                 pid = int(p.stem.split("-", 1)[1])

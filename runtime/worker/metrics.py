@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from hpc.contract.jobdir import write_atomic
+from runtime.liveness import posted
 
 if TYPE_CHECKING:
     import torch
@@ -279,7 +280,7 @@ class PendingReduction:
         """The reduced metrics, identical on every rank (waits for the posted collectives)."""
         out = dict(self._done)
         for op, names, packed, work in self._posted:
-            work.wait()
+            posted.wait(work)
             if op == "mean":
                 packed /= self._world
             out.update(zip(names, packed.tolist()))

@@ -331,3 +331,31 @@ def test_a_worker_whose_heartbeat_is_gone_is_not_judged_by_its_output(tmp_path: 
             p.kill()
             p.wait()
         dog.stop()
+
+
+def test_ranks_in_different_collectives_are_a_deadlock_found_in_seconds_in_the_first_steps(
+        tmp_path: Path) -> None:
+    """Issue 40: rank 1 saves at step 1 and rank 0 does not (a decision that differed), so
+    rank 1 waits in the save's gather and rank 0 in the next collective of its own (the step
+    boundary's save decision, or step 2's all-reduce). Under the default
+    --stall-timeout auto the first steps have 1800 s each; the stall watch must see two ranks
+    idle in different collectives and act within seconds, name both collectives, and the
+    restarted job (the divergence is in the first run only) must finish."""
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "12", "--step-s", "0.1", "--diverge-at", "1", stall="auto")
+    out = finish(p, timeout=300)   # a miss waits out the 1800-s budget: this backstop fails it
+    [event] = hangs(job)
+    assert event["kind"] == "desync", event
+    assert all("(deadline 1800.0s)" in r for r in event["ranks"]), "found inside the long budgets"
+    assert "rank 0 in " in event["reason"], event
+    assert "rank 1 in all_gather_object (checkpoint/checkpointer.py:" in event["reason"], event
+    found_s = event["time"] - float((job / "diverged").read_text())
+    print(f"divergence -> desync found in {found_s:.1f}s")
+    assert found_s < 60, f"found {found_s:.0f}s after the divergence (the bound is 10 s of idleness)"
+    report = (job / event["stacks"]).read_text()
+    assert "in all_gather_object" not in rank_section(report, 0), report
+    assert "in all_gather_object" in rank_section(report, 1), report
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 1, outcome
+    assert json.loads((job / "result.json").read_text())["final_step"] == 12
+    assert not (job / "exclusions.jsonl").exists() and "ranks wait in different collectives" in out

@@ -19,8 +19,9 @@ from runtime.liveness import events
 from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, HeartbeatWriter, read_all
 from runtime.liveness.stacks import main_thread_first
-from runtime.liveness.verdict import (BUSY, COLLECTIVE, FROZEN, HARDWARE_KINDS, LOST, QUIET, USER, assess,
-                                      blame, judge, main_thread_in_collective, weigh)
+from runtime.liveness.verdict import (BUSY, COLLECTIVE, DESYNC, FROZEN, HARDWARE_KINDS, LOST, POSTED, QUIET, USER,
+                                      assess, blame, desync, judge, main_thread_in_collective,
+                                      waiting_call, weigh)
 
 pytestmark = pytest.mark.unit
 
@@ -416,6 +417,7 @@ def alive_beat(rank: int, t: float, alive_at: float | None, **kw) -> Heartbeat:
 
 
 WAITING_AT_STEP_BOUNDARY = """Current thread 0x00007fbf08650b80 (most recent call first):
+  File "/work/main/runtime/liveness/posted.py", line 17 in wait
   File "/work/main/runtime/preemption.py", line 176 in poll
   File "/work/main/runtime/session.py", line 420 in steps
   File "/work/train.py", line 60 in <module>
@@ -645,3 +647,95 @@ def test_no_runtime_process_reads_the_stall_flags_text():
             if name in ("stall_timeout", "busy_timeout_s", "parse_stall_timeout", "stall_seconds"):
                 found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
     assert found == [], "take JobSpec.liveness (hpc.contract.components.LivenessConfig) instead"
+
+
+# --- ranks deadlocked in different collectives (issue 40, point 2) ---------------------------
+IN_SAVE_GATHER = """Thread 0x00007f4e869fd6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+
+Current thread 0x00007fbf08650b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3180 in all_gather
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3085 in all_gather_object
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/work/main/runtime/checkpoint/checkpointer.py", line 315 in _gather
+  File "/work/main/runtime/checkpoint/checkpointer.py", line 280 in save
+  File "/work/main/runtime/session.py", line 834 in _boundary
+  File "/work/train.py", line 60 in <module>
+  File "/work/main/runtime/worker/start.py", line 95 in main
+"""
+IN_RECV = """Current thread 0x00007fbf08650b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2410 in recv
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/work/pp.py", line 40 in stage
+  File "/work/main/runtime/worker/start.py", line 95 in main
+"""
+
+
+def first_steps(*beats: Heartbeat, now: float = 12.0) -> tuple:
+    """Ranks in their first steps: the long budget (1800 s) is their deadline."""
+    ranks = assess(list(beats), {}, now, POLICY)
+    assert all(r.deadline_s >= 1800 for r in ranks) and not judge(ranks).stalled
+    return ranks
+
+
+def test_waiting_call_names_the_collective_and_where_it_was_called():
+    assert waiting_call(IN_SAVE_GATHER) == ("all_gather_object",
+                                            "checkpoint/checkpointer.py:315 <- checkpoint/checkpointer.py:280")
+    assert waiting_call(WAITING) == ("backward", "work/train.py:228")
+    assert waiting_call(WAITING_AT_STEP_BOUNDARY) == (POSTED, "runtime/preemption.py:176 <- runtime/session.py:420")
+    assert waiting_call(IN_EVAL) is None and waiting_call("") is None
+
+
+def test_ranks_idle_in_different_collectives_are_a_deadlock_whatever_the_first_steps_budget():
+    ranks = first_steps(beat(0, 0.0, step=2), beat(1, 0.5, step=2))
+    v = desync(ranks, {0: WAITING, 1: IN_SAVE_GATHER}, {0: 11.0, 1: 11.5})
+    assert v is not None and v.stalled and v.kind == DESYNC and v.suspect_rank == 0
+    assert "rank 0 in backward (work/train.py:228)" in v.reason, v.reason
+    assert "rank 1 in all_gather_object (checkpoint/checkpointer.py:315" in v.reason, v.reason
+    assert "idle for 11s at step 2" in v.reason, v.reason
+    assert DESYNC not in HARDWARE_KINDS   # the node is not to blame
+    # the odd one out is the suspect
+    three = first_steps(beat(0, 0.0, step=2), beat(1, 0.5, step=2), beat(2, 0.5, step=2))
+    v = desync(three, {0: IN_SAVE_GATHER, 1: WAITING, 2: IN_SAVE_GATHER}, {0: 11, 1: 11, 2: 11})
+    assert v is not None and v.suspect_rank == 1 and "ranks 0, 2 in all_gather_object" in v.reason
+    # two of our own waits, posted in different places, are different collectives too
+    at_save = WAITING_AT_STEP_BOUNDARY.replace("runtime/preemption.py\", line 176 in poll",
+                                               "runtime/checkpoint/checkpointer.py\", line 347 in should_save")
+    v = desync(ranks, {0: WAITING_AT_STEP_BOUNDARY, 1: at_save}, {0: 11.0, 1: 11.5})
+    assert v is not None and "rank 1 in a posted collective (checkpoint/checkpointer.py:347" in v.reason
+    assert desync(ranks, {0: at_save, 1: at_save}, {0: 11.0, 1: 11.5}) is None
+
+
+@pytest.mark.parametrize("case", ["same collective", "one computes", "one progressed", "one outside",
+                                  "pipeline", "recovering", "one rank", "no dump"])
+def test_what_is_not_a_desync(case):
+    """The other side: ranks waiting in one collective (a slow restore, a peer elsewhere), a
+    rank still computing or just progressed (a long first step), a rank in its own code (an
+    evaluation), a pipeline's sends and receives, an in-process recovery."""
+    b0, b1 = beat(0, 0.0, step=2), beat(1, 0.5, step=2)
+    dumps, idle = {0: WAITING, 1: IN_SAVE_GATHER}, {0: 11.0, 1: 11.0}
+    if case == "same collective":
+        dumps = {0: IN_SAVE_GATHER, 1: IN_SAVE_GATHER}
+    elif case == "one computes":
+        idle = {0: 0.5, 1: 11.0}
+    elif case == "one progressed":
+        b1 = beat(1, 8.0, step=2)
+    elif case == "one outside":
+        dumps = {0: WAITING, 1: IN_EVAL}
+    elif case == "pipeline":
+        dumps = {0: WAITING, 1: IN_RECV}
+    elif case == "recovering":
+        b1 = beat(1, 0.5, step=2, phase="recover")
+    elif case == "no dump":
+        dumps = {0: WAITING}
+    ranks = assess([b0] if case == "one rank" else [b0, b1], {}, 12.0, POLICY)
+    assert desync(ranks, dumps, idle) is None
+
+
+def test_a_desync_seen_twice_advises_making_the_decision_agree():
+    from hpc.contract.records import HangEvent
+
+    e = HangEvent(allocation=0, node="n", node_rank=0, reason="ranks wait in different collectives",
+                  suspect_rank=0, stacks="logs/x.txt", step=2, time=0.0, ranks=(), kind=DESYNC)
+    assert "the same on every rank" in e.advice() and "--stall-timeout" not in e.advice()

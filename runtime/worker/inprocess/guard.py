@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
+from runtime.liveness import posted
 from runtime.worker import rng
 
 log = logging.getLogger("hpc.inprocess")
@@ -119,23 +120,12 @@ class StepGuard:
 
     def settle(self, works: list[Any], poll_s: float = 0.0005) -> None:
         """Waits for posted collectives of the step boundary, leaving as soon as the step is
-        marked failed (a blocked ``wait()`` could not be left: gloo cannot be interrupted).
-
-        The poll starts at 20 us and doubles up to ``poll_s``: a boundary's collectives (the
-        checkpoint's broadcast, the metric reduction) take ~0.1-0.3 ms on gloo, and a first
-        sleep of ``poll_s`` made each of them cost a whole ``poll_s`` at every boundary.
+        marked failed (:func:`runtime.liveness.posted.settle`).
 
         Raises:
             PeerLost: The generation failed while waiting.
         """
-        for work in works:
-            wait = 0.00002
-            while not work.is_completed():
-                if self.failed:
-                    raise PeerLost(self.error or "peer lost")
-                time.sleep(wait)
-                wait = min(2 * wait, poll_s)
-        if self.failed:
+        if not posted.settle(works, lambda: self.failed, poll_s=poll_s):
             raise PeerLost(self.error or "peer lost")
 
     def rollback(self) -> None:

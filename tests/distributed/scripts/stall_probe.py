@@ -8,6 +8,9 @@ happen only in the first run (restart 0) so that the restarted workers can finis
 - ``--slow-first-step S``: every rank's first step takes S seconds longer;
 - ``--eval-every N --eval-s S``: rank 0 evaluates for S seconds (``session.phase("eval")``)
   every N steps while the others wait for it in the next all-reduce;
+- ``--diverge-at STEP``: rank 1 saves a checkpoint at STEP that its peers skip (``s.save()``
+  on one rank: a decision that differed between ranks), so it waits in the save's collectives
+  while they wait in the next step's all-reduce: a deadlock. It writes ``diverged`` (the time);
 - ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter);
 - ``--pause-at STEP --pause-s S``: rank 0 works S seconds in its own code at STEP, unmarked
   (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run;
@@ -38,6 +41,7 @@ p.add_argument("--slow-first-step", type=float, default=0.0)
 p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--eval-s", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
+p.add_argument("--diverge-at", type=int, default=None)
 p.add_argument("--pause-at", type=int, default=None)
 p.add_argument("--pause-s", type=float, default=0.0)
 p.add_argument("--pause-holds-gil", action="store_true")
@@ -95,6 +99,9 @@ with Session(seed=0, log_every=5) as s:
         loss.backward()
         optim.step()
         counter.worlds.append(s.world_size)
+        if first_run and step == args.diverge_at and s.rank == 1:
+            (out / "diverged").write_text(repr(time.time()))
+            s.save()   # its peers do not: they go on into the next step's all-reduce
         time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
         if step == args.pause_at and s.rank == 0:
             t0 = time.time()
