@@ -18,14 +18,14 @@ the next member of group 0 then takes over.
 
 The keys, under ``hpc-liveness/<run id>/`` in the rendezvous store:
 
-=================  =======================================  ==========================
-key                value                                     written by
-=================  =======================================  ==========================
-``beat/<r>``       counter, +1 a beat; +:data:`DONE` at end  node r
-``rec/<r>``        ``{"host", "progress", "busy"}`` (JSON)   node r, on change
-``group/<g>``      :func:`fold_group` (JSON)                 group g's watcher
-``summary``        :func:`fold_summary` (JSON)               the root
-=================  =======================================  ==========================
+=================  =============================================  ==========================
+key                value                                          written by
+=================  =============================================  ==========================
+``beat/<r>``       counter, +1 a beat; +:data:`DONE` at end       node r
+``rec/<r>``        ``{"host", "progress", "busy", "working"}``    node r, on change
+``group/<g>``      :func:`fold_group` (JSON)                      group g's watcher
+``summary``        :func:`fold_summary` (JSON)                    the root
+=================  =============================================  ==========================
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ def fold_group(*, seq: int, by: int, host: str, lost: Mapping[int, float], hosts
             "progress": _top((float(rec["progress"]), r, "") for r, rec in records.items()
                              if isinstance(rec.get("progress"), (int, float))),
             "busy": _top((float(rec.get("time", 0.0)), r, str(rec["busy"][0])) for r, rec in records.items()
-                         if isinstance(rec.get("busy"), list) and rec["busy"])}
+                         if isinstance(rec.get("busy"), list) and rec["busy"]),
+            "working": _top((float(rec["working"]), r, "") for r, rec in records.items()
+                            if isinstance(rec.get("working"), (int, float)))}
 
 
 def fold_summary(*, seq: int, by: int, host: str, group_keys: Sequence[dict],
@@ -122,7 +124,8 @@ def fold_summary(*, seq: int, by: int, host: str, group_keys: Sequence[dict],
     return {"seq": seq, "by": by, "host": host, "lost": named, "done": sorted(set(done)),
             "unseen": unseen,
             "progress": _top(tuple(e) for k in group_keys for e in k.get("progress", [])),
-            "busy": _top(tuple(e) for k in group_keys for e in k.get("busy", []))}
+            "busy": _top(tuple(e) for k in group_keys for e in k.get("busy", [])),
+            "working": _top(tuple(e) for k in group_keys for e in k.get("working", []))}
 
 
 def latest_other(entries: Sequence[Sequence], me: int) -> tuple[float, str] | None:

@@ -179,6 +179,12 @@ class PeerTracker:
         latest = groups.latest_other(self.summary.get("progress", []), self.node_rank)
         return None if latest is None else max(0.0, wall_now - latest[0])
 
+    def peer_working_age(self, wall_now: float) -> float | None:
+        """Seconds since a main thread of another node's ranks last used the CPU (None:
+        unknown): while one works, ranks here idle in collectives may be waiting for it."""
+        latest = groups.latest_other(self.summary.get("working", []), self.node_rank)
+        return None if latest is None else max(0.0, wall_now - latest[0])
+
     def peer_busy(self) -> str:
         """A busy rank another node reported (its description), or ""."""
         latest = groups.latest_other(self.summary.get("busy", []), self.node_rank)
@@ -224,11 +230,12 @@ class PeerBeacon:
         if self.max_nodes > 1:
             self._thread.start()
 
-    def publish(self, progress: float | None, busy: Sequence[str]) -> None:
+    def publish(self, progress: float | None, busy: Sequence[str], working: float | None = None) -> None:
         """What this node's stall watch tells the others (sent by the beacon thread: at once
-        when its busy ranks change, else at most every :data:`PUBLISH_EVERY_S`)."""
+        when its busy ranks change, else at most every :data:`PUBLISH_EVERY_S`): its latest
+        progress, its busy ranks, and when a main thread of its ranks last used the CPU."""
         self._record = {"host": self.host, "progress": progress, "busy": list(busy)[:1],
-                        "time": time.time()}
+                        "working": working, "time": time.time()}
 
     def stop(self) -> None:
         """Says this node is done (peers then do not count it as lost), stops the thread."""
@@ -321,8 +328,8 @@ class PeerBeacon:
     def _send_record(self, store) -> None:  # noqa: ANN001 (torch type)
         rec, sent = self._record, self._record_sent
         changed = sent is None or rec.get("busy") != sent.get("busy")
-        if changed or (rec.get("progress") != sent.get("progress")
-                       and self.clock() - self._record_at >= PUBLISH_EVERY_S):
+        moved = sent is not None and any(rec.get(k) != sent.get(k) for k in ("progress", "working"))
+        if changed or (moved and self.clock() - self._record_at >= PUBLISH_EVERY_S):
             store.set(self._key("rec", self.tracker.node_rank), json.dumps(rec))
             self._record_sent, self._record_at = rec, self.clock()
 

@@ -329,6 +329,7 @@ class Watchdog:
         now = time.time() if now is None else now
         ranks = assess(beats, {b.pid: proc.stopped(b.pid) for b in beats}, now, self.policy,
                        ran=self._worked(pids, now))
+        idle = self._idle(ranks, now)
         # (in-process: a lost peer was announced above; no worker here is killed for it)
         lost = tracker.lost(time.monotonic()) if tracker is not None and self.on_lost is None else {}
         # The other nodes' progress and busy ranks come folded through the store (the summary
@@ -338,7 +339,7 @@ class Watchdog:
                         lost_peers={tracker.name(r): s for r, s in lost.items()} if tracker else None,
                         peer_busy=tracker.peer_busy() if tracker else "")
         dumps = None
-        odd = self._desync(ranks, self._idle(ranks, now), tracker, now) if not verdict.hard else None
+        odd = self._desync(ranks, idle, tracker, now) if not verdict.hard else None
         if odd is not None:
             verdict, dumps = odd
         elif verdict.stalled and not verdict.hard:
@@ -349,7 +350,8 @@ class Watchdog:
         self._note_busy(verdict, dumps or {}, now)
         self.board.publish(ranks, self.busy, now)
         if self.beacon is not None:
-            self.beacon.publish(max(r.beat.time for r in ranks), self.busy)
+            self.beacon.publish(max(r.beat.time for r in ranks), self.busy,
+                                now - min(idle.values()) if idle else None)
         if verdict.stalled:
             verdict = self._act(verdict, sorted(pids), dumps)
             if tracker is not None:
@@ -400,9 +402,9 @@ class Watchdog:
         if len(ranks) < 2 or len(idle) < len(ranks) or min(idle.values()) < DESYNC_S or \
                 min(r.age_s for r in ranks) < DESYNC_S:
             return None
-        if tracker is not None:
-            age = tracker.peer_progress_age(now)
-            if (age is not None and age < DESYNC_S) or tracker.peer_busy():
+        if tracker is not None:   # a rank elsewhere that works may be what these wait for
+            ages = (tracker.peer_progress_age(now), tracker.peer_working_age(now))
+            if any(a is not None and a < DESYNC_S for a in ages) or tracker.peer_busy():
                 return None
         if time.monotonic() < self._next_desync_look:
             return None

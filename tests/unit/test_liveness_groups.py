@@ -129,6 +129,17 @@ def test_the_summary_carries_the_latest_progress_and_busy_rank_of_another_node()
     assert own.peer_busy() == ""
 
 
+def test_the_summary_carries_when_another_nodes_ranks_last_worked() -> None:
+    """A node whose rank computes (a long first step) says so: ranks elsewhere idle in
+    different collectives may be waiting for it, not deadlocked (verdict.desync)."""
+    job = Job(70)
+    job.beacons[40].publish(900.0, (), 1005.0)
+    job.beacons[3].publish(900.0, (), 950.0)
+    job.beat(4)
+    assert job.beacons[10].tracker.peer_working_age(1010.0) == pytest.approx(5.0)
+    assert job.beacons[40].tracker.peer_working_age(1010.0) == pytest.approx(60.0), "not its own"
+
+
 def test_a_dead_nodes_last_busy_rank_is_not_carried_for_ever() -> None:
     """A node that died while one of its ranks was busy: after FRESH_S its record says nothing
     (the others must not wait for that rank for ever)."""
