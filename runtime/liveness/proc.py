@@ -52,12 +52,12 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def main_thread_ticks(pid: int) -> int | None:
-    """The main thread's own CPU time in clock ticks (its process's other threads left out);
-    None if gone."""
+def main_thread(pid: int) -> tuple[int, str] | None:
+    """The main thread's own CPU time in clock ticks (its process's other threads left out)
+    and its state (``D``: waiting on I/O); None if gone."""
     fields = _stat(pid, main_thread=True)
     try:
-        return int(fields[11]) + int(fields[12]) if fields else None
+        return (int(fields[11]) + int(fields[12]), fields[0]) if fields else None
     except (IndexError, ValueError):
         return None
 

@@ -319,8 +319,13 @@ def waiting_call(stack: str) -> tuple[str, str] | None:
 
 
 def desync(ranks: Sequence[RankState], stacks: Mapping[int, str], idle_s: Mapping[int, float], *,
-           bound_s: float = DESYNC_S) -> Verdict | None:
+           bound_s: float = DESYNC_S, ordinary_s: Mapping[int, float] | None = None) -> Verdict | None:
     """Local ranks deadlocked in different collectives (see the module docstring), or None.
+
+    Also, with ``ordinary_s``: ranks in their first steps (the long budget is for compilation
+    and warm-up, work) that all wait, idle, in one collective past an ordinary step's
+    deadline are stalled (kind COLLECTIVE): nothing here works, and the caller saw nothing
+    elsewhere work either.
 
     Args:
         ranks: From :func:`assess` (this node's workers).
@@ -328,6 +333,7 @@ def desync(ranks: Sequence[RankState], stacks: Mapping[int, str], idle_s: Mappin
         idle_s: ``rank ->`` seconds its main thread used no CPU while its process moved
             nothing (the watchdog's reading of ``/proc``).
         bound_s: How long every rank must have been idle and without progress.
+        ordinary_s: ``rank ->`` its ordinary step deadline (outside the first steps' budget).
     """
     if len(ranks) < 2 or any(r.frozen or r.beat.phase in IN_PROCESS_PHASES for r in ranks):
         return None
@@ -342,16 +348,24 @@ def desync(ranks: Sequence[RankState], stacks: Mapping[int, str], idle_s: Mappin
     for rank, c in sorted(calls.items()):
         assert c is not None
         by_call.setdefault(c[0] if c[0] != POSTED else f"{c[0]} at {c[1].split(' <- ')[0]}", []).append(rank)
-    if len(by_call) < 2:
-        return None
-    odd = min(by_call.values(), key=lambda rs: (len(rs), rs[0]))[0]
     quiet = min(min(r.age_s, idle_s[r.beat.rank]) for r in ranks)
+    steps = "/".join(map(str, sorted({r.beat.step for r in ranks})))
     parts = []
     for rs in by_call.values():
         call, where = calls[rs[0]] or ("?", "")
         who = f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
         parts.append(f"{who} in {call}" + (f" ({where})" if where else ""))
-    steps = "/".join(map(str, sorted({r.beat.step for r in ranks})))
+    if len(by_call) == 1:
+        if ordinary_s is None or not all(
+                r.beat.phase == STEP and r.deadline_s > ordinary_s.get(r.beat.rank, r.deadline_s)
+                and quiet > ordinary_s.get(r.beat.rank, r.deadline_s) for r in ranks):
+            return None
+        bound = max(ordinary_s[r.beat.rank] for r in ranks)
+        return Verdict(True, tuple(ranks), None,
+                       f"every rank here waits in one collective, idle for {quiet:.0f}s at step {steps} "
+                       f"(past an ordinary step's {bound:.0f}s; the first steps' budget is for work): "
+                       f"{parts[0]}; no rank here or on another node works", kind=COLLECTIVE)
+    odd = min(by_call.values(), key=lambda rs: (len(rs), rs[0]))[0]
     return Verdict(True, tuple(ranks), odd,
                    f"ranks wait in different collectives, idle for {quiet:.0f}s at step {steps}: "
                    f"{'; '.join(parts)}: a deadlock (each waits for a collective the others never "

@@ -67,7 +67,7 @@ from hpc.contract.components import LivenessConfig
 from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
 from runtime.liveness import events, nccl, proc, stacks
-from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for
+from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
 from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
@@ -378,18 +378,19 @@ class Watchdog:
     # --- ranks deadlocked in different collectives ------------------------------------------------
     def _idle(self, ranks: tuple[RankState, ...], now: float) -> dict[int, float]:
         """rank -> seconds its main thread used no more than :data:`WAITING_SHARE` of a CPU
-        (a wait that polls wakes now and then) and its process no more than
-        :data:`MOVING_SHARE` (0 while it works)."""
+        (a wait that polls wakes now and then) and was never seen waiting on I/O, and its
+        process no more than :data:`MOVING_SHARE` (0 while it works)."""
         out = {}
         tick = os.sysconf("SC_CLK_TCK")
         for r in ranks:
             pid = r.beat.pid
-            main, total = proc.main_thread_ticks(pid), proc.cpu_ticks(pid)
-            if main is None or total is None:
+            thread, total = proc.main_thread(pid), proc.cpu_ticks(pid)
+            if thread is None or total is None:
                 continue
+            main, state = thread
             before = self._quiet.get(pid)
             span = now - before[2] if before is not None else 0.0
-            if before is None or (main - before[0]) / tick > WAITING_SHARE * span + 1.0 / tick or \
+            if before is None or state == "D" or (main - before[0]) / tick > WAITING_SHARE * span + 1.0 / tick or \
                     (total - before[1]) / tick > MOVING_SHARE * span + 2.0 / tick:
                 self._quiet[pid] = before = (main, total, now)
             out[r.beat.rank] = now - before[2]
@@ -410,7 +411,9 @@ class Watchdog:
             return None
         self._next_desync_look = time.monotonic() + LOOK_EVERY_S
         dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in ranks})
-        found = desync(ranks, dumps, idle)
+        assert self.policy is not None
+        ordinary = {r.beat.rank: step_deadline_s(self.policy, r.beat.p99_s, r.beat.samples) for r in ranks}
+        found = desync(ranks, dumps, idle, ordinary_s=ordinary)
         return (found, dumps) if found is not None else None
 
     # --- weighing a candidate stall with the stacks -------------------------------------------

@@ -739,3 +739,22 @@ def test_a_desync_seen_twice_advises_making_the_decision_agree():
     e = HangEvent(allocation=0, node="n", node_rank=0, reason="ranks wait in different collectives",
                   suspect_rank=0, stacks="logs/x.txt", step=2, time=0.0, ranks=(), kind=DESYNC)
     assert "the same on every rank" in e.advice() and "--stall-timeout" not in e.advice()
+
+
+def test_first_steps_waiting_in_one_collective_with_nothing_working_get_an_ordinary_steps_bound():
+    """The first steps' 1800 s are for work (compilation, warm-up): ranks all idle in one
+    collective past an ordinary step's deadline are stalled; a slow restore, a rank that
+    works, or a wait still within that deadline are left alone."""
+    ordinary = {0: 20.0, 1: 20.0}
+    ranks = first_steps(beat(0, 0.0, step=1), beat(1, 0.5, step=1), now=25.0)
+    same = {0: IN_SAVE_GATHER, 1: IN_SAVE_GATHER}
+    v = desync(ranks, same, {0: 24.0, 1: 24.0}, ordinary_s=ordinary)
+    assert v is not None and v.kind == COLLECTIVE and v.suspect_rank is None, v
+    assert "every rank here waits in one collective, idle for 24s at step 1" in v.reason, v.reason
+    assert "ranks 0, 1 in all_gather_object" in v.reason, v.reason
+    assert desync(ranks, same, {0: 24.0, 1: 24.0}) is None, "without the ordinary bound: desync only"
+    assert desync(ranks, same, {0: 15.0, 1: 24.0}, ordinary_s=ordinary) is None, "within a step's deadline"
+    assert desync(ranks, same, {0: 1.0, 1: 24.0}, ordinary_s=ordinary) is None, "one rank works"
+    restoring = assess([beat(0, 0.0, step=0, phase="restore"), beat(1, 0.5, step=0, phase="restore")],
+                       {}, 25.0, POLICY)
+    assert desync(restoring, same, {0: 24.0, 1: 24.0}, ordinary_s=ordinary) is None, "a slow restore"
