@@ -359,3 +359,24 @@ def test_ranks_in_different_collectives_are_a_deadlock_found_in_seconds_in_the_f
     assert outcome["kind"] == "finished" and outcome["restarts"] == 1, outcome
     assert json.loads((job / "result.json").read_text())["final_step"] == 12
     assert not (job / "exclusions.jsonl").exists() and "ranks wait in different collectives" in out
+
+
+def test_first_steps_waiting_in_one_collective_get_an_ordinary_steps_bound(tmp_path: Path) -> None:
+    """Issue 40: at step 1 rank 0 all-reduces over a second group and rank 1 over the default
+    one: both wait, idle, in all_reduce for ever. The first steps' 1800 s are for work; with
+    nothing working the watch acts after an ordinary step's deadline (20 s under auto)."""
+    job = tmp_path / "job"
+    p = hpc_run(job, "--steps", "12", "--step-s", "0.1", "--split-at", "1", stall="auto")
+    out = finish(p, timeout=300)   # a miss waits out the 1800-s budget: this backstop fails it
+    [event] = hangs(job)
+    assert event["kind"] == "collective", event
+    assert all("(deadline 1800.0s)" in r for r in event["ranks"]), "found inside the long budget"
+    assert "every rank here waits in one collective" in event["reason"], event
+    assert "ranks 0, 1 in all_reduce (scripts/stall_probe.py:" in event["reason"], event
+    found_s = event["time"] - float((job / "diverged").read_text())
+    print(f"split collective -> stall found in {found_s:.1f}s")
+    assert 20 <= found_s < 90, f"found {found_s:.0f}s after the split (an ordinary step's deadline is 20 s)"
+    [outcome] = [json.loads(x) for x in (job / "outcomes.jsonl").read_text().splitlines()]
+    assert outcome["kind"] == "finished" and outcome["restarts"] == 1, outcome
+    assert json.loads((job / "result.json").read_text())["final_step"] == 12
+    assert not (job / "exclusions.jsonl").exists()

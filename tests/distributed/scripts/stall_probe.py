@@ -11,6 +11,8 @@ happen only in the first run (restart 0) so that the restarted workers can finis
 - ``--diverge-at STEP``: rank 1 saves a checkpoint at STEP that its peers skip (``s.save()``
   on one rank: a decision that differed between ranks), so it waits in the save's collectives
   while they wait in the next step's all-reduce: a deadlock. It writes ``diverged`` (the time);
+- ``--split-at STEP``: at STEP rank 0 all-reduces over a second group of every rank and the
+  others over the default group: one collective, two groups, and every rank waits for ever;
 - ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter);
 - ``--pause-at STEP --pause-s S``: rank 0 works S seconds in its own code at STEP, unmarked
   (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run;
@@ -42,6 +44,7 @@ p.add_argument("--eval-every", type=int, default=0)
 p.add_argument("--eval-s", type=float, default=0.0)
 p.add_argument("--jitter", type=float, default=0.0)
 p.add_argument("--diverge-at", type=int, default=None)
+p.add_argument("--split-at", type=int, default=None)
 p.add_argument("--pause-at", type=int, default=None)
 p.add_argument("--pause-s", type=float, default=0.0)
 p.add_argument("--pause-holds-gil", action="store_true")
@@ -88,6 +91,7 @@ with Session(seed=0, log_every=5) as s:
     model = s.wrap(torch.nn.Linear(8, 1))
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     counter = Counter()
+    second = torch.distributed.new_group() if args.split_at is not None else None
     start = s.restore(model=model, optim=optim, counter=counter)
     rng = random.Random(s.rank)
     for step in s.steps(start, args.steps):
@@ -102,6 +106,9 @@ with Session(seed=0, log_every=5) as s:
         if first_run and step == args.diverge_at and s.rank == 1:
             (out / "diverged").write_text(repr(time.time()))
             s.save()   # its peers do not: they go on into the next step's all-reduce
+        if first_run and step == args.split_at:
+            (out / "diverged").write_text(repr(time.time()))
+            torch.distributed.all_reduce(torch.ones(1), group=second if s.rank == 0 else None)
         time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
         if step == args.pause_at and s.rank == 0:
             t0 = time.time()
