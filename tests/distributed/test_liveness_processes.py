@@ -380,3 +380,29 @@ def test_first_steps_waiting_in_one_collective_get_an_ordinary_steps_bound(tmp_p
     assert outcome["kind"] == "finished" and outcome["restarts"] == 1, outcome
     assert json.loads((job / "result.json").read_text())["final_step"] == 12
     assert not (job / "exclusions.jsonl").exists()
+
+
+def test_a_desync_under_inprocess_recovery_is_found_through_its_polled_waits(tmp_path: Path) -> None:
+    """The in-process recovery's step-boundary waits poll (a lost peer must end them): they
+    still count as waits in a collective, idle. Rank 1 saves at step 3 and rank 0 does not;
+    the watch finds the deadlock, the workers are killed (every member: torch's restart path)
+    and the job finishes."""
+    job = tmp_path / "job"
+    script = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
+    cmd = [sys.executable, "-m", "hpc", "run", str(script), "--nproc-per-node", "2", "--job-dir", str(job),
+           "--recovery", "inprocess", "--checkpoint-every-steps", "100", "--max-restarts", "2",
+           "--", "--out", str(job), "--steps", "12", "--step-sleep", "0.1", "--diverge-at", "3"]
+    job.mkdir(parents=True)
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    out = finish(p, timeout=300)
+    [event] = hangs(job)
+    assert event["kind"] == "desync", event
+    assert "rank 1 in all_gather_object (checkpoint/checkpointer.py:" in event["reason"], event
+    assert "rank 0 in a posted collective" in event["reason"], event
+    found_s = event["time"] - float((job / "diverged").read_text())
+    print(f"in-process: divergence -> desync found in {found_s:.1f}s")
+    assert found_s < 60, found_s
+    results = [json.loads(f.read_text()) for f in job.glob("result-*.json")]
+    assert len(results) == 2 and {r["step"] for r in results} == {12}, results
+    assert "ranks wait in different collectives" in out

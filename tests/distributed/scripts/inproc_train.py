@@ -36,6 +36,8 @@ p.add_argument("--joiner-delay", type=float, default=0.0, help="a joiner (a rest
                "this much slower (seconds before its Session: a GPU's CUDA and NCCL start-up)")
 p.add_argument("--boundary-every", type=int, default=0, help="the Session's step-boundary "
                "agreement every N steps once calibrated, as on steps of ~0.1/N s (0: measured)")
+p.add_argument("--diverge-at", type=int, default=None, help="rank 1 of the first start saves at "
+               "this step and its peers do not (a decision that differed between ranks: a deadlock)")
 args = p.parse_args()
 if args.boundary_every:
     import runtime.session
@@ -107,6 +109,10 @@ with Session(seed=0, log_every=args.log_every) as s:
                 loss.backward()
         opt.step()
         sched.step()
+        if step == args.diverge_at and s.rank == 1 and s.restart_count == 0 and not recovering[0] \
+                and os.environ.get("HPC_INPROC_JOIN") != "1":
+            (out / "diverged").write_text(repr(time.time()))
+            s.save()
         if args.pause and [int(x) for x in args.pause.split(":")[:2]] == [s.rank, step]:
             time.sleep(float(args.pause.split(":")[2]))
         s.log(loss=loss.item())
