@@ -12,7 +12,8 @@ happen only in the first run (restart 0) so that the restarted workers can finis
   on one rank: a decision that differed between ranks), so it waits in the save's collectives
   while they wait in the next step's all-reduce: a deadlock. It writes ``diverged`` (the time);
 - ``--split-at STEP``: at STEP rank 0 all-reduces over a second group of every rank and the
-  others over the default group: one collective, two groups, and every rank waits for ever;
+  others over the default group: one collective, two groups, and every rank waits for ever
+  (in the first run, or in the second after a ``--diverge-at`` one; writes ``split``);
 - ``--jitter S``: each step sleeps a random 0..S seconds more (heavy jitter);
 - ``--pause-at STEP --pause-s S``: rank 0 works S seconds in its own code at STEP, unmarked
   (no ``session.phase``: an evaluation or a ``torch.save`` of the user's own), in every run;
@@ -106,8 +107,8 @@ with Session(seed=0, log_every=5) as s:
         if first_run and step == args.diverge_at and s.rank == 1:
             (out / "diverged").write_text(repr(time.time()))
             s.save()   # its peers do not: they go on into the next step's all-reduce
-        if first_run and step == args.split_at:
-            (out / "diverged").write_text(repr(time.time()))
+        if step == args.split_at and s.restart_count == int(args.diverge_at is not None):
+            (out / "split").write_text(repr(time.time()))
             torch.distributed.all_reduce(torch.ones(1), group=second if s.rank == 0 else None)
         time.sleep(args.step_s + (rng.uniform(0, args.jitter) if args.jitter else 0.0))
         if step == args.pause_at and s.rank == 0:
