@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from hpc.contract.environment import JobEnvironment
 from runtime.stopping import exit_if_stopping
 from runtime.liveness import stacks
+from runtime.worker import pg_release
 from runtime.wandb_env import finish_run_on_sigterm
 
 PR_SET_PDEATHSIG = 1
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> None:
     try:
         _run(job, argv)
     finally:
+        pg_release.release()    # the groups the script destroyed, now that its DDP models are gone
         ignore_late_warning()   # before the interpreter's shutdown resets the handler
         # The shutdown's garbage collections walk every object torch and the script made
         # (~0.5-1 s of a worker's exit, several under load, while the allocation's deadline
@@ -117,6 +119,7 @@ def _run(job: JobEnvironment, argv: list[str]) -> None:
     exit_if_stopping(job, os.environ.get("RANK"))   # never start again in a stopping allocation
     os.environ.update(script_contract(job, os.environ))
     finish_run_on_sigterm()   # a script without a SIGTERM handler keeps its offline W&B data
+    pg_release.install()      # destroy_process_group() before the DDP model goes: no hang at the end
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))

@@ -4,7 +4,9 @@ environment, fresh random generators, the script run as ``__main__``, exit statu
 handlers as an interpreter's; a restart forks again. ``HPC_WARM_START=0`` starts them cold.
 
 One ``hpc run`` of a torch-only probe per mode (a crash of rank 1 and one restart in each):
-the cheapest level that shows a fork crossing into torch's agent and back."""
+the cheapest level that shows a fork crossing into torch's agent and back. The restarted
+workers end 100 DDP process groups as torchrun scripts do, which hung without
+runtime.worker.pg_release."""
 
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ def _run(tmp_path: Path, *env: str) -> tuple[subprocess.CompletedProcess[str], P
     out.mkdir()
     cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir", str(job),
            "--max-restarts", "1", *[a for e in env for a in ("--env", e)], "--", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     recs = {p.stem[4:]: json.loads(p.read_text()) for p in out.glob("rec-*.json")}
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(recs) == {"0-0", "1-0", "0-1", "1-1"}, (sorted(recs), r.stdout + r.stderr)
     assert {p.name for p in out.glob("atexit-*")} == {f"atexit-{k}" for k in recs}, "an atexit handler did not run"
+    # a script's destroy_process_group() keeps its groups until it ends (runtime.worker.pg_release):
+    # patched on a fork (torch came with it) and on a cold start (when the script imports it)
+    assert all(rec["keeps_groups"] for rec in recs.values()), recs
+    assert {p.name: p.read_text() for p in out.glob("teardowns-*")} == {"teardowns-0": "100", "teardowns-1": "100"}
     return r, job, recs
 
 

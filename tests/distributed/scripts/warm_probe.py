@@ -1,6 +1,11 @@
 """A test worker that records how it was started: whether torch was imported before its first
 line (a fork of the warm server), its parent, session, generators, streams; rank 1 of the first
-start exits 3 (torch's agent restarts the workers); every worker's atexit handler leaves a file."""
+start exits 3 (torch's agent restarts the workers); every worker's atexit handler leaves a file.
+
+The restarted workers then make and destroy 100 process groups, each under a DDP model, as a
+torchrun script ends (``destroy_process_group()`` while the model lives): without
+runtime.worker.pg_release one of them hangs within the first 50 (gloo's threads joined under
+the GIL from DDP's Reducer). ``teardowns-RANK`` records how many ended."""
 import sys
 import time
 
@@ -29,9 +34,24 @@ record = {
     "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
     "stdin": os.path.realpath(f"/proc/self/fd/0"),
 }
+import torch.distributed as dist  # noqa: E402
+
+record["keeps_groups"] = bool(getattr(dist.destroy_process_group, "keeps_groups", False))
 (out / f"rec-{rank}-{restart}.json").write_text(json.dumps(record))
 atexit.register(lambda: (out / f"atexit-{rank}-{restart}").write_text("ran"))
 print(f"warm probe rank {rank} restart {restart}", flush=True)
 if restart == 0 and rank == 1:
     (out / "crashed").write_text(str(time.time()))
     sys.exit(3)
+if restart == 1:
+    dist.init_process_group("gloo")
+    for i in range(100):
+        group = dist.new_group()
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1), process_group=group)
+        loss = ddp(torch.randn(2, 4)).sum()
+        loss.backward()
+        dist.all_reduce(loss.detach(), group=group)
+        dist.destroy_process_group(group)
+        del ddp, loss   # the model goes after its group was destroyed
+    dist.destroy_process_group()
+    (out / f"teardowns-{rank}").write_text(str(i + 1))
