@@ -63,7 +63,7 @@ TOP_FRAMES = 4
 QUIET_S = 5.0   # no local progress for this long, with a peer node lost: stalled
 IN_PROCESS_PHASES = ("recover", "join")   # the Session's phases of an in-process recovery
 PEER_REPORT_S = 10.0   # extra wait before blaming another node, while other nodes watch too
-DESYNC_S = 10.0   # local ranks idle this long in different collectives: a deadlock
+DESYNC_S = 8.0    # local ranks idle this long in different collectives: a deadlock
 # Collectives whose ranks legitimately wait in different calls (a pipeline's stages).
 P2P_CALLS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
              "recv_object_list", "P2POp")

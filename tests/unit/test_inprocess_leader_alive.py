@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
-from runtime.worker.inprocess.membership import Membership
+from runtime.worker.inprocess.membership import FOLLOW_SLICE_S, Membership
 
 OLD = ("n0/leader", "n1/follower", "n2/busy")
 SILENT_S = 1.5
@@ -74,7 +74,7 @@ LEADER = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from runtime.worker.inprocess.membership import Membership
+from runtime.worker.inprocess.membership import FOLLOW_SLICE_S, Membership
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
 m = Membership(store, "n0/leader", window_s=0.2)
 m.uids = ("n0/leader", "n1/follower", "n2/busy")
@@ -122,3 +122,35 @@ def test_a_follower_leaves_a_leader_that_died_while_deciding_within_its_silence_
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.waits   # 0.3 CPU-s of ~3 s; CI's clock lane
+def test_a_follower_leaves_a_leader_announced_dead_at_once_not_after_its_silence_bound():
+    """A second fault right after the first took the leader of the re-form (two workers killed
+    0.5 s apart: randomized trials, seeds 28 and 32): its launcher announces it dead, and the
+    follower leaves within a slice instead of the 42-s silence bound (the trial's 60-s gap)."""
+    server = _server()
+    server.add(proto.arrive(1), 1)                      # the leader arrived first, then died
+    server.set(proto.arrival(1, 0), proto.encode(proto.Arrival("n0/leader", 0, 7, "n0")))
+    server.set(proto.busy("n2/busy"), f"{time.time() + 600:.3f}")
+    follower = Membership(_client(server), "n1/follower", window_s=0.2, leader_silent_s=600.0)
+    follower.uids = OLD
+    got: dict[str, object] = {}
+    follow = threading.Thread(target=lambda: got.update(m=follower.reform(7, 1, reason="fault")))
+    follow.start()
+    while not server.check([proto.arrival(1, 1)]):
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert not server.check([proto.arrive(2)]), "a leader not announced dead is waited for"
+    server.set(proto.dead("n0/leader"), "launcher: worker died, signal 9")
+    announced = time.monotonic()
+    while not server.check([proto.arrival(2, 0)]):
+        assert time.monotonic() - announced < 10, "the follower did not leave a leader announced dead"
+        time.sleep(0.02)
+    left_after = time.monotonic() - announced
+    busy = _member(_client(server), "n2/busy")   # its evaluation done: it arrives at generation 2
+    busy.gen = 1
+    got["busy"] = busy.reform(7, 2, reason="fault")
+    follow.join(30)
+    assert got["m"] == got["busy"] and got["m"].gen == 2 and "n0/leader" not in got["m"].uids
+    assert left_after < 2 * FOLLOW_SLICE_S + 1, left_after

@@ -31,6 +31,7 @@ from hpc.contract.inprocess import Arrival, Members
 
 log = logging.getLogger("hpc.inprocess")
 POLL_S = 0.02
+FOLLOW_SLICE_S = 2.0   # a follower checks its leader (dead? its beat?) at least this often
 
 
 def admitted(store: Any) -> int:
@@ -172,19 +173,24 @@ class Membership:
         return members
 
     def _follow(self, gen: int) -> bool:
-        """Waits for the leader's member list while the leader's beat moves.
+        """Waits for the leader's member list while the leader's beat moves and the leader is
+        not announced dead.
 
         Returns:
-            True once the list is there; False when the beat stood still for
-            ``leader_silent_s`` (on this process's clock) or the store is gone.
+            True once the list is there; False when the leader was announced dead (its
+            launcher or its lifeline saw it end: a second fault that took the leader), when
+            the beat stood still for ``leader_silent_s`` (on this process's clock: a leader
+            lost with its node, announced by nobody yet), or when the store is gone.
         """
         key, beat = proto.members(gen), proto.lead(gen)
-        # Waits in slices (the list wakes it at once); between slices it reads the beat. A
-        # quarter of the bound: a dead leader is left within 1.25 bounds, and a long wait logs
-        # torch's socket timeout warning only every few seconds.
-        slice_s = max(proto.LEAD_BEAT_S, self.leader_silent_s / 4)
+        # Waits in slices (the list wakes it at once); between slices it reads the beat and
+        # whether the leader is dead: a quarter of the silence bound, at most FOLLOW_SLICE_S (a
+        # dead leader is left within that; a long wait logs torch's socket timeout warning
+        # only every few seconds).
+        slice_s = max(proto.LEAD_BEAT_S, min(self.leader_silent_s / 4, FOLLOW_SLICE_S))
         try:
             seen, since = self.store.add(beat, 0), time.monotonic()
+            leader = proto.decode_arrival(self.store.get(proto.arrival(gen, 0))).uid
         except Exception:   # noqa: BLE001 - the store is gone: the next arrival says so
             return False
         while True:
@@ -197,6 +203,9 @@ class Membership:
                 count = self.store.add(beat, 0)
                 if self.store.check([key]):
                     return True
+                if self.store.check([proto.dead(leader)]):
+                    log.warning("generation %d: its leader %s is dead: leaving it", gen, leader)
+                    return False
             except Exception:   # noqa: BLE001 - the store is gone: the next arrival says so
                 return False
             now = time.monotonic()
