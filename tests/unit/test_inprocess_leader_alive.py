@@ -154,3 +154,32 @@ def test_a_follower_leaves_a_leader_announced_dead_at_once_not_after_its_silence
     follow.join(30)
     assert got["m"] == got["busy"] and got["m"].gen == 2 and "n0/leader" not in got["m"].uids
     assert left_after < 2 * FOLLOW_SLICE_S + 1, left_after
+
+
+@pytest.mark.waits   # ~1 s; CI's clock lane
+def test_a_member_that_arrived_and_then_died_leaves_its_room_to_a_joiner():
+    """Two workers killed 0.5 s apart (randomized trials, seed 28): the second had arrived at
+    the re-form before it died. It is no member: the leader takes both promised joiners at
+    once instead of keeping a place for the dead one and waiting out the 120-s promise."""
+    server = _server()
+    c = Membership(_client(server), "n2/c", window_s=0.2, leader_silent_s=600.0)
+    c.uids = ("n0/a", "n1/b", "n2/c")
+    server.set(proto.replace("n0/a"), f"{time.time() + 120:.3f}")   # a died: a joiner promised
+    server.set(proto.dead("n0/a"), "launcher: worker died, signal 9")
+    got: dict[str, object] = {}
+    lead = threading.Thread(target=lambda: got.update(m=c.reform(7, 2, reason="fault")))
+    t0 = time.monotonic()
+    lead.start()
+    while not server.check([proto.arrival(1, 0)]):   # c leads generation 1
+        time.sleep(0.01)
+    index = server.add(proto.arrive(1), 1) - 1         # b arrives, then dies
+    server.set(proto.arrival(1, index), proto.encode(proto.Arrival("n1/b", 1, 7, "n1")))
+    server.set(proto.replace("n1/b"), f"{time.time() + 120:.3f}")
+    server.set(proto.dead("n1/b"), "launcher: worker died, signal 9")
+    for i, j in enumerate(("n0/joiner", "n1/joiner")):   # both replacements ask
+        server.add(proto.JOIN_COUNT, 1)
+        server.set(proto.join(i), proto.encode(proto.Arrival(j, proto.JOINER_RANK + i, -1, "n0")))
+    lead.join(30)
+    assert time.monotonic() - t0 < 15, "waited for the promise of a joiner it had no room for"
+    m = got["m"]
+    assert m.gen == 1 and sorted(m.uids) == ["n0/joiner", "n1/joiner", "n2/c"], m

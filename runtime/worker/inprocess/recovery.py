@@ -91,6 +91,11 @@ from runtime.worker.inprocess.peers import ShardedFallback
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
 DRAIN_S = 10.0   # how long the Session's end waits for abandoned operations to finish
+# A rank still forming its generation's groups this long after that generation's fault was
+# announced is stuck in gloo's connect to a member that died after giving its address (gloo
+# retries a refused connection for the group's timeout; nothing here can interrupt it): it
+# leaves, and its launcher replaces it.
+FORMING_GRACE_S = 5.0
 
 
 def connect(address: str, timeout_s: float = 60.0) -> Any:
@@ -175,6 +180,7 @@ class InProcess:
         self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
         self._forming: tuple[int, list[int]] = (-1, [])   # a generation's own store connection (its fds)
+        self._forming_gen = -1                 # the generation whose groups this rank is making
         self._stage = ""                       # the recovery's stage running (group, re-wrap, transfer)
         self._phase = proto.UNTOUCHED          # how far a transfer overwrote this rank's state
 
@@ -255,6 +261,7 @@ class InProcess:
         assert rank is not None
         self.rank, self.world_size, self.guard.rank = rank, members.world_size, rank
         self.guard.reset(members.gen)
+        self._forming_gen = members.gen   # until receive(): the Session's groups and DDP's too
         self._watch_faults()   # (before the group forms: a member lost meanwhile ends its wait)
         self._init_pg(members.gen, rank, members.world_size)
         self._start_bound()
@@ -266,6 +273,7 @@ class InProcess:
         """A joiner, after its model, optimizers and small state are attached: receives the
         source's state (no file is read). Returns (the step to go on from, bytes moved)."""
         assert self.joined is not None, "receive() is for a joiner, after join_group()"
+        self._forming_gen = -1
         if self.copies is not None:
             step, moved = self._transfer_shards(self.joined, held=None)
             self.joining = False
@@ -303,8 +311,23 @@ class InProcess:
             n = sockets.break_connections(sockets.devices(self._before))
             if self._forming[0] == gen:   # its store waits (a group forming without a lost member)
                 n += sockets.shutdown(self._forming[1])
+            if self._forming_gen == gen:   # a connect to the lost member is out of reach: bounded
+                threading.Timer(FORMING_GRACE_S, self._leave_if_forming, args=(gen, time.time())).start()
         log.info("in-process recovery: fault of generation %d announced: %d NCCL backend(s) "
                  "aborted, %d connection(s) of its gloo groups shut down", gen, aborted, n)
+
+    def _leave_if_forming(self, gen: int, announced: float) -> None:
+        """The bound of :data:`FORMING_GRACE_S` (a timer's thread): a rank still making the
+        failed generation ``gen``'s groups ends its process (exit 1); its launcher announces
+        it and, under ``--replacement wait``, starts a joiner. Its peers re-form without it."""
+        if self._forming_gen != gen:
+            return
+        log.error("in-process recovery: generation %d failed %.0f s ago and this rank is still "
+                  "forming its groups (gloo connecting to a member that died after giving its "
+                  "address, until the group's timeout): leaving, so that its launcher replaces it",
+                  gen, time.time() - announced)
+        logging.shutdown()
+        os._exit(1)
 
     def _overdue(self, gen: int, bound_s: float) -> None:
         """NCCL (the bound's thread): an all-reduce of generation ``gen`` ran past its bound
@@ -463,6 +486,7 @@ class InProcess:
         self.guard.rank = rank
         self._stage = "group"
         self.guard.reset(members.gen)
+        self._forming_gen = members.gen
         self._watch_faults()   # (before the group forms: a member lost meanwhile ends its wait)
         self.guard.inject_in_group(members.gen)
         self._init_pg(members.gen, rank, members.world_size)
@@ -470,6 +494,7 @@ class InProcess:
         self._stage = "re-wrap"
         (regroup or self.rewrap)()
         rec.t_group = time.time()
+        self._forming_gen = -1
         self._stage = "transfer"
         if self.copies is not None:
             if members.world_size != old_world:
@@ -496,6 +521,7 @@ class InProcess:
         Raises:
             ShardedFallback: The model is sharded (its shards may be half moved).
         """
+        self._forming_gen = -1   # (it left the forming by itself)
         why = (f"a second fault during the recovery into generation {members.gen} ({stage}): "
                f"{_first_line(error)}")
         now = proto.held_after(held, members.step, self._phase)
