@@ -410,6 +410,8 @@ class Watchdog:
         if time.monotonic() < self._next_desync_look:
             return None
         self._next_desync_look = time.monotonic() + LOOK_EVERY_S
+        if JobPaths(self.job_dir).stop_notice(self.allocation).exists():
+            return None   # the allocation is stopping: its stop ends hung workers after its grace
         dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in ranks})
         assert self.policy is not None
         ordinary = {r.beat.rank: step_deadline_s(self.policy, r.beat.p99_s, r.beat.samples) for r in ranks}
