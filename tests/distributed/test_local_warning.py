@@ -40,7 +40,8 @@ with Session() as s:
             (out / f"started-{os.environ['RANK']}").write_text("")
         time.sleep(0.05)
 rank = os.environ["RANK"]
-(out / f"closed-{rank}").write_text(str(os.getpid()))
+(out / f".closed-{rank}").write_text(str(os.getpid()))   # whole or absent: the test reads it at once
+os.replace(out / f".closed-{rank}", out / f"closed-{rank}")
 while not (out / "go").exists():
     time.sleep(0.01)
 """

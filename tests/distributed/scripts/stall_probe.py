@@ -88,7 +88,9 @@ def unmarked_evaluation(seconds: float) -> None:
 
 with Session(seed=0, log_every=5) as s:
     first_run = s.restart_count == 0
-    (out / f"pid-{s.rank}-{s.restart_count}").write_text(str(os.getpid()))
+    # Written whole, then renamed: the tests poll for the name and read it at once.
+    (out / f".pid-{s.rank}-{s.restart_count}").write_text(str(os.getpid()))
+    os.replace(out / f".pid-{s.rank}-{s.restart_count}", out / f"pid-{s.rank}-{s.restart_count}")
     model = s.wrap(torch.nn.Linear(8, 1))
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     counter = Counter()

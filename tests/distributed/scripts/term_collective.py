@@ -36,7 +36,8 @@ def broadcast_then_die(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, broadcast_then_die)
 dist.barrier()
-(args.out / f"ready-{rank}").write_text(str(os.getpid()))
+(args.out / f".ready-{rank}").write_text(str(os.getpid()))   # whole or absent: the test reads it at once
+os.replace(args.out / f".ready-{rank}", args.out / f"ready-{rank}")
 if rank == 0:
     while True:
         time.sleep(0.1)

@@ -16,7 +16,9 @@ p.add_argument("--fail", action="store_true")
 args = p.parse_args()
 out = Path(args.out)
 rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-(out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
+# Written whole, then renamed: the tests poll for the name and read it at once.
+(out / f".pid-{rank}-{restart}").write_text(str(os.getpid()))
+os.replace(out / f".pid-{rank}-{restart}", out / f"pid-{rank}-{restart}")
 got: list[str] = []
 for sig in (signal.SIGUSR2, signal.SIGTERM):
     signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
