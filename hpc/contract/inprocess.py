@@ -86,6 +86,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from hpc.contract import jobsecret
 from hpc.contract.errors import SpecError
 
 ROOT = "hpc/inproc/"   # + MASTER_ADDR:MASTER_PORT (namespace)
@@ -345,12 +346,11 @@ def lost_uids(uids: Sequence[str], members: Sequence[str]) -> list[str]:
     return [u for u in uids if u.rpartition("/")[0] not in keep]
 
 
-LIFELINE_BYE = b"bye\n"   # a line's last words when its process ends on purpose
-
-
 @dataclass(frozen=True)
 class Hello:
-    """The first line on a lifeline (:mod:`runtime.launch.inprocess_lifelines`): who holds it.
+    """The first line on a lifeline (:mod:`runtime.launch.inprocess_lifelines`): who holds it,
+    signed with the job's key (:mod:`hpc.contract.jobsecret`): a line whose hello is not
+    signed so is not one of the job's and is dropped unread.
 
     Args:
         kind: ``worker`` or ``launcher``.
@@ -364,14 +364,28 @@ class Hello:
     parent: str = ""
     space: str = ""
 
-    def line(self) -> bytes:
-        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+    def _body(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    def line(self, key: bytes) -> bytes:
+        """The hello as sent: its fields and their signature under ``key``, one line."""
+        d = {**asdict(self), "sig": jobsecret.sign(key, self._body())}
+        return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     @staticmethod
-    def parse(raw: bytes | str) -> Hello:
+    def parse(raw: bytes | str, key: bytes) -> Hello:
+        """The hello of a line; ``ValueError`` when it is malformed or not signed with ``key``."""
         d = json.loads(raw)
-        return Hello(kind=str(d["kind"]), uid=str(d["uid"]), parent=str(d.get("parent", "")),
-                     space=str(d.get("space", "")))
+        if not isinstance(d, dict):
+            raise ValueError("a hello is a JSON object")
+        hello = Hello(kind=str(d["kind"]), uid=str(d["uid"]), parent=str(d.get("parent", "")),
+                      space=str(d.get("space", "")))
+        if not jobsecret.valid(key, hello._body(), str(d.get("sig", ""))):
+            raise ValueError(f"a hello from {hello.uid!r} not signed with the job's key")
+        return hello
+
+
+LIFELINE_BYE = b"bye\n"   # a line's last words when its process ends on purpose
 
 
 def lifeline_dead(closed: Mapping[str, str], launchers_closed: Sequence[str] | set[str], *,

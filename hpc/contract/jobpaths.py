@@ -22,6 +22,7 @@ SBATCH = "job.sbatch"                  # the rendered batch script (Slurm backen
 SLURM_JOB_ID = "slurm_job_id"          # the Slurm job id (Slurm backends)
 LOCK = ".hpc-lock.json"                # who runs the job now (hpc.contract.joblock)
 RESERVE = ".hpc-reserve"               # space given back on a full disk (hpc.contract.diskspace)
+SECRET = ".hpc-secret"                 # the key that signs the job's messages (hpc.contract.jobsecret)
 SWEEP = "sweep.json"                   # a sweep's tasks and their arguments (hpc.sweeps)
 SWEEP_TASK = "task-{index}"            # a sweep task's own job directory
 RESULT = "result.json"                 # written by the example trainer
@@ -115,6 +116,10 @@ class JobPaths:
     @property
     def reserve(self) -> Path:
         return self.root / RESERVE
+
+    @property
+    def secret(self) -> Path:
+        return self.root / SECRET
 
     @property
     def sweep(self) -> Path:

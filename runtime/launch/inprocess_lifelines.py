@@ -43,6 +43,8 @@ from runtime.launch import inprocess_silent
 log = logging.getLogger("hpc.launch")
 PUBLISH_EVERY_S = 0.2   # how often the listener tries to reach the store to publish its port
 MAX_HELLO = 4096        # a hello longer than this is not one: the connection is dropped
+HELLO_WITHIN_S = 10.0   # a connection that has not said a signed hello in this long is dropped
+MAX_PENDING = 128       # connections without a hello yet; a new one beyond it drops the oldest
 
 
 def _store(address: str, timeout_s: float = 5.0) -> Any:
@@ -56,10 +58,11 @@ def _store(address: str, timeout_s: float = 5.0) -> Any:
 class _Line:
     """One connection's state on the listener's side."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buf = sock, b""
+    def __init__(self, sock: socket.socket, peer: str = "") -> None:
+        self.sock, self.buf, self.peer = sock, b"", peer
         self.hello: proto.Hello | None = None
         self.bye = False
+        self.since = time.monotonic()
 
 
 def listen_host(store_address: str) -> str:
@@ -82,15 +85,23 @@ class Lifelines(threading.Thread):
 
     Args:
         store_address: ``host:port`` of the rendezvous store.
+        key: The job's key (:mod:`hpc.contract.jobsecret`): a hello not signed with it is
+            refused, and its connection dropped unread. Connections that say nothing are
+            dropped after ``HELLO_WITHIN_S``, the oldest first beyond ``MAX_PENDING``: a flood
+            of idle connections neither fills the listener nor delays a member's line.
         replacement: The job's ``--replacement``.
         events: The launcher's ``EventLog`` (``inproc_detect`` with ``by: lifeline``), or None.
         host: This launcher's host (for the record).
     """
 
-    def __init__(self, store_address: str, *, replacement: str = proto.WAIT, events: Any = None,
-                 host: str = "") -> None:
+    def __init__(self, store_address: str, *, key: bytes, replacement: str = proto.WAIT,
+                 events: Any = None, host: str = "") -> None:
         super().__init__(name="hpc-lifelines", daemon=True)
         self.store_address, self.replacement, self.events = store_address, replacement, events
+        self.key = key
+        self.pending: dict[socket.socket, _Line] = {}   # accepted, no hello yet (oldest first)
+        self.members: dict[socket.socket, _Line] = {}   # open lines with a signed hello
+        self.refused = 0   # connections dropped without a signed hello
         self.host = host or socket.gethostname()
         self.server = socket.create_server((listen_host(store_address), 0), backlog=256)
         self.server.setblocking(False)
@@ -114,6 +125,9 @@ class Lifelines(threading.Thread):
                     self._accept(sel)
                 else:
                     self._read(sel, key.data)
+            late = time.monotonic() - HELLO_WITHIN_S
+            for line in [x for x in self.pending.values() if x.since < late]:
+                self._refuse(sel, line, "said no hello")
         sel.close()
 
     def stop(self) -> None:
@@ -131,12 +145,31 @@ class Lifelines(threading.Thread):
         return True
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
+        if len(self.pending) >= MAX_PENDING:
+            self._refuse(sel, next(iter(self.pending.values())), "said no hello (too many waiting)")
         try:
-            sock, _ = self.server.accept()
-        except OSError:
+            sock, peer = self.server.accept()
+        except OSError:   # out of descriptors: make room for the next one
+            if self.pending:
+                self._refuse(sel, next(iter(self.pending.values())), "said no hello (no descriptors)")
             return
         sock.setblocking(False)
-        sel.register(sock, selectors.EVENT_READ, _Line(sock))
+        line = _Line(sock, f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
+        self.pending[sock] = line
+        sel.register(sock, selectors.EVENT_READ, line)
+
+    def _refuse(self, sel: selectors.BaseSelector, line: _Line, why: str) -> None:
+        """Drops a connection that is not one of the job's lines."""
+        self.pending.pop(line.sock, None)
+        try:
+            sel.unregister(line.sock)
+        except (KeyError, ValueError):
+            pass
+        line.sock.close()
+        self.refused += 1
+        if self.refused in (1, 10) or self.refused % 1000 == 0:
+            log.warning("in-process recovery: refused %d connection(s) to the lifelines, the last "
+                        "from %s: %s", self.refused, line.peer or "?", why)
 
     def _read(self, sel: selectors.BaseSelector, line: _Line) -> None:
         try:
@@ -150,15 +183,23 @@ class Lifelines(threading.Thread):
             if line.hello is None and b"\n" in line.buf:
                 first, line.buf = line.buf.split(b"\n", 1)
                 try:
-                    line.hello = proto.Hello.parse(first)
-                except (ValueError, KeyError):
-                    data = b""   # not one of ours
+                    line.hello = proto.Hello.parse(first, self.key)
+                except (ValueError, KeyError, TypeError) as e:   # not one of ours
+                    self._refuse(sel, line, str(e))
+                    return
+                self.pending.pop(line.sock, None)
+                self.members[line.sock] = line
             if line.hello is not None and proto.LIFELINE_BYE.strip() in line.buf:
                 line.bye = True
             if len(line.buf) > MAX_HELLO:
+                if line.hello is None:
+                    self._refuse(sel, line, f"a hello of over {MAX_HELLO} bytes")
+                    return
                 data = b""
             if data:
                 return
+        self.pending.pop(line.sock, None)
+        self.members.pop(line.sock, None)
         sel.unregister(line.sock)
         line.sock.close()
         if line.hello is not None and not line.bye:
@@ -213,11 +254,12 @@ class LauncherLine(threading.Thread):
 
     Args:
         store_address: ``host:port`` of the rendezvous store.
+        key: The job's key: the hello is signed with it.
     """
 
-    def __init__(self, store_address: str) -> None:
+    def __init__(self, store_address: str, *, key: bytes) -> None:
         super().__init__(name="hpc-lifeline", daemon=True)
-        self.store_address = store_address
+        self.store_address, self.key = store_address, key
         self.me = proto.uid(socket.gethostname(), os.getpid())
         self.sock: socket.socket | None = None
         self.stopped = threading.Event()
@@ -232,7 +274,7 @@ class LauncherLine(threading.Thread):
                     continue
                 port = int(raw.get(proto.ROOT + proto.LIFELINES))
                 sock = socket.create_connection((host, port), timeout=5.0)
-                sock.sendall(proto.Hello("launcher", self.me).line())
+                sock.sendall(proto.Hello("launcher", self.me).line(self.key))
             except Exception:   # noqa: BLE001 - the store or the listener is not up yet
                 raw = None
                 continue

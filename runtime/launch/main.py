@@ -36,6 +36,7 @@ from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.events import read_events
+from hpc.contract import jobsecret
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
@@ -315,11 +316,12 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                                          relaunch=lambda: _restart_launcher([], epoch))
     lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
     if spec.recovery == "inprocess":
+        key = jobsecret.ensure(JobPaths(plan.job_dir).secret)   # signs every line's hello
         if plan.is_rdzv_host:
-            lifelines = inprocess_lifelines.Lifelines(plan.rdzv_endpoint, replacement=spec.replacement,
+            lifelines = inprocess_lifelines.Lifelines(plan.rdzv_endpoint, key=key, replacement=spec.replacement,
                                                       events=inproc_events)
             lifelines.start()
-        lifeline = inprocess_lifelines.LauncherLine(plan.rdzv_endpoint)
+        lifeline = inprocess_lifelines.LauncherLine(plan.rdzv_endpoint, key=key)
         lifeline.start()
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
     logs_specs = _logs_specs(plan, tee)

@@ -13,8 +13,15 @@ re-form early. Both sides of the detector in one run:
   survivor re-forms alone, well before the peer beacon could name the node (5 s) and the 60-s
   window.
 
+- **forged, flooded**: before the crash, a process that has not the job's key (it reads the
+  store and the workers' environment, as any process that reaches them can) says the hellos
+  of node 1's launcher and worker, complete but for the signature, and closes them: that is
+  what the crash looks like to the listener. Both are refused at once (the listener closes
+  them unread), nobody is announced. Then 1,000 idle connections are held open through the
+  crash; the real lines still announce it at once.
+
 The outcome a user cares about: the training finishes (all steps, world 1), the survivor is the same process and read no
-checkpoint, the slow node was kept, and the crash cost no wait on a clock.
+checkpoint, the slow node was kept, the forged lines steered nothing, and the crash cost no wait on a clock.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc.contract import inprocess as proto
+from hpc.contract import jobsecret
 from runtime.launch.inprocess_silent import LOST_S
 from tests.distributed.inprocess_support import SCRIPT, events, lines, wait_for
 from tests.distributed.support import launcher_pid
@@ -37,6 +47,36 @@ from tests.distributed.support import launcher_pid
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
+FLOOD = 1000
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+
+
+def _forge_then_flood(launcher: int, victim: int) -> list[socket.socket]:
+    """Says node 1's hellos without the job's key and closes them (see the module docstring);
+    returns the flood's open connections. Fails when the listener keeps a forged line."""
+    import torch.distributed as dist
+
+    env = _environ(victim)
+    host, _, port = env[proto.STORE_ENV].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+    lifelines = int(store.get(proto.ROOT + proto.LIFELINES))
+    me = socket.gethostname()
+    forged = [proto.Hello("launcher", proto.uid(me, launcher)).line(b"\0" * jobsecret.KEY_BYTES),
+              proto.Hello("worker", proto.uid(me, victim), parent=proto.uid(me, launcher),
+                          space=proto.namespace(env["MASTER_ADDR"], env["MASTER_PORT"])).line(b"")]
+    forged[0] = forged[0].replace(b'"sig"', b'"unsigned"')   # one with no signature, one with a wrong one
+    for hello in forged:
+        with socket.create_connection((host, lifelines), timeout=30) as s:
+            s.sendall(hello)
+            assert s.recv(1) == b"", "the listener kept a forged line"   # closed by the listener, unread
+    flood = []
+    for _ in range(FLOOD):
+        flood.append(socket.create_connection((host, lifelines), timeout=30))
+    return flood
 
 
 def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp_path: Path):
@@ -56,6 +96,7 @@ def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp
         survivor = next(p for p, r in ran.items() if r[0]["rank"] == 0)
         victim = next(p for p, r in ran.items() if r[0]["rank"] == 1)
         killed += [launcher_pid(job, 1), victim]
+        flood = _forge_then_flood(killed[0], victim)
         before = [e for e in events(job) if e["ev"] in ("inproc_detect", "inproc_recovery")]
         killed_at = time.time()
         for p in killed:   # the node crashes: every process of it at once
@@ -71,6 +112,8 @@ def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp
             os.killpg(launcher_pid(job, 0), signal.SIGKILL)
         if run.poll() is None:
             run.kill()
+        for s in locals().get("flood", []):
+            s.close()
         for p in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
@@ -82,7 +125,7 @@ def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp
     # not announced and the re-form took it in.
     paused = [x["t"] for x in lines(out)[victim] if x["step"] in (6, 7)]
     assert paused[-1] - paused[0] >= 6, paused
-    assert [e["ev"] for e in before] == ["inproc_recovery"], before   # no one announced dead
+    assert [e["ev"] for e in before] == ["inproc_recovery"], before   # no one announced dead, forged or slow
     assert before[0]["world_size"] == 2 and before[0]["left"] == [], before
 
     # The crashed side: announced by the lifelines, decided without a clock's wait.

@@ -155,4 +155,5 @@ def test_a_closed_lifeline_names_a_worker_dead_only_on_evidence_that_no_replacem
     # a line still open (slow, stopped, cut off) is never in ``closed``: never named
     assert proto.lifeline_dead({}, {"n3/20"}, replacement="shrink") == []
     hello = proto.Hello("worker", "n2/11", parent="n2/10", space="hpc/inproc/n1:29500")
-    assert proto.Hello.parse(hello.line()) == hello
+    key = bytes(range(32))
+    assert proto.Hello.parse(hello.line(key), key) == hello

@@ -18,7 +18,7 @@ def test_the_listen_address_follows_the_store(store: str, host: str) -> None:
 
 
 def test_a_local_jobs_listener_is_bound_to_loopback() -> None:
-    lines = Lifelines("127.0.0.1:29500")
+    lines = Lifelines("127.0.0.1:29500", key=bytes(32))
     try:
         assert lines.server.getsockname()[0] == "127.0.0.1"
     finally:

@@ -21,8 +21,8 @@ from hpc.contract import inprocess as proto
 log = logging.getLogger("hpc.inprocess")
 
 
-def open_line(raw: Any, store_address: str, *, me: str, space: str) -> socket.socket | None:
-    """Connects this worker's lifeline; None when the store host has no listener (an older
+def open_line(raw: Any, store_address: str, *, me: str, space: str, key: bytes) -> socket.socket | None:
+    """Connects this worker's lifeline, its hello signed with the job's ``key``; None when the store host has no listener (an older
     launcher, or not yet published: the join window then holds as before)."""
     try:
         if not raw.check([proto.ROOT + proto.LIFELINES]):
@@ -33,7 +33,7 @@ def open_line(raw: Any, store_address: str, *, me: str, space: str) -> socket.so
         host = store_address.rpartition(":")[0]
         sock = socket.create_connection((host, port), timeout=10.0)
         parent = proto.uid(socket.gethostname(), os.getppid())
-        sock.sendall(proto.Hello("worker", me, parent=parent, space=space).line())
+        sock.sendall(proto.Hello("worker", me, parent=parent, space=space).line(key))
         return sock
     except Exception as e:   # noqa: BLE001 - recovery still works, only slower for a lost node
         log.warning("in-process recovery: cannot open this worker's lifeline: %s", e)

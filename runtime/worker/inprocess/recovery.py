@@ -78,6 +78,8 @@ import torch
 import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
+from hpc.contract import jobsecret
+from hpc.contract.jobpaths import JobPaths
 from hpc.contract.inprocess import Members
 from runtime.worker import rng
 from runtime.events import EventLog
@@ -96,6 +98,19 @@ DRAIN_S = 10.0   # how long the Session's end waits for abandoned operations to 
 # retries a refused connection for the group's timeout; nothing here can interrupt it): it
 # leaves, and its launcher replaces it.
 FORMING_GRACE_S = 5.0
+
+
+def _job_key(environ: Mapping[str, str]) -> bytes | None:
+    """The job's key (:mod:`hpc.contract.jobsecret`, made by the launcher), or None: then this
+    worker opens no lifeline (a lost node is waited for by the join window, as without one)."""
+    job_dir = JobEnvironment.from_env(environ).job_dir
+    if not job_dir:
+        return None
+    try:
+        return jobsecret.load(JobPaths(job_dir).secret)
+    except (OSError, jobsecret.JobSecretError) as e:
+        log.warning("in-process recovery: no lifeline for this worker: %s", e)
+        return None
 
 
 def connect(address: str, timeout_s: float = 60.0) -> Any:
@@ -178,6 +193,7 @@ class InProcess:
         self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
         self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
+        self.key: bytes | None = None        # the job's key: signs the lifeline's hello
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
         self._forming: tuple[int, list[int]] = (-1, [])   # a generation's own store connection (its fds)
         self._forming_gen = -1                 # the generation whose groups this rank is making
@@ -220,6 +236,7 @@ class InProcess:
                    step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
                    max_world=max_world, max_reforms=max_reforms, backend=backend, device=device, plan=plan)
         made.space, made.raw, made.address = space, raw, address
+        made.key = _job_key(environ)
         channel = environ.get(proto.CHANNEL_ENV, "")
         if channel:   # the launcher keeps this worker through the rendezvous host's loss
             made._epochs = rebind.EpochWatch(Path(channel), JobEnvironment.from_env(environ).rdzv_epoch or 0,
@@ -283,8 +300,9 @@ class InProcess:
         return self.joined.step, moved
     def _open_line(self) -> None:
         """A member now: its death is announced by its lifeline's closing (a lost node at once)."""
-        if self._line is None and getattr(self, "raw", None) is not None:
-            self._line = lifeline.open_line(self.raw, self.address, me=self.me, space=self.space)
+        if self._line is None and getattr(self, "raw", None) is not None and self.key is not None:
+            self._line = lifeline.open_line(self.raw, self.address, me=self.me, space=self.space,
+                                            key=self.key)
 
     def _watch_faults(self) -> None:
         """Starts the fault watch of the current generation (the previous one is stopped)."""
