@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from hpc.contract import inprocess as proto
 from hpc.contract import jobsecret
@@ -46,33 +47,34 @@ from tests.distributed.support import launcher_pid
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 30
+STEPS = 40   # after step 12, 5.6 s of step sleeps for the forging (milliseconds) and the crash
 FLOOD = 1000
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
+def _argv(pid: int) -> list[str]:
+    return [x.decode(errors="replace") for x in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
 
 
-def _forge_then_flood(launcher: int, victim: int) -> list[socket.socket]:
+def _forge_then_flood(run: subprocess.Popen, launcher: int, victim: int) -> list[socket.socket]:
     """Says node 1's hellos without the job's key and closes them (see the module docstring);
     returns the flood's open connections. Fails when the listener keeps a forged line."""
-    import torch.distributed as dist
-
-    env = _environ(victim)
-    host, _, port = env[proto.STORE_ENV].rpartition(":")
+    argv = _argv(launcher)   # what any process that sees the launcher knows: the store's address
+    host, port = argv[argv.index("--rdzv-host") + 1], argv[argv.index("--rdzv-port") + 1]
     store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)
     lifelines = int(store.get(proto.ROOT + proto.LIFELINES))
     me = socket.gethostname()
     forged = [proto.Hello("launcher", proto.uid(me, launcher)).line(b"\0" * jobsecret.KEY_BYTES),
               proto.Hello("worker", proto.uid(me, victim), parent=proto.uid(me, launcher),
-                          space=proto.namespace(env["MASTER_ADDR"], env["MASTER_PORT"])).line(b"")]
+                          space=store.get(proto.ROOT + proto.CURRENT).decode()).line(b"")]
     forged[0] = forged[0].replace(b'"sig"', b'"unsigned"')   # one with no signature, one with a wrong one
     for hello in forged:
         with socket.create_connection((host, lifelines), timeout=30) as s:
             s.sendall(hello)
-            assert s.recv(1) == b"", "the listener kept a forged line"   # closed by the listener, unread
+            try:
+                closed = s.recv(1) == b""   # closed by the listener, unread: at once
+            except socket.timeout:
+                closed = False
+            assert closed and run.poll() is None, f"the listener kept a forged line: {hello!r}"
     flood = []
     for _ in range(FLOOD):
         flood.append(socket.create_connection((host, lifelines), timeout=30))
@@ -96,7 +98,7 @@ def test_a_crashed_node_is_announced_by_its_lifelines_and_a_slow_one_is_kept(tmp
         survivor = next(p for p, r in ran.items() if r[0]["rank"] == 0)
         victim = next(p for p, r in ran.items() if r[0]["rank"] == 1)
         killed += [launcher_pid(job, 1), victim]
-        flood = _forge_then_flood(killed[0], victim)
+        flood = _forge_then_flood(run, killed[0], victim)
         before = [e for e in events(job) if e["ev"] in ("inproc_detect", "inproc_recovery")]
         killed_at = time.time()
         for p in killed:   # the node crashes: every process of it at once
