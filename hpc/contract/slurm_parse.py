@@ -389,19 +389,28 @@ class JobInfo:
 
 
 def parse_show_job(text: str) -> JobInfo:
-    """Parse ``scontrol show job -o JOBID`` (one line).
+    """Parse ``scontrol show job -o JOBID`` (one line; a heterogeneous job's leader prints one
+    per component: the job's nodes are then all its components' nodes, its other fields the
+    leader's).
 
     Raises:
         ValueError: if the text is not a job record.
     """
-    f = parse_key_values(text.strip().splitlines()[0] if text.strip() else "")
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    f = parse_key_values(lines[0] if lines else "")
     if "JobId" not in f:
         raise ValueError(f"not an scontrol job record: {text[:200]!r}")
+    nodes = expand_hostlist(f.get("NodeList", ""))
+    if f.get("HetJobId"):   # TorchX submits one component per role
+        for line in lines[1:]:
+            g = parse_key_values(line)
+            if g.get("HetJobId") == f["HetJobId"]:
+                nodes += tuple(n for n in expand_hostlist(g.get("NodeList", "")) if n not in nodes)
     return JobInfo(
         job_id=f["JobId"], name=f.get("JobName", ""),
         state=parse_job_state(f.get("JobState", "")), raw_state=f.get("JobState", ""),
         reason=_optional(f.get("Reason", "")), restarts=int(f.get("Restarts", "0")),
-        requeue=f.get("Requeue") == "1", nodes=expand_hostlist(f.get("NodeList", "")),
+        requeue=f.get("Requeue") == "1", nodes=nodes,
         batch_host=_optional(f.get("BatchHost", "")), partition=f.get("Partition", ""),
         time_limit_s=parse_duration(f.get("TimeLimit", "UNLIMITED")),
         run_time_s=parse_duration(f.get("RunTime", "0:0")) or 0,

@@ -183,6 +183,15 @@ def test_show_job_requeued() -> None:
     assert info.fields["TRES"] == "cpu=1,node=1,billing=1"
 
 
+def test_a_heterogeneous_jobs_nodes_are_all_its_components_nodes() -> None:
+    """Recorded on the test cluster: a two-component job (TorchX's shape), one node each.
+    Reading only the leader's line took the other node for one Slurm dropped: the quorum
+    watch ended a healthy TorchX job whose second node was slow to join (CI of 9ab6154)."""
+    info = parse_show_job(fixture("scontrol_show_job_het_running.txt"))
+    assert info.job_id == "53" and info.state is JobState.RUNNING
+    assert info.nodes == ("node1", "node2") and info.batch_host == "node1"
+
+
 def test_show_job_preempted_name_with_space() -> None:
     info = parse_show_job(fixture("scontrol_show_job_preempted.txt"))
     assert info.name == "low job" and info.restarts == 1 and info.partition == "debug"
