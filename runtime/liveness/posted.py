@@ -21,15 +21,18 @@ def wait(work: Any) -> Any:
 
 
 def settle(works: Sequence[Any], failed: Callable[[], bool], *, poll_s: float = 0.0005,
-           slow_after_s: float = 0.1, slow_poll_s: float = 0.01) -> bool:
+           slow_after_s: float = 0.1, slow_poll_s: float = 0.01, late_share: float = 0.05,
+           max_poll_s: float = 0.05) -> bool:
     """Waits for ``works`` by polling, leaving as soon as ``failed()`` says so (a blocked
     ``wait()`` cannot be left: gloo cannot be interrupted). Returns False when it left.
 
     The poll starts at 20 us and doubles up to ``poll_s``: a step boundary's collectives take
     ~0.1-0.3 ms on gloo, and a first sleep of ``poll_s`` made each of them cost a whole
     ``poll_s``. A wait longer than ``slow_after_s`` (a peer still working) polls every
-    ``slow_poll_s``: a main thread that waits uses next to no CPU, as the stall watch's
-    idleness evidence needs."""
+    ``slow_poll_s``, and then every ``late_share`` of the time waited so far, up to
+    ``max_poll_s`` (a wait is left at most 5 % late): a main thread that waits uses next to no
+    CPU (~20 wake-ups a second), as the stall watch's idleness evidence needs
+    (:data:`runtime.liveness.watchdog.WAITING_SHARE`) even on a loaded machine."""
     start = time.monotonic()
     for work in works:
         wait = 0.00002
@@ -37,6 +40,7 @@ def settle(works: Sequence[Any], failed: Callable[[], bool], *, poll_s: float = 
             if failed():
                 return False
             time.sleep(wait)
-            cap = slow_poll_s if time.monotonic() - start > slow_after_s else poll_s
+            waited = time.monotonic() - start
+            cap = poll_s if waited <= slow_after_s else min(max_poll_s, max(slow_poll_s, late_share * waited))
             wait = min(2 * wait, cap)
     return not failed()
