@@ -159,14 +159,15 @@ class Lifelines(threading.Thread):
         sel.register(sock, selectors.EVENT_READ, line)
 
     def _refuse(self, sel: selectors.BaseSelector, line: _Line, why: str) -> None:
-        """Drops a connection that is not one of the job's lines."""
+        """Drops a connection that is not one of the job's lines (counted first: whoever sees
+        it closed sees it counted)."""
+        self.refused += 1
         self.pending.pop(line.sock, None)
         try:
             sel.unregister(line.sock)
         except (KeyError, ValueError):
             pass
         line.sock.close()
-        self.refused += 1
         if self.refused in (1, 10) or self.refused % 1000 == 0:
             log.warning("in-process recovery: refused %d connection(s) to the lifelines, the last "
                         "from %s: %s", self.refused, line.peer or "?", why)
