@@ -42,14 +42,20 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return fault_trials.baseline(tmp_path_factory.mktemp("baseline"), STEPS, 0.2)
 
 
+# Rank 2 dies in step 6; the launcher promises its joiner and the re-form (generation 1)
+# waits for it; generation 1's rank 0 then dies before the group forms. With ``1:1:late``,
+# generation 1's rank 1 (the one member left holding the state) makes its group's store
+# connection only after that death was announced to it (CI of bc7b3ea met this order by
+# chance: nothing ended the wait, the rank left after 5 s, and with it the state: the restart
+# path from step 0).
+@pytest.mark.parametrize("faults", ["2:6:kill,0:1:group", "2:6:kill,0:1:group,1:1:late"],
+                         ids=["dies-forming", "announced-before-forming"])
 def test_a_member_lost_before_the_new_generations_group_forms_is_re_formed_without(
-        tmp_path: Path, uninterrupted: dict) -> None:
-    # Rank 2 dies in step 6; the launcher promises its joiner and the re-form (generation 1)
-    # waits for it; generation 1's rank 0 then dies before the group forms.
+        tmp_path: Path, uninterrupted: dict, faults: str) -> None:
     out, job = tmp_path / "out", tmp_path / "job"
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5",
-               HPC_TEST_INPROC_FAULT="2:6:kill,0:1:group")
+               HPC_TEST_INPROC_FAULT=faults)
     t0 = time.time()
     run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(fault_trials.SCRIPT), "--nproc-per-node",
                             "3", "--recovery", "inprocess", "--max-restarts", "4", "--job-dir", str(job),
@@ -66,6 +72,8 @@ def test_a_member_lost_before_the_new_generations_group_forms_is_re_formed_witho
     recoveries = [e for e in evs if e["ev"] == "inproc_recovery"]
     retried = [r for e in recoveries for r in e.get("retries", [])]
     assert any(r["gen"] == 1 and r["stage"] == "group" for r in retried), recoveries
+    if "late" in faults:
+        assert any("failed before its groups formed" in r["reason"] for r in retried), recoveries
     assert not [e for e in evs if e["ev"] == "inproc_fallback"], evs
     results = [json.loads(f.read_text()) for f in out.glob("result-*.json")]
     assert {r["step"] for r in results} == {STEPS} and {r["world"] for r in results} == {3}, results

@@ -308,10 +308,17 @@ class StepGuard:
 
     def inject_in_group(self, gen: int) -> None:
         """The ``group`` test fault (``RANK:GEN:group``): rank ``RANK`` of the closed generation
-        ``gen`` dies (SIGKILL) before its group forms; its peers wait for it there."""
+        ``gen`` dies (SIGKILL) before its group forms; its peers wait for it there. The ``late``
+        one (``RANK:GEN:late``): rank ``RANK`` starts forming only once a fault of ``gen`` was
+        announced to it (at most 60 s): the fault comes before its group's store connection."""
         if (self.rank, gen, "group") in self._faults:
             self._faults.remove((self.rank, gen, "group"))
             os.kill(os.getpid(), signal.SIGKILL)
+        if (self.rank, gen, "late") in self._faults:
+            self._faults.remove((self.rank, gen, "late"))
+            end = time.monotonic() + 60.0
+            while not self.failed and time.monotonic() < end:
+                time.sleep(0.01)
 
     def _inject(self) -> None:
         fault = next((f for f in self._faults if f[:2] == (self.rank, self.step)
@@ -334,9 +341,9 @@ def _parse_faults(raw: str) -> list[tuple[int, int, str]]:
     out = []
     for one in filter(None, (x.strip() for x in raw.split(","))):
         rank, step, kind = one.split(":")
-        if kind not in ("kill", "fail", "save", "repeat", "transfer", "group"):
+        if kind not in ("kill", "fail", "save", "repeat", "transfer", "group", "late"):
             raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat, "
-                             "transfer or group")
+                             "transfer, group or late")
         out.append((int(rank), int(step), kind))
     return out
 

@@ -197,6 +197,7 @@ class InProcess:
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
         self._forming: tuple[int, list[int]] = (-1, [])   # a generation's own store connection (its fds)
         self._forming_gen = -1                 # the generation whose groups this rank is making
+        self._broken_gen = -1                  # the last generation whose fault was announced here
         self._stage = ""                       # the recovery's stage running (group, re-wrap, transfer)
         self._phase = proto.UNTOUCHED          # how far a transfer overwrote this rank's state
 
@@ -325,6 +326,7 @@ class InProcess:
         with self._breaking:
             if self.guard.gen != gen:   # the recovery has begun: its new groups are not to break
                 return
+            self._broken_gen = gen   # (a store connection for its groups made after this is refused)
             aborted = nccl.abort_all() if self.plan.abort_nccl else 0
             n = sockets.break_connections(sockets.devices(self._before))
             if self._forming[0] == gen:   # its store waits (a group forming without a lost member)
@@ -393,8 +395,15 @@ class InProcess:
             return self.store
         before = sockets.tcp_sockets()
         raw = connect(address)
-        self._forming = (gen, sorted(sockets.tcp_sockets() - before))
         _OLD_GROUPS.append([raw])   # kept for the generation's groups, never destroyed
+        with self._breaking:
+            self._forming = (gen, sorted(sockets.tcp_sockets() - before))
+            if self._broken_gen == gen:
+                # Its fault was announced before this connection existed (a member died just
+                # as this rank left the re-form): nothing would end the wait for that member's
+                # address but the group's timeout.
+                raise RuntimeError(f"generation {gen} failed before its groups formed (its fault "
+                                   "was announced)")
         return dist.PrefixStore(space, raw)
 
     def attach(self, state: Mapping[str, Any]) -> None:
