@@ -35,6 +35,9 @@ from hpc.contract.jobspec import JobSpec
 from hpc.secrets import check_no_secrets
 
 TEMPLATE = "sbatch_elastic.sh.j2"
+# After a SIGTERM whose allocation nobody recorded (the launchers died of it while starting),
+# the batch shell waits this long at most for Slurm to end the stop itself.
+STOP_WAIT_S = 900
 OUTPUT_PATTERN = "slurm-%j.out"
 ARRAY_TASK_DIR = "task-%a"                 # a sweep's task directory, as a Slurm file pattern
 ARRAY_OUTPUT_PATTERN = "slurm-%A_%a.out"   # the task's Slurm job id is ARRAYID_TASKID
@@ -126,6 +129,8 @@ def render_sbatch(spec: JobSpec, template: str = TEMPLATE, *, array: str = "") -
         apptainer=slurm_options.apptainer_argv(spec, []) if container == "apptainer" else [],
         requeue_request_prefix=jobdir.REQUEUE_REQUEST_PREFIX,
         exclusions_file=jobpaths.EXCLUSIONS,
+        outcomes_file=jobpaths.OUTCOMES,
+        stop_wait_s=STOP_WAIT_S,
         array=array,
         job_dir_expr=shell_quote(root) + '"/task-${SLURM_ARRAY_TASK_ID}"' if array
         else shell_quote(spec.job_dir),

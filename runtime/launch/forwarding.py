@@ -17,6 +17,7 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import slurm
 from runtime import stopping
+from runtime.launch import early_signals
 from runtime.liveness.proc import workers
 
 log = logging.getLogger("hpc.launch")
@@ -36,12 +37,22 @@ class SignalForwarder:
         self.stop: stopping.StopTracker | None = None   # writes the stop notice (HPC_STOP_FILE)
 
     def install(self) -> None:
+        """Installs the handlers; a signal that came while the launcher started
+        (:mod:`runtime.launch.early_signals`) is acted on now, at the time it came."""
         for sig in self.signals:
             signal.signal(sig, self._handle)
+        for at, signum in early_signals.take(tuple(int(s) for s in self.signals)):
+            if signum in self.signals:
+                log.warning("%s came while this launcher started (%.1f s ago)",
+                            signal.Signals(signum).name, time.time() - at)
+                self._handle(signum, None, at=at)
+            else:
+                log.warning("%s came while this launcher started: not a signal of this job, ignored",
+                            signal.Signals(signum).name)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Any, *, at: float | None = None) -> None:
         name = signal.Signals(signum).name
-        now = time.time()
+        now = time.time() if at is None else at
         self.received.append((now, name))
         # Workers (re)started from now on learn of the warning from their environment.
         job_env.JobEnvironment(pending_warning=f"{name}@{now:.3f}").export(os.environ, keep_set=True)

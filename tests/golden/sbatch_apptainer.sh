@@ -33,7 +33,8 @@ echo "hpc: job ${SLURM_JOB_ID} allocation ${ALLOCATION} on ${SLURM_JOB_NODELIST}
 # Slurm signals the batch shell too (SIGTERM on preemption or scancel). bash would die at
 # once and take the job with it before the workers have saved, so the shell only notes the
 # signal and keeps waiting; the launchers forward it to the workers, which agree and save.
-trap 'echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
+STOP_SEEN=0
+trap 'STOP_SEEN=1; echo "hpc: batch shell got SIGTERM; waiting for the workers to save" >&2' TERM
 trap 'echo "hpc: batch shell got SIGUSR2; waiting for the workers" >&2' USR2
 
 # --setup, here in the batch shell before srun, so that what it sets (module load, a venv's
@@ -75,6 +76,22 @@ done
 wait "$SRUN_PID"
 STATUS=$?
 echo "hpc: srun exited with status ${STATUS}; $(date -Is)"
+
+# A stop's SIGTERM that reached the launchers while they started (before their handlers) ends
+# them undecided: no outcome for this allocation, no requeue. Exiting now, inside the grace
+# time, would end the job for good (Slurm requeues a preempted job only when it has to kill
+# it), so the shell waits for Slurm to end the stop itself: a preempted job is killed at the
+# end of its grace time and requeued, a cancelled one ends.
+if [ "$STOP_SEEN" = 1 ] && ! grep -Eqs "\"allocation\": ?${ALLOCATION}[,}]" "$JOB_DIR/outcomes.jsonl"; then
+    echo "hpc: allocation ${ALLOCATION} was stopped before its launchers recorded anything;" \
+         "waiting for Slurm to end the stop (a preemption requeues the job); $(date -Is)" >&2
+    STOP_WAIT_END=$(( $(date +%s) + 900 ))
+    while [ "$(date +%s)" -lt "$STOP_WAIT_END" ]; do
+        sleep 1 &
+        wait $!
+    done
+    echo "hpc: Slurm did not end the stop within 900 s; $(date -Is)" >&2
+fi
 
 # Exit 75: the workers saved and stopped (time limit near, or preemption). The requeue is
 # decided by node 0's launcher (runtime.ending.requeue: exactly once per allocation); in the container

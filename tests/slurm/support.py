@@ -97,8 +97,28 @@ def squeue(env: dict[str, str], job_id: str) -> str:
 
 
 def wait_done(env: dict[str, str], job_id: str, job: Path, timeout: float = 400) -> None:
-    wait_until(lambda: squeue(env, job_id) in ("", "COMPLETED", "FAILED", "CANCELLED"), timeout,
-               f"job {job_id} to end; outcomes: {outcomes(job)}")
+    wait_for_job(env, job_id, job, lambda: squeue(env, job_id) in ("", "COMPLETED", "FAILED", "CANCELLED"),
+                 timeout, f"job {job_id} to end")
+
+
+def wait_for_job(env: dict[str, str], job_id: str, job: Path, pred, timeout: float, what: str) -> None:
+    """:func:`wait_until` that fails with the job's story: Slurm's record, its outcomes and
+    events, the tails of its batch output and its last node logs."""
+    try:
+        wait_until(pred, timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{job_story(env, job_id, job)}") from None
+
+
+def job_story(env: dict[str, str], job_id: str, job: Path) -> str:
+    show = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True)
+    parts = [f"scontrol show job {job_id}:\n{show.stdout}{show.stderr}", f"outcomes: {outcomes(job)}"]
+    ev = job / "events.jsonl"
+    if ev.exists():
+        parts.append("events (last 40):\n" + "\n".join(ev.read_text(errors="replace").splitlines()[-40:]))
+    for f in [*sorted(job.glob("logs/slurm-*.out")), *sorted(job.glob("logs/alloc-*/node-*.log"))[-3:]]:
+        parts.append(f"--- {f.relative_to(job)} (tail):\n{f.read_text(errors='replace')[-2500:]}")
+    return "\n".join(parts)
 
 
 def outcomes(job: Path) -> list[dict]:

@@ -23,7 +23,7 @@ import pytest
 from hpc.contract.slurm_parse import expand_hostlist
 from tests.conftest import wait_until
 from tests.slurm.support import (ELASTIC, REPO, STEPS, assert_same_as_baseline, hpc, latest_step,
-                                 outcomes, progress, restarts, submit, wait_done)
+                                 outcomes, progress, restarts, submit, wait_done, wait_for_job)
 
 
 def preempt_time(env: dict[str, str], job_id: str) -> float | None:
@@ -66,12 +66,13 @@ def test_real_preemption_saves_requeues_and_resumes_exactly(env, slurm_cluster, 
     saved = next(o for o in outcomes(job) if o["kind"] == "preempted")["step"]
     # (read before the next allocation's saves prune it)
     manifest = json.loads((job / "checkpoints" / f"step-{saved:06d}" / "manifest.json").read_text())
-    wait_until(lambda: (job / "logs/alloc-1").exists(), 240, "the next allocation to start")
+    wait_for_job(env, job_id, job, lambda: (job / "logs/alloc-1").exists(), 240, "the next allocation to start")
     again = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "3", "-t", "2",
                             "-o", str(tmp_path / "high-2.out"), "--wrap", "sleep 4"], env=env,
                            capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    wait_until(lambda: (job / "logs/alloc-2").exists(), 300, "the allocation after the second preemption")
+    wait_for_job(env, job_id, job, lambda: (job / "logs/alloc-2").exists(), 300,
+                 "the allocation after the second preemption")
     wait_done(env, job_id, job)
     wait_done(env, sigterm_id, sigterm)
 

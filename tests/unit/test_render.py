@@ -186,3 +186,24 @@ def test_the_rendezvous_host_has_one_source_in_the_batch_script(extra: dict) -> 
     assert len(launcher) == 1
     env = {"HPC_RDZV_HOST": "node1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]"}
     assert rendezvous_host(env) == "node1"
+
+
+def test_the_batch_shell_finds_its_allocations_outcome_as_the_launcher_writes_it(tmp_path: Path) -> None:
+    """After a stop's SIGTERM the batch shell waits for Slurm unless its allocation's outcome
+    is recorded: its grep (run by bash, as rendered) finds the line append_outcome writes for
+    that allocation, and not another allocation's (11 is not 1)."""
+    from hpc.contract import jobdir
+    from hpc.contract.records import Outcome
+
+    script = render_sbatch(JobSpec(**{**BASE, "job_dir": str(tmp_path)}))
+    [check] = [x for x in script.splitlines() if x.startswith('if [ "$STOP_SEEN" = 1 ] && ! grep')]
+    probe = check.replace('if [ "$STOP_SEEN" = 1 ] && ! ', "").replace("; then", "")
+    jobdir.append_outcome(tmp_path, Outcome(allocation=11, kind="preempted", exit_code=75, step=4))
+
+    def found(allocation: int) -> bool:
+        r = subprocess.run(["bash", "-c", f"JOB_DIR={tmp_path}; ALLOCATION={allocation}; {probe}"])
+        return r.returncode == 0
+
+    assert not found(1) and found(11)
+    jobdir.append_outcome(tmp_path, Outcome(allocation=1, kind="preempted", exit_code=75, step=6))
+    assert found(1) and not found(0)
