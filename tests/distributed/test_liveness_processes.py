@@ -118,10 +118,12 @@ def test_frozen_worker_is_named_dumped_and_the_job_resumes(tmp_path: Path) -> No
 
 
 def test_rank_stuck_in_its_data_loading_is_named_from_its_stack(tmp_path: Path) -> None:
-    """Alive and outside any collective: busy, restarted only past its --busy-timeout (8 s)."""
+    """Alive and outside any collective: busy, logged as running long past its 5-s deadline,
+    restarted only past its --busy-timeout (14 s: the watch's look between the two must not
+    miss on a loaded machine; with 8 s, CI of bc7b3ea first looked past it)."""
     job = tmp_path / "job"
     p = hpc_run(job, "--steps", "40", "--step-s", "0.1", "--hang-in-data", "12",
-                extra=("--busy-timeout", "8"))
+                extra=("--busy-timeout", "14"))
     out = finish(p)
     [event] = hangs(job)
     report = (job / event["stacks"]).read_text()
