@@ -11,6 +11,7 @@ as if they had just come (the workers it starts learn of the stop from their env
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
@@ -34,7 +35,9 @@ def hold() -> None:
 
 def take(kept: tuple[int, ...]) -> list[tuple[float, int]]:
     """Ends the hold: the signals not in ``kept`` get their defaults back (``kept`` have just
-    got their handlers). Returns what came meanwhile, (time, signal), oldest first."""
+    got their handlers), and one of them that came meanwhile is sent again, to act as it
+    would have (a Ctrl-C still ends a starting ``hpc run``). Returns what came of ``kept``
+    meanwhile, (time, signal), oldest first."""
     global _holding
     if not _holding:
         return []
@@ -43,4 +46,7 @@ def take(kept: tuple[int, ...]) -> list[tuple[float, int]]:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     _holding = False
     got, _received[:] = list(_received), []
-    return got
+    for _, sig in got:
+        if sig not in kept:
+            os.kill(os.getpid(), sig)
+    return [(at, sig) for at, sig in got if sig in kept]

@@ -42,13 +42,9 @@ class SignalForwarder:
         for sig in self.signals:
             signal.signal(sig, self._handle)
         for at, signum in early_signals.take(tuple(int(s) for s in self.signals)):
-            if signum in self.signals:
-                log.warning("%s came while this launcher started (%.1f s ago)",
-                            signal.Signals(signum).name, time.time() - at)
-                self._handle(signum, None, at=at)
-            else:
-                log.warning("%s came while this launcher started: not a signal of this job, ignored",
-                            signal.Signals(signum).name)
+            log.warning("%s came while this launcher started (%.1f s ago)",
+                        signal.Signals(signum).name, time.time() - at)
+            self._handle(signum, None, at=at)
 
     def _handle(self, signum: int, frame: Any, *, at: float | None = None) -> None:
         name = signal.Signals(signum).name

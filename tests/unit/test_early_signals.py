@@ -1,6 +1,7 @@
 """A stop's signal that reaches the launcher while it starts (before its forwarder) is kept
 and acted on by the forwarder, at the time it came; the other held signals get their
-defaults back (a real process, real signals)."""
+defaults back, and one of them that came meanwhile acts as it would have (a real process,
+real signals)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_a_stop_signal_during_the_launchers_start_is_kept_for_the_forwarder() ->
     assert got["usr1"] and got["int"], got
     assert got["pending"].startswith("SIGTERM@"), got                # workers started later learn of it
     assert p.returncode == -10 and "still alive" not in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
+
+
+def test_a_held_signal_not_of_this_job_acts_as_it_would_have_once_the_hold_ends() -> None:
+    child = textwrap.dedent("""
+        import os, signal, time
+        from runtime.launch import early_signals
+        early_signals.hold()
+        os.kill(os.getpid(), signal.SIGHUP)          # a hang-up while the launcher imports
+        time.sleep(0.2)
+        print("held", flush=True)
+        from runtime.launch.forwarding import SignalForwarder
+        SignalForwarder((signal.SIGUSR2, signal.SIGTERM)).install()
+        time.sleep(5)
+        print("still alive")
+    """)
+    p = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.stdout.splitlines() == ["held"] and p.returncode == -1, (p.returncode, p.stdout, p.stderr[-2000:])
