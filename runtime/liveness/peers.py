@@ -155,6 +155,16 @@ class PeerTracker:
             out[int(self.summary["by"])] = self.still("summary", now)
         return {r: s for r, s in out.items() if r != self.node_rank and r not in self.done}
 
+    def all_heard(self, now: float, within_s: float) -> bool:
+        """The store answered within ``within_s`` (this clock) and every peer this node
+        watches advanced its counter within it, none named lost: what the peers say is
+        current. Ranks here waiting for a peer that went silent (its link cut, its node gone)
+        are the lost-peer rule's, not a deadlock among themselves."""
+        if self.store_ok_at is None or now - self.store_ok_at > within_s or self._named(self.summary):
+            return False
+        return all(now - since <= within_s for rank, (_, since) in self.seen.items()
+                   if rank != self.node_rank and rank not in self.done)
+
     def in_sight(self, now: float, within_s: float, sizes: dict[int, int]) -> int:
         """Other nodes seen alive in the last ``within_s`` seconds: this node's group's members
         whose counter advanced, and (as the root) the members of the groups whose key advanced

@@ -407,6 +407,11 @@ class Watchdog:
             ages = (tracker.peer_progress_age(now), tracker.peer_working_age(now))
             if any(a is not None and a < DESYNC_S for a in ages) or tracker.peer_busy():
                 return None
+            # ... and one gone silent may be (a cut link, a lost node or store host: the
+            # ranks here then wait for it in whatever collective each was in; CI of 1597460
+            # took that for a deadlock and killed the workers the succession was to keep)
+            if not tracker.all_heard(time.monotonic(), GAP_S):
+                return None
         if time.monotonic() < self._next_desync_look:
             return None
         self._next_desync_look = time.monotonic() + LOOK_EVERY_S

@@ -758,3 +758,24 @@ def test_first_steps_waiting_in_one_collective_with_nothing_working_get_an_ordin
     restoring = assess([beat(0, 0.0, step=0, phase="restore"), beat(1, 0.5, step=0, phase="restore")],
                        {}, 25.0, POLICY)
     assert desync(restoring, same, {0: 24.0, 1: 24.0}, ordinary_s=ordinary) is None, "a slow restore"
+
+
+def test_the_peers_are_all_heard_only_while_the_store_answers_and_every_counter_moves():
+    """The desync rule needs the peers' word current: a store that stopped answering (its
+    host cut off) or one peer's counter standing still (its node lost) is no deadlock here."""
+    from runtime.liveness.peers import PeerTracker
+
+    t = PeerTracker(node_rank=1)
+    assert not t.all_heard(100.0, 2.5)                  # the store never answered
+    t.store_ok_at = 99.5
+    t.observe(0, 5, 99.0)
+    t.observe(2, 7, 99.8)
+    assert t.all_heard(100.0, 2.5)
+    assert not t.all_heard(103.0, 2.5)                  # the store silent for 3.5 s
+    t.store_ok_at = 102.9
+    t.observe(2, 8, 102.9)
+    assert not t.all_heard(103.0, 2.5)                  # node 0's counter still since 99.0
+    t.observe(0, 6, 102.95)
+    assert t.all_heard(103.0, 2.5)
+    t.done.add(0)
+    assert t.all_heard(110.0 - 5.0, 2.5)                # a node that finished is not waited for
