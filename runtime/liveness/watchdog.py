@@ -202,6 +202,7 @@ class Watchdog:
         self._group: set[int] = set()      # the current worker group's pids
         self._beating: set[int] = set()   # workers seen with a heartbeat of their own
         self._cpu: dict[int, tuple[int, float]] = {}   # pid -> (CPU ticks, last time it worked)
+        self._watching_from = 0.0   # (wall) no progress is missed before this watch began
         # pid -> (its main thread's ticks, its process's ticks, since when both were quiet)
         self._quiet: dict[int, tuple[int, int, float]] = {}
         self._next_desync_look = 0.0
@@ -239,6 +240,7 @@ class Watchdog:
         """Creates the heartbeat directory, names it to the workers, starts the thread."""
         clean_stale_heartbeat_dirs(self.directory.parent)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._watching_from = time.time()
         old = os.environ.get(job_env.HEARTBEAT_DIR)
         job_env.JobEnvironment(heartbeat_dir=str(self.directory)).export(os.environ)
         log.info("env %s: %s -> %r (node-local worker heartbeats for the stall watch)",
@@ -317,6 +319,12 @@ class Watchdog:
         # Stand-ins only for workers that never published a heartbeat: a Session worker's
         # record is gone once it closes (exiting, it must not be judged by its output).
         beats += output_beats(pids - self._beating - self._acted_on)
+        # Workers older than this watch (kept through a rendezvous host's loss and adopted by
+        # this launcher's new epoch) are judged from when it began: their wait through the
+        # succession is none of theirs (CI of 1597460: killed 0.5 s after the adoption, 24 s
+        # past their last step).
+        beats = [b if b.time >= self._watching_from else dataclasses.replace(b, time=self._watching_from)
+                 for b in beats]
         self._forget_dead(pids)
         if pids and not pids & self._group and self.beacon is not None:
             self.beacon.tracker.new_group()   # a new worker group: judge peers from its start
