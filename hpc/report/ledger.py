@@ -302,7 +302,7 @@ def _runs_of(by_alloc: Mapping[int, list[Mapping[str, Any]]],
     run's submit time (a requeue's submit is when the allocation before it was let go). sacct
     breaks this for a job requeued after a resize: the resized record's end is written when a
     later allocation ends, and the next record may have no end; taken as they were, two
-    allocations claimed the same node-time (campaign, session 13, the spare's seed 1: 833
+    allocations claimed the same node-time (a campaign run, the spare's seed 1: 833
     allocated node-s where its 3 nodes could hold 483).
     """
     order = sorted(by_alloc)
