@@ -48,7 +48,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
@@ -414,7 +414,13 @@ def _append(path: Any) -> Any:
 
 def _end(joiners: dict[int, subprocess.Popen], grace_s: float = 5.0) -> None:
     """Ends the joiners this launcher started (their own sessions: the whole group)."""
-    live = [p for p in joiners.values() if p.poll() is None]
+    end_processes(joiners.values(), grace_s)
+
+
+def end_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERMs each live process's group (started with ``start_new_session``), SIGKILLs what
+    is left after ``grace_s``, and reaps them."""
+    live = [p for p in procs if p.poll() is None]
     for p in live:
         try:
             os.killpg(p.pid, signal.SIGTERM)

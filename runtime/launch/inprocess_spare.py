@@ -67,7 +67,7 @@ def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, npr
     return env
 
 
-def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.AgentEnd:
+def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.AgentEnd | None:
     """Starts this spare node's joiners and watches them until they end.
 
     Args:
@@ -75,6 +75,14 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         events: The launcher's ``EventLog``.
         relaunch: Replaces this launcher with one on the lost-host path (does not return);
             called from the store watch once the host is lost and the joiners are stopped.
+
+    Returns:
+        How the node ended; None when the members left in-process recovery for torch's
+        restart path (``fallback`` in the store): the joiners are ended and this node joins
+        torch's rendezvous as a member node would (the caller runs the agent). Without that,
+        the members' new round waited for a node that never came: a node was lost while the
+        spare's joiners still started, the FSDP2 world could not shrink, and the survivor's
+        restart waited for the job's minimum of nodes until the rendezvous timeout.
     """
     import torch.distributed as dist
 
@@ -95,7 +103,7 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
                         wait_for_workers=False)
     me = socket.gethostname()
     uids = {proto.uid(me, p.pid) for p in procs}
-    joined, announced = False, set()
+    joined, ready, announced = False, False, set()
     store = None
     watch = _HostWatch(plan.rdzv_endpoint, lambda silent: _host_lost(plan, events, procs, silent, relaunch))
     watch.start()
@@ -110,6 +118,16 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
             watch.answered_at = time.monotonic()
             if store is None and current:
                 store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
+            gave_up = _fallback(store)
+            if gave_up is not None:
+                watch.stop()
+                _to_restart_path(events, procs, gave_up)
+                return None
+            if store is not None and not ready and _waiting(store, uids) == len(uids):
+                ready = True   # (tests wait for it before a fault meant for the spare)
+                events.emit("spare_ready", joiners=len(uids), waited_s=round(time.time() - started, 3))
+                log.info("in-process hot spare: %d joiner(s) wait in the store, %.1fs after they started",
+                         len(uids), time.time() - started)
             if store is not None and not joined and _taken_in(store, uids):
                 joined = True
                 events.emit("workers_started", nodes=None, spare=True, inproc=True)
@@ -128,6 +146,10 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
             log.debug("in-process hot spare: store: %s", e)
         time.sleep(POLL_S)
     watch.stop()
+    gave_up = _fallback(store)
+    if gave_up is not None:   # (a joiner taken in ended with the members' ShardedFallback)
+        _to_restart_path(events, procs, gave_up)
+        return None
     codes = tuple(p.returncode for p in procs)
     if all(c == 0 for c in codes):
         if not joined:
@@ -188,6 +210,35 @@ def _host_lost(plan: Any, events: Any, procs: list[subprocess.Popen], silent: fl
         except subprocess.TimeoutExpired:
             pass
     relaunch()
+
+
+def _to_restart_path(events: Any, procs: list[subprocess.Popen], gave_up: str) -> None:
+    """The members gave up in-process recovery: ends the joiners (nobody takes them in now)."""
+    why = (f"the members left in-process recovery for torch's restart path ({gave_up[:300]}): this "
+           "hot spare's joiners are ended and the node joins torch's rendezvous")
+    log.warning("in-process hot spare: %s", why)
+    if events is not None:
+        events.emit("inproc_fallback", reason=why, spare=True)
+    inprocess_agent.end_processes(procs)
+
+
+def _fallback(store: Any) -> str | None:
+    """Why the members gave up in-process recovery (``fallback``), or None."""
+    try:
+        if store is not None and store.check([proto.FALLBACK]):
+            return store.get(proto.FALLBACK).decode(errors="replace")
+    except Exception as e:   # noqa: BLE001 - the store is gone: the host watch decides
+        log.debug("in-process hot spare: store: %s", e)
+    return None
+
+
+def _waiting(store: Any, uids: set[str]) -> int:
+    """How many of ``uids`` have written their join record (they wait to be taken in)."""
+    count = store.add(proto.JOIN_COUNT, 0)
+    keys = [proto.join(i) for i in range(count)]
+    present = [k for k in keys if store.check([k])]
+    found = {proto.decode_arrival(v).uid for v in store.multi_get(present)} if present else set()
+    return len(uids & found)
 
 
 def _taken_in(store: Any, uids: set[str]) -> bool:

@@ -312,8 +312,11 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
             return outcome.AgentEnd("failed" if ended else "rendezvous", gone, time.time(),
                                     ended=time.time(), extra={"follow_node0": True} if ended else {})
     if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
-        return inprocess_spare.run_spare(plan, inproc_events,   # joiners, no torch agent
-                                         relaunch=lambda: _restart_launcher([], epoch))
+        spare_end = inprocess_spare.run_spare(plan, inproc_events,   # joiners, no torch agent
+                                              relaunch=lambda: _restart_launcher([], epoch))
+        if spare_end is not None:
+            return spare_end
+        # The members fell back to torch's restart path: this node joins its round below.
     lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
     if spec.recovery == "inprocess":
         key = jobsecret.ensure(JobPaths(plan.job_dir).secret)   # signs every line's hello

@@ -22,14 +22,15 @@ STEPS = 14
 
 
 def hpc_run(out: Path, job: Path, *extra: str, nproc: int = 2, window_s: int = 60,
-            steps: int = STEPS) -> subprocess.Popen[str]:
+            steps: int = STEPS, script_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S=str(window_s),
                HPC_INPROC_COPY_EVERY="2")
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2",
                              "--nproc-per-node", str(nproc), "--recovery", "inprocess", "--max-restarts", "3",
                              "--job-dir", str(job), *extra,
-                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.15"],
+                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.15",
+                             *script_args],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

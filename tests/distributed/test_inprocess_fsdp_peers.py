@@ -75,23 +75,32 @@ def test_a_nodes_killed_workers_shards_come_from_the_peer_copies_and_the_weights
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 
+def _crash_node_1(run, out: Path, job: Path, ready) -> int:
+    """Once rank 1 has run 5 steps and ``ready()``: node rank 1's launcher and worker are
+    SIGKILLed (the node crashes). Returns rank 0's PID."""
+    deadline = time.time() + 240
+    while True:
+        assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
+        ran = lines(out)
+        victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+        if victim is not None and ready():
+            break
+        time.sleep(0.05)
+    os.killpg(launcher_pid(job, 1), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
+    return next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+
+
 def test_a_lost_nodes_shards_go_to_a_hot_spare_from_the_peer_copy(tmp_path: Path):
     t0 = time.time()
     plain = hpc_run(tmp_path / "plain out", tmp_path / "plain job", nproc=1, window_s=5)
     out, job = tmp_path / "out", tmp_path / "job"
     run = hpc_run(out, job, "--spare-nodes", "1", nproc=1, window_s=5)
     try:
-        deadline = time.time() + 240
-        while True:
-            assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
-            ran = lines(out)
-            victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
-            if victim is not None:
-                break
-            time.sleep(0.05)
-        survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
-        os.killpg(launcher_pid(job, 1), signal.SIGKILL)   # node rank 1 crashes: launcher and worker
-        os.kill(victim, signal.SIGKILL)
+        # The spare's joiner must wait in the store when the node is lost (at load its start
+        # took longer than 5 steps: that case is the next test's).
+        survivor = _crash_node_1(run, out, job, ready=lambda: any(
+            e["ev"] == "spare_ready" for e in events(job)))
         text, _ = run.communicate(timeout=240)
         plain_text, _ = plain.communicate(timeout=240)
     finally:
@@ -112,6 +121,34 @@ def test_a_lost_nodes_shards_go_to_a_hot_spare_from_the_peer_copy(tmp_path: Path
     rec = [e for e in events(job) if e["ev"] == "inproc_recovery"]
     assert len(rec) == 1 and rec[0]["shards"]["1"] == [0, "peer"], rec
     print(f"lost node -> spare: shards of step {rec[0]['step']} from rank 0's copy; test took "
+          f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+
+
+def test_a_node_lost_while_the_spare_still_starts_falls_back_and_the_spare_joins_the_restart(tmp_path: Path):
+    """The spare's joiner is not in the store yet (a slow start: it sleeps first), so the FSDP2
+    world would shrink: the survivor gives up in-process recovery, and the spare's launcher
+    ends its joiner and joins torch's rendezvous, so the restart has the job's two nodes (it
+    once waited for a second node until the rendezvous timeout) and the job finishes."""
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job"
+    run = hpc_run(out, job, "--spare-nodes", "1", nproc=1, window_s=5, script_args=("--joiner-sleep", "900"))
+    try:
+        _crash_node_1(run, out, job, ready=lambda: True)
+        text, _ = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == STEPS, (outcome, text[-5000:])
+    ev = events(job)
+    assert any(e["ev"] == "inproc_fallback" and e.get("spare") and "joins torch's rendezvous" in e["reason"]
+               for e in ev), [e for e in ev if e["ev"] == "inproc_fallback"]
+    assert not any(e["ev"] == "spare_ready" for e in ev)
+    got = results(out)
+    assert len(got) == 2 and {r["step"] for r in got.values()} == {STEPS} \
+        and {r["world"] for r in got.values()} == {2}, got
+    assert len({r["weights"] for r in got.values()}) == 1
+    print(f"node lost before the spare was ready -> restart path with the spare; test took "
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 

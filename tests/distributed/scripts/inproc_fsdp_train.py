@@ -25,7 +25,11 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.1)
 p.add_argument("--global-batch", type=int, default=16)
+p.add_argument("--joiner-sleep", type=float, default=0.0,
+               help="a joiner (HPC_INPROC_JOIN=1) sleeps this long first: a spare node slow to start")
 args = p.parse_args()
+if os.environ.get("HPC_INPROC_JOIN") == "1":
+    time.sleep(args.joiner_sleep)
 out = Path(args.out)
 opened: list[str] = []
 recovering = [False]
