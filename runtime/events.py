@@ -33,6 +33,7 @@ from hpc.contract.events import EVENTS, read_events
 from hpc.contract.interval import PROBE_AFTER_STEPS, prior_mtbf_s
 from hpc.report import young_daly
 from hpc.report.ledger import build
+from runtime.liveness import proc
 
 log = logging.getLogger("hpc.events")
 SUMMARY_EVERY_S = 5.0       # one ``steps`` event per this many seconds of training
@@ -160,9 +161,10 @@ def process_start_time() -> float | None:
     The start is read in ticks since boot and set against ``/proc/uptime`` (the same clock)
     rather than the whole-second ``btime``, so it is right to about 10 ms.
     """
+    ticks = proc.start_ticks(os.getpid())
+    if ticks is None:
+        return None
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))

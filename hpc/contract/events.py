@@ -31,7 +31,11 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
                                   ``exit``), announced in the store for generation ``gen``; or,
                                   from a peer, ``workers`` announced dead: ``by: lifeline``
                                   (connection closed; ``launcher_gone``) or ``lost_node`` (beacon)
-``inproc_fallback``    launcher   every local worker is gone: torch's restart path (``reason``)
+``inproc_fallback``    launcher   every local worker is gone: torch's restart path (``reason``);
+                                  ``spare: true``: a hot spare's launcher left its joiners (the
+                                  members gave up, or the store's host is lost)
+``spare_ready``        launcher   an in-process hot spare's ``joiners`` all wait in the store,
+                                  ``waited_s`` after they started
 ``inproc_recovery``    new rank 0 an in-process recovery: ``gen``, ``world_size`` (was
                                   ``old_world_size``), ``step`` gone on from, ``held``, ``left``,
                                   and the stage ends ``t_detect/t_abort/t_reform/t_group/

@@ -18,6 +18,7 @@ from hpc.contract import environment as job_env
 from hpc.contract import slurm
 from runtime import stopping
 from runtime.launch import early_signals
+from runtime.liveness import proc
 from runtime.liveness.proc import workers
 
 log = logging.getLogger("hpc.launch")
@@ -84,17 +85,5 @@ def kill_workers(ppid: int, parent: int | None = None) -> list[int]:
 
 
 def children(ppid: int) -> list[int]:
-    """PIDs whose parent is ``ppid`` (from /proc; the agent's workers)."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields_after_comm = stat.rsplit(")", 1)[1].split()
-        if int(fields_after_comm[1]) == ppid:
-            out.append(int(entry.name))
-    return out
+    """PIDs whose parent is ``ppid``, zombies too (the agent's workers; :mod:`runtime.liveness.proc`)."""
+    return proc.children(ppid, zombies=True)

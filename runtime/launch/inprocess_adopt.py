@@ -31,7 +31,6 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from hpc.contract import jobdir
-from runtime.launch.forwarding import children
 from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
@@ -85,10 +84,9 @@ def live_workers(launcher_pid: int) -> dict[int, int]:
     """This launcher's live in-process workers, local rank -> PID (from ``/proc``: the
     ``LOCAL_RANK`` they were started with; a zombie is not alive)."""
     out: dict[int, int] = {}
-    for pid in children(launcher_pid):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+    for pid in proc.children(launcher_pid, zombies=True):
+        state = proc.state(pid)
+        if state is None:
             continue
         env = proc.environ(pid)
         if state == "Z" or env.get(proto.RECOVERY_ENV) != proto.INPROCESS or "LOCAL_RANK" not in env:
@@ -173,7 +171,7 @@ def kill(pids: Sequence[int]) -> None:
 def stop_left(adopt: Mapping[int, int]) -> None:
     """SIGKILLs the adopted workers that are still this launcher's children (its agent ended
     without them ending: e.g. the new host never came)."""
-    mine = set(children(os.getpid()))
+    mine = set(proc.children(os.getpid(), zombies=True))
     kill([pid for pid in adopt.values() if pid in mine])
 
 
@@ -232,7 +230,7 @@ class AdoptedProcesses:
 
         deadline = time.monotonic() + timeout
         while True:
-            states = {lr: _state(pid) for lr, pid in self._pids.items() if lr not in self._codes}
+            states = {lr: proc.state(pid) for lr, pid in self._pids.items() if lr not in self._codes}
             if all(s in ("Z", None) for s in states.values()):
                 break
             if time.monotonic() >= deadline:
@@ -261,13 +259,7 @@ class AdoptedProcesses:
                 pass
         deadline = time.monotonic() + timeout
         while live and time.monotonic() < deadline:
-            live = [pid for pid in live if _state(pid) not in ("Z", None)]
+            live = [pid for pid in live if proc.state(pid) not in ("Z", None)]
             time.sleep(0.1)
         kill(list(self._pids.values()))
 
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None

@@ -57,30 +57,9 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import inprocess as proto
 from runtime.launch import inprocess_adopt, inprocess_silent, standby
+from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
-
-
-def proc_state(pid: int) -> str | None:
-    """The kernel's one-letter state of a process (``T``: stopped), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def proc_exit(pid: int) -> int | None:
-    """A child's exit status (``waitpid`` form: a signal in the low 7 bits, else code << 8)
-    once it has ended and before it is reaped; None while it runs."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0   # reaped already: torch saw it end
-    if fields[0] != "Z":
-        return None
-    return int(fields[-1]) if len(fields) >= 50 else 0
 
 
 REPLACE_WAIT_S = 120.0   # how long the survivors' re-form waits for a promised replacement
@@ -224,10 +203,10 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                     code = joiners[lr].poll()
                     status[lr], pids[lr] = (None if code is None else popen_status(code)), joiners[lr].pid
                 elif w.id is not None:
-                    status[lr], pids[lr] = proc_exit(w.id), w.id
+                    status[lr], pids[lr] = proc.exit_status(w.id), w.id
             frozen = self.__dict__.setdefault("_frozen", inprocess_silent.StoppedWorkers())
             now = time.monotonic()
-            for pid in frozen.frozen({pids[lr]: proc_state(pids[lr]) for lr, code in status.items()
+            for pid in frozen.frozen({pids[lr]: proc.state(pids[lr]) for lr, code in status.items()
                                       if code is None}, now):
                 frozen.kill(pid, now)   # its death is announced at the next look (a zombie)
             for lr, code in status.items():

@@ -45,6 +45,7 @@ from typing import Any
 from hpc.contract import inprocess as proto
 from runtime.ending import outcome
 from runtime.launch import host_store, inprocess_agent, inprocess_silent
+from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
 POLL_S = 0.5
@@ -110,7 +111,7 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
     frozen = inprocess_silent.StoppedWorkers()
     while any(p.poll() is None for p in procs):
         now = time.monotonic()   # a stopped worker is frozen: killed, then announced dead below
-        for pid in frozen.frozen({p.pid: inprocess_agent.proc_state(p.pid) for p in procs
+        for pid in frozen.frozen({p.pid: proc.state(p.pid) for p in procs
                                   if p.poll() is None}, now):
             frozen.kill(pid, now)
         try:

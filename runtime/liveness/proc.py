@@ -1,8 +1,9 @@
-"""The node's processes as the watchdog needs them: the agent's workers and their states.
+"""The node's processes as the watchdog and the launcher need them: children, states, exits.
 
 Read from ``/proc`` (Linux): torch's agent runs in the launcher's process, so the workers
 are the launcher's children. A worker stopped by SIGSTOP (or a debugger) is in state ``T``:
-the strongest evidence of which rank froze.
+the strongest evidence of which rank froze. The one reader of ``/proc/PID/stat`` in the job's
+processes (:func:`_stat`; the login side's lock, :mod:`hpc.contract.joblock`, reads its own).
 """
 
 from __future__ import annotations
@@ -21,15 +22,37 @@ def _stat(pid: int, *, main_thread: bool = False) -> list[str] | None:
         return None
 
 
-def children(ppid: int) -> list[int]:
-    """PIDs whose parent is ``ppid`` (zombies left out)."""
+def children(ppid: int, *, zombies: bool = False) -> list[int]:
+    """PIDs whose parent is ``ppid`` (zombies left out unless ``zombies``: a child that has
+    ended and is not yet reaped)."""
     out = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             fields = _stat(int(entry.name))
-            if fields and int(fields[1]) == ppid and fields[0] != "Z":
+            if fields and int(fields[1]) == ppid and (zombies or fields[0] != "Z"):
                 out.append(int(entry.name))
     return sorted(out)
+
+
+def exit_status(pid: int) -> int | None:
+    """A child's exit status (``waitpid`` form: a signal in the low 7 bits, else code << 8)
+    once it has ended and before it is reaped; None while it runs; 0 when it is reaped
+    already (its reaper saw it end)."""
+    fields = _stat(pid)
+    if fields is None:
+        return 0
+    if fields[0] != "Z":
+        return None
+    return int(fields[-1]) if len(fields) >= 50 else 0
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None when gone."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
 
 
 def state(pid: int) -> str | None:
