@@ -204,6 +204,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                     status[lr], pids[lr] = (None if code is None else popen_status(code)), joiners[lr].pid
                 elif w.id is not None:
                     status[lr], pids[lr] = proc.exit_status(w.id), w.id
+            if any(p.poll() is None for p in joiners.values()):
+                self._end_orphaned(worker_group, joiners)   # (their deaths: the next look)
             frozen = self.__dict__.setdefault("_frozen", inprocess_silent.StoppedWorkers())
             now = time.monotonic()
             for pid in frozen.frozen({pids[lr]: proc.state(pids[lr]) for lr, code in status.items()
@@ -244,6 +246,35 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                     events.emit("inproc_fallback", reason=why)
                 gone.clear()
             return super()._monitor_workers(worker_group)
+
+        def _end_orphaned(self, worker_group: Any, joiners: dict[int, subprocess.Popen]) -> None:
+            """Ends this launcher's waiting joiners once no member of the generation is alive
+            (or the workers gave up): nobody would take them in. A joiner is started when its
+            worker's death is seen while another member lives; when that member's death comes
+            from another node's launcher a moment later, the joiner waited forever and this
+            node, healthy to torch, never took the restart path the others' round waited in."""
+            try:
+                store = self._space(worker_group)
+                gen, uids = inprocess_silent.generation(store)
+                mine = {proto.uid(host, p.pid) for p in joiners.values()}
+                if set(uids) & mine:
+                    return   # taken in: members now
+                gave_up = store.check([proto.FALLBACK])
+                if not gave_up and (not uids or any(not store.check([proto.dead(u)]) for u in uids)):
+                    return
+            except SignalException:
+                raise
+            except Exception as e:   # noqa: BLE001 - the store's host is lost: its own rules hold
+                log.debug("in-process recovery: joiners' generation unreadable: %s", e)
+                return
+            why = ("the workers gave up in-process recovery" if gave_up else
+                   f"every member of generation {gen} is dead ({len(uids)})")
+            why += f": the waiting joiner(s) {', '.join(str(p.pid) for p in joiners.values())} have nobody " \
+                   "to take them in and are ended; torch's restart path from the last checkpoint"
+            log.warning("in-process recovery: %s", why)
+            if events is not None:
+                events.emit("inproc_fallback", reason=why, gen=gen)
+            _end(joiners)
 
         def _may_replace(self, worker_group: Any) -> bool:
             if stopping is not None and stopping():   # killed by the launcher's own stop

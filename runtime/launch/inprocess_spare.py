@@ -90,22 +90,14 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
     started = time.time()
     nproc = plan.spec.nproc_per_node
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
-    for lr in range(nproc):
-        env = joiner_env(dict(os.environ), plan.rdzv_endpoint, local_rank=lr, nproc=nproc,
-                         node_rank=plan.node_rank)
-        out = open(plan.log_dir / f"spare-node{plan.node_rank}-local{lr}.log", "ab")   # noqa: SIM115
-        procs.append(subprocess.Popen([sys.executable, *plan.argv], env=env, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    log.info("in-process hot spare: %d joiner(s) started (pids %s); they wait for a lost node",
-             nproc, ", ".join(str(p.pid) for p in procs))
+    procs = _start_joiners(plan, nproc)   # (replaced in place: the host watch holds the list)
     host, _, port = plan.rdzv_endpoint.rpartition(":")
     raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30),
                         wait_for_workers=False)
     me = socket.gethostname()
     uids = {proto.uid(me, p.pid) for p in procs}
     joined, ready, announced = False, False, set()
-    store = None
+    store, space = None, None
     watch = _HostWatch(plan.rdzv_endpoint, lambda silent: _host_lost(plan, events, procs, silent, relaunch))
     watch.start()
     frozen = inprocess_silent.StoppedWorkers()
@@ -117,8 +109,20 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         try:
             current = raw.check([proto.ROOT + proto.CURRENT])
             watch.answered_at = time.monotonic()
-            if store is None and current:
-                store = dist.PrefixStore(raw.get(proto.ROOT + proto.CURRENT).decode(), raw)
+            now_space = raw.get(proto.ROOT + proto.CURRENT).decode() if current else None
+            if store is not None and not joined and now_space != space:
+                # Every member started again through torch's restart path (a new round, in a
+                # new namespace) without needing this node: the joiners wait in the old one,
+                # where nobody would take them in. New joiners wait in the new round.
+                log.warning("in-process hot spare: the members started again in a new round (%s); "
+                            "the joiners start again in it", now_space)
+                inprocess_agent.end_processes(procs)
+                procs[:] = _start_joiners(plan, nproc)
+                uids, ready, announced = {proto.uid(me, p.pid) for p in procs}, False, set()
+                frozen = inprocess_silent.StoppedWorkers()
+                store = None
+            if store is None and now_space:
+                store, space = dist.PrefixStore(now_space, raw), now_space
             gave_up = _fallback(store)
             if gave_up is not None:
                 watch.stop()
@@ -156,6 +160,15 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         if not joined:
             log.info("hot spare not needed: the job ended while this node waited")
         return outcome.AgentEnd("succeeded", "", started, ended=time.time())
+    if joined and host_store.answers(plan.rdzv_endpoint):
+        # Taken in, this node is a member: its workers ended with the others' (every member
+        # died), and the members' torch agents start again in a new round that counts it.
+        log.warning("in-process hot spare: its workers (a member's since they were taken in) "
+                    "ended (exit statuses %s): the node joins torch's restart path", codes)
+        if events is not None:
+            events.emit("inproc_fallback", spare=True, reason=f"the spare's workers, taken in, ended "
+                        f"(exit statuses {codes}): the node joins torch's rendezvous")
+        return None
     if not host_store.answers(plan.rdzv_endpoint):
         # The workers died with the host (their group and store were on it), before the store
         # watch's bound: the host's loss, not theirs. Ended as a failed node instead, the last
@@ -164,6 +177,20 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         _host_lost(plan, events, procs, time.monotonic() - watch.answered_at, relaunch)
     return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
                             exit_codes=tuple(c for c in codes if c), ended=time.time())
+
+
+def _start_joiners(plan: Any, nproc: int) -> list[subprocess.Popen]:
+    """Starts this node's ``nproc`` joiners (each in its own session, logs appended)."""
+    procs = []
+    for lr in range(nproc):
+        env = joiner_env(dict(os.environ), plan.rdzv_endpoint, local_rank=lr, nproc=nproc,
+                         node_rank=plan.node_rank)
+        out = open(plan.log_dir / f"spare-node{plan.node_rank}-local{lr}.log", "ab")   # noqa: SIM115
+        procs.append(subprocess.Popen([sys.executable, *plan.argv], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    log.info("in-process hot spare: %d joiner(s) started (pids %s); they wait for a lost node",
+             nproc, ", ".join(str(p.pid) for p in procs))
+    return procs
 
 
 class _HostWatch(threading.Thread):

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -75,20 +76,21 @@ def test_a_nodes_killed_workers_shards_come_from_the_peer_copies_and_the_weights
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 
-def _crash_node_1(run, out: Path, job: Path, ready) -> int:
+def _crash_node_1(run, out: Path, job: Path, ready, gone: Collection[int] = ()) -> int:
     """Once rank 1 has run 5 steps and ``ready()``: node rank 1's launcher and worker are
-    SIGKILLed (the node crashes). Returns rank 0's PID."""
+    SIGKILLed (the node crashes). Returns rank 0's PID (``gone``: workers killed before)."""
     deadline = time.time() + 240
     while True:
         assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
         ran = lines(out)
-        victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
+        victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5
+                       and p not in gone), None)
         if victim is not None and ready():
             break
         time.sleep(0.05)
     os.killpg(launcher_pid(job, 1), signal.SIGKILL)
     os.kill(victim, signal.SIGKILL)
-    return next(p for p, r in ran.items() if r and r[0]["rank"] == 0)
+    return next(p for p, r in ran.items() if r and r[0]["rank"] == 0 and p not in gone)
 
 
 def test_a_lost_nodes_shards_go_to_a_hot_spare_from_the_peer_copy(tmp_path: Path):
@@ -150,6 +152,37 @@ def test_a_node_lost_while_the_spare_still_starts_falls_back_and_the_spare_joins
     assert len({r["weights"] for r in got.values()}) == 1
     print(f"node lost before the spare was ready -> restart path with the spare; test took "
           f"{time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
+
+
+def test_after_every_member_started_again_the_spare_still_replaces_a_lost_node(tmp_path: Path):
+    """Both workers killed at once: no member is left, every launcher takes torch's restart
+    path into a new round (a new namespace) that does not need the spare. The spare's joiners
+    start again in the new round (they once waited in the old one, where nobody would take
+    them in), so a node lost after the restart is still replaced from the peer copy."""
+    t0 = time.time()
+    out, job = tmp_path / "out", tmp_path / "job"
+    # 1.5-s steps: the job still runs when the spare's new joiners are ready, whatever the load.
+    run = hpc_run(out, job, "--spare-nodes", "1", nproc=1, window_s=5, steps=30,
+                  script_args=("--step-sleep", "1.5"))
+    try:
+        first = kill_ranks(run, out, {0, 1}, 2, time.time() + 240,
+                           ready=lambda: any(e["ev"] == "spare_ready" for e in events(job)))
+        survivor = _crash_node_1(run, out, job, gone=first, ready=lambda: sum(
+            e["ev"] == "spare_ready" for e in events(job)) >= 2)
+        text, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    outcome = json.loads((job / "outcomes.jsonl").read_text().splitlines()[-1])
+    assert outcome["kind"] == "finished" and outcome["step"] == 30, (outcome, text[-5000:])
+    got = results(out)
+    assert survivor in got and len(got) == 2 and not set(first) & set(got), (sorted(got), survivor, first)
+    assert {r["step"] for r in got.values()} == {30} and {r["world"] for r in got.values()} == {2}
+    assert len({r["weights"] for r in got.values()}) == 1
+    rec = [e for e in events(job) if e["ev"] == "inproc_recovery"]
+    assert rec and rec[-1]["shards"]["1"] == [0, "peer"], rec
+    print(f"all members restarted, then a node lost -> spare from the peer copy at step {rec[-1]['step']}; "
+          f"test took {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}")
 
 
 def test_both_copies_of_a_shard_lost_falls_back_to_the_checkpoint_and_says_which(tmp_path: Path):
