@@ -15,7 +15,10 @@ launcher does, kills a worker stopped (SIGSTOP) for
 :data:`~runtime.launch.inprocess_silent.STOPPED_S` as a member node's launcher does (then it is
 announced dead: without that, a frozen taken-in worker held its peers in the step boundary's
 broadcast until the allocation ended), and ends with them. A job that finishes first releases
-the joiners (``done``): they exit 0, not needed.
+the joiners (``done``): they exit 0, not needed. When the members leave in-process recovery
+(``fallback`` in the store) the launcher ends its joiners and joins torch's rendezvous, as it
+does when its workers, taken in, end with every member's; when every member starts again in a
+new round without it, its joiners start again there (``spare_ready`` each time they all wait).
 
 A spare's launcher watches its host's store as a member node's fence does
 (:data:`runtime.launch.host_store.STORE_LOST_S`): the store carries the joiners' whole world,
