@@ -260,8 +260,8 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                 if set(uids) & mine:
                     return   # taken in: members now
                 gave_up = store.check([proto.FALLBACK])
-                if not gave_up and (not uids or any(not store.check([proto.dead(u)]) for u in uids)):
-                    return
+                if not gave_up and (not uids or not store.check([proto.dead(u) for u in uids])):
+                    return   # (one request: check is true only when every key is there)
             except SignalException:
                 raise
             except Exception as e:   # noqa: BLE001 - the store's host is lost: its own rules hold

@@ -175,7 +175,7 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
     if not host_store.answers(plan.rdzv_endpoint):
         # The workers died with the host (their group and store were on it), before the store
         # watch's bound: the host's loss, not theirs. Ended as a failed node instead, the last
-        # launcher of a MIN-2 job left nobody to elect a host or requeue (campaign, session 14,
+        # launcher of a MIN-2 job left nobody to elect a host or requeue (a fault campaign,
         # seed 3: the allocation held one idle node until the run's cap).
         _host_lost(plan, events, procs, time.monotonic() - watch.answered_at, relaunch)
     return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
