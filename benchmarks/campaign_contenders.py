@@ -348,7 +348,7 @@ CONTENDERS: dict[str, Contender] = {
     # 2 ranked nodes + 1 hot spare: the same 3 nodes, a world size that stays 2.
     "spare": Ours("spare", ("--spare-nodes", "1"), flag="--spare-nodes", nodes="2"),
     # The same with in-process recovery: the spare's workers wait as joiners and take a lost
-    # node's place with the state from a peer (runtime/launch/inprocess_spare.py).
+    # node's place with the state from a peer (runtime/inprocess/launcher/spare.py).
     "inprocess_spare": Ours("inprocess_spare", ("--recovery", "inprocess", "--spare-nodes", "1"),
                             flag="--spare-nodes", nodes="2"),
     # torchft 0.2.0 (issue 27's contender (e)), where it is installed.

@@ -58,7 +58,7 @@ class Injector:
         if kind in ("worker_kill", "freeze"):
             for node in targets:
                 # A warm standby that became a joiner is a worker (its order's command line),
-                # an idle one is not (ours: runtime.launch.standby).
+                # an idle one is not (ours: runtime.inprocess.launcher.standby).
                 pids = [p for p in self.sc.node_processes(node, lambda argv: True)
                         if contender.is_worker([a.encode() for a in proc.cmdline(p)])]
                 if pids:

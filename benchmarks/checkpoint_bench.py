@@ -319,10 +319,10 @@ def steady_worker(rank: int, world: int, port: int, args: argparse.Namespace, ou
 
 def _peer_copy_rounds(torch: Any, dist: Any, world: int, model: Any, optim: Any,
                       rounds: int) -> dict[str, list[float]]:
-    """In-process recovery's FSDP2 peer copies (:mod:`runtime.worker.inprocess.shard_copy`),
+    """In-process recovery's FSDP2 peer copies (:mod:`runtime.inprocess.worker.shard_copy`),
     each rank its own "node" (a ring over ranks): the snapshot on the step's path, the exchange
     with the peer on the side thread, and the host memory the copies hold per rank."""
-    from runtime.worker.inprocess.shard_copy import PeerCopies
+    from runtime.inprocess.worker.shard_copy import PeerCopies
 
     rank = dist.get_rank()
     copies = PeerCopies([model], [optim], {}, every=1, max_bytes=1 << 62, node=f"bench-node{rank}")

@@ -1,7 +1,7 @@
 """Per-step overhead of the Session with FSDP2 under in-process recovery (the peer copies of the
 shards) against a bare FSDP2 loop doing the same work, at 100-ms steps, per shard size.
 
-Issue 26 asks that the peer copies of the FSDP2 shards (``runtime/worker/inprocess/shard_copy.py``)
+Issue 26 asks that the peer copies of the FSDP2 shards (``runtime/inprocess/worker/shard_copy.py``)
 not push the Session's step overhead past its target (<= 1 % at 100-ms steps), and the Session
 says once which ``HPC_INPROC_COPY_EVERY`` would meet it when a snapshot costs more. This measures
 both, with the method of ``benchmarks/step_overhead.py`` (whose ``Work``, calibration and paired
@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pairstats import summarize  # noqa: E402
 from benchmarks.step_overhead import Loops, Work, _agree, _ratios_by_block, calibrate, timed_bare  # noqa: E402
-from runtime.worker.inprocess.shard_copy import advised_every  # noqa: E402
+from runtime.inprocess.worker.shard_copy import advised_every  # noqa: E402
 
 STEP_S, TARGET_PCT = 0.100, 1.0
 NEVER = 10**9                      # a copy interval no round reaches

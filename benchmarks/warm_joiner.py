@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.pairstats import sandwich_ratios, summarize  # noqa: E402
-from hpc.contract import inprocess as proto  # noqa: E402
+from hpc.contract import recovery_settings  # noqa: E402
+from runtime import node_files  # noqa: E402
 from runtime.liveness import proc  # noqa: E402
-from runtime.worker.standby import READY_NAME  # noqa: E402
+from runtime.inprocess.worker.standby import READY_NAME  # noqa: E402
 
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
 
@@ -47,7 +48,7 @@ def _warm_standby(job: Path) -> int | None:
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        if proto.STANDBY_MODULE in proc.cmdline(pid) and proc.environ(pid).get("HPC_JOB_DIR") == str(job):
+        if node_files.STANDBY_MODULE in proc.cmdline(pid) and proc.environ(pid).get("HPC_JOB_DIR") == str(job):
             try:
                 if Path(f"/proc/{pid}/comm").read_text().strip() == READY_NAME:
                     return pid
@@ -61,7 +62,7 @@ def one(kind: str, tmp: Path, i: int, kill_step: int) -> dict:
     out, job = tmp / f"out-{i}", tmp / f"job-{i}"
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="60",
-               **{proto.WARM_ENV: "1" if kind == "warm" else "0"})
+               **{recovery_settings.WARM_ENV: "1" if kind == "warm" else "0"})
     run = subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "3",
                             "--recovery", "inprocess", "--max-restarts", "1", "--job-dir", str(job), "--",
                             "--out", str(out), "--steps", str(kill_step + 30), "--step-sleep", "0.1"],

@@ -4,7 +4,7 @@ When the rendezvous host is lost (a cut link: its packets go nowhere), a request
 blocks until the client's timeout (a minute, or the rendezvous timeout for torch's agent).
 Both sides of in-process recovery leave such requests at once when they learn of the loss by
 other means: a worker, when its launcher names the new epoch's store
-(:mod:`runtime.worker.inprocess.rebind`); a launcher, when its fence keeps its workers through
+(:mod:`runtime.inprocess.worker.rebind`); a launcher, when its fence keeps its workers through
 the loss (:mod:`runtime.launch.main`): torch's agent, blocked on the old store, fails now and
 lets the launcher go on. Each socket is ``shutdown()``; its descriptor stays its owner's
 (torch's client reads end-of-file and raises). Linux only (``/proc``); elsewhere nothing is

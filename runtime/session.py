@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc.contract import components, interval, jobdir
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.parallel import MeshError, ParallelDims, resolve
@@ -54,8 +54,8 @@ from runtime.parallel import mesh as device_mesh
 from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
-from runtime.worker.inprocess.membership import Excluded
-from runtime.worker.inprocess.peers import ShardedFallback
+from runtime.inprocess.worker.membership import Excluded
+from runtime.inprocess.worker.peers import ShardedFallback
 from runtime.worker.progress import ProgressMeter
 from runtime.stopping import STOP_KINDS
 from runtime.worker.wandb_sink import make_sink, run_metadata
@@ -134,7 +134,7 @@ class Session:
         self._pace: Any = None               # runtime.worker.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
-        self._inproc: Any = None             # runtime.worker.inprocess.recovery.InProcess (--recovery inprocess)
+        self._inproc: Any = None             # runtime.inprocess.worker.recovery.InProcess (--recovery inprocess)
         self._recent: list[float] = []       # recent step times: the bound of a training all-reduce
         self._origin: int | None = None      # the loop's first step (a joiner takes the members')
         self._grow_due = False               # in-process: the agreement said a joiner waits
@@ -191,7 +191,7 @@ class Session:
         import numpy as np
 
         # A joiner holds no rank yet: it records from its join on, as the rank it is given.
-        if os.environ.get(proto.JOIN_ENV, "") != "1":
+        if os.environ.get(recovery_settings.JOIN_ENV, "") != "1":
             self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
                                         restart=self.restart_count, world_size=self.world_size)
         # The node's stall watchdog reads this from now on (phase start-up, a long budget).
@@ -380,10 +380,10 @@ class Session:
     # --- in-process recovery (--recovery inprocess) ----------------------------------------
     def _in_process(self, backend: str) -> Any:
         """The in-process recovery this worker was started for, or None (restart path).
-        On NCCL its communicators are aborted at a fault (:mod:`runtime.worker.inprocess.nccl`)."""
-        if os.environ.get(proto.RECOVERY_ENV, proto.RESTART) != proto.INPROCESS:
+        On NCCL its communicators are aborted at a fault (:mod:`runtime.inprocess.worker.nccl`)."""
+        if os.environ.get(recovery_settings.RECOVERY_ENV, recovery_settings.RESTART) != recovery_settings.INPROCESS:
             return None
-        from runtime.worker.inprocess.recovery import InProcess
+        from runtime.inprocess.worker.recovery import InProcess
 
         made = InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
                                   timeout=self.timeout, step_bound_s=self._step_bound_s,

@@ -1,6 +1,6 @@
 """The job's secret: the key that tells a message from one of the job's own processes.
 
-The store host's lifelines listener (:mod:`runtime.launch.inprocess_lifelines`) acts on what
+The store host's lifelines listener (:mod:`runtime.inprocess.launcher.lifelines`) acts on what
 a connection says: a worker's line that closes without ``bye`` is announced dead and the
 survivors re-form. Anyone who can reach the port (another user of a shared node, any host of
 the cluster network) could otherwise say so too. So every such message is signed with a key

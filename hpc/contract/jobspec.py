@@ -20,15 +20,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpc.contract import components, inprocess, interval, jobdir, jobpaths, spec_terms, stall, values
+from hpc.contract import components, interval, jobdir, jobpaths, recovery_settings, spec_terms, stall, values
 from hpc.contract import environment as job_env
 from hpc.contract import parallel as mesh
 from hpc.contract.errors import HpcError, SpecError
 
 SCHEMA_VERSION = 1
 REQUEUE_POLICIES = ("auto", "never")
-RECOVERY_MODES = inprocess.RECOVERY_MODES
-REPLACEMENT_MODES = inprocess.REPLACEMENT_MODES
+RECOVERY_MODES = recovery_settings.RECOVERY_MODES
+REPLACEMENT_MODES = recovery_settings.REPLACEMENT_MODES
 WANDB_MODES = ("offline", "online", "disabled")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
 
@@ -139,12 +139,12 @@ def _env_check(v: Any, flag: str) -> None:
                             f"{flag} NCCL_DEBUG=INFO")
         values.check_env_value(name, value, flag)
         try:
-            inprocess.check_env(name, value)
+            recovery_settings.check_env(name, value)
             if name == job_env.WARM_START and value.strip().lower() not in job_env.WARM_START_VALUES:
                 raise ValueError(f"{name}={value!r}: expected one of {', '.join(job_env.WARM_START_VALUES)}")
         except ValueError as e:
             raise SpecError(flag, f"{name}={value}", str(e).partition(": ")[2],
-                            f"{flag} {inprocess.WINDOW_ENV}=5") from None
+                            f"{flag} {recovery_settings.WINDOW_ENV}=5") from None
 
 
 def _args(v: Any, flag: str) -> tuple[str, ...]:
@@ -405,7 +405,7 @@ class JobSpec:
                          "one step lost; Session scripts with DDP on gloo).",
                          _choice(RECOVERY_MODES), check=_in(RECOVERY_MODES),
                          example="--recovery inprocess")
-    replacement: str = _opt(inprocess.WAIT, "With --recovery inprocess, when a dead worker's "
+    replacement: str = _opt(recovery_settings.WAIT, "With --recovery inprocess, when a dead worker's "
                             "replacement (its launcher starts it again) is taken in: wait (the "
                             "survivors' re-form waits for its start-up; the world keeps its size "
                             "and the weights stay bit-equal to an uninterrupted run; the default, "
@@ -526,7 +526,7 @@ class JobSpec:
                             f"most {values.MAX_NODES})", pick("--spare-nodes 1", "spare_nodes=1"))
         mesh.check_nodes(self.parallel, nodes=self.nodes, nproc_per_node=self.nproc_per_node,
                          cli=spec_terms.in_cli_terms())
-        if self.recovery == inprocess.INPROCESS and not self.parallel.trivial:
+        if self.recovery == recovery_settings.INPROCESS and not self.parallel.trivial:
             dims = ", ".join(f"{name(k)} {getattr(self, k)}" for k in ("tp", "pp", "dp_replicate", "dp_shard")
                              if getattr(self, k) != getattr(JobSpec, k))
             raise SpecError(name("recovery"), self.recovery,
@@ -535,9 +535,9 @@ class JobSpec:
                             pick("--recovery restart", 'recovery="restart"'),
                             "Or drop the mesh flags to keep " + pick("--recovery inprocess",
                                                                      'recovery="inprocess"'))
-        if self.replacement != inprocess.WAIT and self.recovery != inprocess.INPROCESS:
+        if self.replacement != recovery_settings.WAIT and self.recovery != recovery_settings.INPROCESS:
             raise SpecError(name("replacement"), self.replacement,
-                            f"{inprocess.WAIT} (the default) with {name('recovery')} {self.recovery}: "
+                            f"{recovery_settings.WAIT} (the default) with {name('recovery')} {self.recovery}: "
                             "a replacement that joins later exists only under in-process recovery",
                             pick(f"--recovery inprocess --replacement {self.replacement}",
                                  f'recovery="inprocess", replacement="{self.replacement}"'))

@@ -51,10 +51,12 @@ from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, peer_sockets, stop_deadline, stopping, succession
 from runtime.ending import outcome
-from hpc.contract import inprocess as proto_inproc
-from runtime.launch import (health, host_store, inprocess_adopt, inprocess_agent, inprocess_lifelines,
-                            inprocess_silent, inprocess_spare, quorum, rdzv_failure, rendezvous,
-                            spares, standby, warm_start)
+from hpc.contract import recovery_settings
+from runtime import node_files
+from runtime.inprocess.launcher import (adopt as inprocess_adopt, agent as inprocess_agent,
+                                        lifelines as inprocess_lifelines, silent as inprocess_silent,
+                                        spare as inprocess_spare)
+from runtime.launch import health, host_store, quorum, rdzv_failure, rendezvous, spares, warm_start
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
@@ -136,7 +138,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
     """Runs the elastic agent for ``plan`` (again, with a new rendezvous host, when the old one
     is lost and a majority survives: :mod:`runtime.succession`); returns the exit status.
     ``adopt``: the workers this launcher kept through the old host's loss (in-process
-    recovery, :mod:`runtime.launch.inprocess_adopt`): the new epoch's agent takes them."""
+    recovery, :mod:`runtime.inprocess.launcher.adopt`): the new epoch's agent takes them."""
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     for change in plan.env_changes:
         log.info("env %s", change.describe())
@@ -160,7 +162,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         inprocess_adopt.channel_path(os.getpid()).unlink(missing_ok=True)
     stale = forget_stale_orders()   # environments of workers killed before they could remove them
     if stale:
-        log.info("removed %d record(s) of ended processes from %s", len(stale), proto_inproc.private_dir())
+        log.info("removed %d record(s) of ended processes from %s", len(stale), node_files.private_dir())
     if lost_epoch is None:
         _slow_join_for_tests(plan)
     if lost_epoch is not None:   # this launcher was restarted to leave a stuck agent behind
@@ -177,7 +179,7 @@ def _fork_server(plan: LaunchPlan) -> warm_start.ForkServer | None:
     """This launcher's fork server, started now (its imports overlap the rendezvous), or None:
     off (``HPC_WARM_START=0``), or a command that is not a worker's."""
     argv = [sys.executable, *plan.argv]
-    if not warm_start.enabled(os.environ) or not standby.worker_command(argv):
+    if not warm_start.enabled(os.environ) or not warm_start.worker_command(argv):
         return None
     server = warm_start.ForkServer(sys.executable, plan.spec.script, os.environ)
     server.start()
@@ -298,9 +300,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         if keeps and not plan.is_rdzv_host and plan.launchers > 1 else None,
         stopping=lambda: bool(forwarder.received) or (fence is not None and fence.acted))
     if spec.recovery == "inprocess":
-        os.environ.pop(proto_inproc.CHANNEL_ENV, None)
+        os.environ.pop(recovery_settings.CHANNEL_ENV, None)
         os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint, keeps=keeps),
-                          **{proto_inproc.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
+                          **{recovery_settings.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
     join_timeout_s = rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)["join_timeout"]
     if not plan.is_rdzv_host and plan.launchers > 1:
         # A node that arrives after the host gave up must not knock at a gone store for minutes.
@@ -472,7 +474,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
 
 def _keep(board: succession.Board | None, spec: JobSpec) -> tuple[dict[int, int], str | None]:
     """This node's live in-process workers and why they cannot be kept through the rendezvous
-    host's loss (None: they are kept, :mod:`runtime.launch.inprocess_adopt`)."""
+    host's loss (None: they are kept, :mod:`runtime.inprocess.launcher.adopt`)."""
     kept = inprocess_adopt.live_workers(os.getpid())
     return kept, inprocess_adopt.why_not(succession=board is not None, spares=spec.spare_nodes,
                                          kept=kept, nproc=spec.nproc_per_node)
@@ -564,7 +566,7 @@ def _restart_launcher(children: list[int], epoch: int, adopt: dict[int, int] | N
 
 def inproc_host_lost(host: str, why: str, *, succession: bool, then: str | None = None) -> str:
     """The ``inproc_fallback`` reason when the rendezvous host is lost and this node's workers
-    cannot be kept (``then``: why not, :func:`runtime.launch.inprocess_adopt.why_not`) (pure)."""
+    cannot be kept (``then``: why not, :func:`runtime.inprocess.launcher.adopt.why_not`) (pure)."""
     then = then or ("a new rendezvous host is elected and the workers start again from the last checkpoint"
                     if succession else "no succession outside Slurm: the job ends as a node failure")
     return (f"the rendezvous host {host} is lost; its store carried the in-process membership "
@@ -577,7 +579,7 @@ class UnlessCutOff:
 
     A host that sees at most half of its epoch's nodes and cannot reach Slurm's controller is
     the one cut off: the others elect a new host and keep their workers
-    (:mod:`runtime.launch.inprocess_adopt`). Its own workers must not re-form alone and train
+    (:mod:`runtime.inprocess.launcher.adopt`). Its own workers must not re-form alone and train
     (and commit checkpoints) in the seconds before the survivors' election fences it: its
     fence stops them (:class:`_Fence`, the same rule). With the controller reachable the
     others are gone, not cut off: the host announces them and goes on, as before.
@@ -589,7 +591,7 @@ class UnlessCutOff:
     survivors then could not).
 
     Args:
-        announce: The announcement (:class:`~runtime.launch.inprocess_silent.LostNodes`).
+        announce: The announcement (:class:`~runtime.inprocess.launcher.silent.LostNodes`).
         members: The epoch's nodes.
         reachable: ``() -> bool``: can this node reach Slurm's controller? Asked when the nodes
             in sight are no majority; its answer stands for :data:`ASK_AGAIN_S`.

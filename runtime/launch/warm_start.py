@@ -16,11 +16,11 @@ the same pid.
 
 A worker starts cold, as before, when the server is not ready within :data:`READY_S`, has
 died, refuses (its imports started a thread), when the worker's environment differs from the
-server's in a variable an import may read (:func:`runtime.launch.standby.differences`; named
+server's in a variable an import may read (:func:`runtime.launch.warm_start.differences`; named
 in the log once), or when the command is not ``python -m runtime.worker``. ``HPC_WARM_START=0``
 turns it off (every worker its own interpreter). Under in-process recovery (``--recovery
 inprocess``) the workers of each start come from here too; a dead worker's joiner comes from the
-node's warm standby (:mod:`runtime.launch.standby`), which the in-process agent starts itself.
+node's warm standby (:mod:`runtime.inprocess.launcher.standby`), which the in-process agent starts itself.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime import node_files
 from hpc.contract.environment import WARM_START
-from runtime.launch.standby import PER_RANK, cold_because
 
 log = logging.getLogger("hpc.launch")
 
@@ -47,6 +47,40 @@ READY_S = 120.0   # the server's imports: a cold worker would spend the same, so
 ANSWER_S = 30.0   # one fork: milliseconds
 PR_SET_CHILD_SUBREAPER = 36
 
+# Variables a worker reads after its imports (the rendezvous, its rank, the store, its
+# process group's transport, W&B): a joiner's may differ from its standby's. Any other
+# difference could have changed what an import did (OMP_NUM_THREADS, a library path...).
+LATE_PREFIXES = ("HPC_", "TORCHELASTIC_", "MASTER_", "WANDB_", "NCCL_", "TORCH_NCCL_", "GLOO_")
+LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                        "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+# Not given to a standby: with them /proc would show it as a worker of a local rank.
+PER_RANK = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", recovery_settings.JOIN_ENV)
+
+
+def differences(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> list[str]:
+    """The variables that differ between a standby's environment and a joiner's and may be
+    read at import (pure): a joiner needs all of them equal to start from that standby."""
+    names = set(started_with) | set(wanted)
+    return sorted(n for n in names if started_with.get(n) != wanted.get(n)
+                  and not n.startswith(LATE_PREFIXES) and n not in LATE_NAMES)
+
+
+def cold_because(argv: Sequence[str], env: Mapping[str, str], python: str,
+                 started_with: Mapping[str, str]) -> str:
+    """Why the worker ``argv``/``env`` cannot come from a warm process started on ``python``
+    with ``started_with`` (pure but for the interpreters' paths), or "": not a worker's command
+    on that interpreter, or an environment that differs where an import may read it."""
+    if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(python):
+        return f"the command is not {python} -m runtime.worker: {list(argv)[:3]}"
+    if diff := differences(started_with, env):
+        return f"its environment differs in {', '.join(diff)}"
+    return ""
+
+
+def worker_command(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is a worker's command a standby can run (pure)."""
+    return len(argv) >= 4 and list(argv[1:3]) == ["-m", "runtime.worker"]
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """Whether workers are forked from the warm server (``HPC_WARM_START``, default on)."""
@@ -125,7 +159,7 @@ class ForkServer:
             ours, theirs = socket.socketpair()
             try:
                 self.proc = subprocess.Popen(
-                    [self.python, "-m", proto.FORK_MODULE, str(theirs.fileno()), self.script],
+                    [self.python, "-m", node_files.FORK_MODULE, str(theirs.fileno()), self.script],
                     env=self.env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                     start_new_session=True)
             finally:
@@ -181,7 +215,7 @@ class ForkServer:
                     self.told.add(why)
                     log.warning("warm start: a worker starts cold: %s", why)
                 return None
-            order = proto.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd())
+            order = node_files.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd())
             assert self.sock is not None
             try:
                 socket.send_fds(self.sock, [order.encode().encode() + b"\n"], list(fds))

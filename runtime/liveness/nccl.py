@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpc.contract import inprocess as inproc
+from hpc.contract import recovery_settings
 from runtime.liveness.deadline import StallPolicy, collective_timeout_s
 
 TRACE_ENTRIES = 2000
@@ -32,12 +32,12 @@ PIPE_PREFIX = "nccl-rank-"   # torch appends "<rank>.pipe"
 
 
 def nccl_defaults(*, gpus_per_node: int, policy: StallPolicy | None, log_dir: Path,
-                  heartbeat_dir: Path, recovery: str = inproc.RESTART) -> dict[str, tuple[str, str]]:
+                  heartbeat_dir: Path, recovery: str = recovery_settings.RESTART) -> dict[str, tuple[str, str]]:
     """The NCCL variables to set (name -> (value, reason)); for a CPU job only those of in-process
     recovery (``hpc run`` on a GPU node may not say ``--gpus-per-node``, and torch's agent would
     otherwise give each worker ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``)."""
     inprocess = {name: (value, f"in-process recovery: {why}")
-                 for name, (value, why, _) in inproc.NCCL_ENV.items()} if recovery == inproc.INPROCESS else {}
+                 for name, (value, why, _) in recovery_settings.NCCL_ENV.items()} if recovery == recovery_settings.INPROCESS else {}
     if not gpus_per_node:
         return inprocess
     wanted = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 
-from hpc.contract import inprocess as proto
+from runtime import node_files
 
 
 def _stat(pid: int, *, main_thread: bool = False) -> list[str] | None:
@@ -102,7 +102,7 @@ def workers(ppid: int, marker: str = "runtime.worker") -> list[int]:
 
 def cmdline(pid: int) -> list[str]:
     """The command line ``pid`` runs as ([] when unreadable): for a warm standby that became a
-    worker (:class:`hpc.contract.inprocess.Order`), the worker's."""
+    worker (:class:`runtime.node_files.Order`), the worker's."""
     order = _order(pid)
     return list(order.argv) if order is not None else _started_as(pid)
 
@@ -132,25 +132,25 @@ def _started_with(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
-def _order(pid: int) -> proto.Order | None:
+def _order(pid: int) -> node_files.Order | None:
     """A standby's or a forked worker's order, once it has one (None: neither, or a standby
     still waiting)."""
     started_as = _started_as(pid)
-    if proto.STANDBY_MODULE not in started_as and proto.FORK_MODULE not in started_as:
+    if node_files.STANDBY_MODULE not in started_as and node_files.FORK_MODULE not in started_as:
         return None
     try:
-        with open(proto.order_file(pid), "rb") as f:
-            return proto.Order.decode(f.read())
+        with open(node_files.order_file(pid), "rb") as f:
+            return node_files.Order.decode(f.read())
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def forget_stale_orders() -> list[str]:
-    """Removes the orders and channels (:func:`hpc.contract.inprocess.private_dir`) of processes
+    """Removes the orders and channels (:func:`runtime.node_files.private_dir`) of processes
     that are gone, or whose pid now runs something else: a worker killed with SIGKILL leaves
     its order (its whole environment) behind. Returns the names removed."""
     try:
-        root = proto.private_dir()
+        root = node_files.private_dir()
         names = os.listdir(root)
     except OSError:
         return []
@@ -161,7 +161,7 @@ def forget_stale_orders() -> list[str]:
         if ext != "json" or not pid.isdigit() or kind not in ("standby", "channel"):
             continue
         argv = _started_as(int(pid))
-        live = bool(argv) and (kind == "channel" or proto.STANDBY_MODULE in argv or proto.FORK_MODULE in argv)
+        live = bool(argv) and (kind == "channel" or node_files.STANDBY_MODULE in argv or node_files.FORK_MODULE in argv)
         if not live:
             try:
                 os.unlink(os.path.join(root, name))

@@ -180,7 +180,7 @@ def judge(ranks: Sequence[RankState], *, peer_progress_age_s: float | None = Non
         no kind yet) for :func:`weigh`.
     """
     # A rank recovering in-process (or joining) from that very loss is not stuck on it: its
-    # phase's budget applies (--recovery inprocess, runtime.worker.inprocess).
+    # phase's budget applies (--recovery inprocess, runtime.inprocess.worker).
     recovering = any(r.beat.phase in IN_PROCESS_PHASES and not r.stopped for r in ranks)
     if lost_peers and ranks and not recovering and min(r.age_s for r in ranks) >= QUIET_S:
         name, silent = max(lost_peers.items(), key=lambda kv: kv[1])

@@ -4,21 +4,21 @@ A worker's first seconds are python's start and its imports: torch, the Session'
 pulls in DTensor and sympy), DDP's ``torch._dynamo``, the script's own libraries. On the
 reference machine that is 4-8 CPU-s a worker, paid again by every worker at every restart.
 Each launcher starts one of these (:mod:`runtime.launch.warm_start`) as the job begins; it
-imports all that once (:func:`runtime.worker.standby.warm_up`) and then waits on its socket.
+imports all that once (:func:`runtime.worker.warm.warm_up`) and then waits on its socket.
 
-For each worker the launcher sends an :class:`~hpc.contract.inprocess.Order` (the command,
+For each worker the launcher sends an :class:`~runtime.node_files.Order` (the command,
 environment and directory a cold start would get) and the worker's stdin, stdout and stderr
 (``SCM_RIGHTS``). The server forks twice: the middle process exits at once, so the worker is
 reparented to the launcher (a child subreaper): it is the launcher's child as a cold worker is
 (torch's agent waits for it, the stall watch lists it, it dies with the launcher). The worker
 starts its own session (as torch's agent starts workers), records its order where ``/proc``
-readers look (:func:`hpc.contract.inprocess.order_file`), takes on the order
-(:func:`runtime.worker.standby.become`) and runs :func:`runtime.worker.start.main`, as ``python
+readers look (:func:`runtime.node_files.order_file`), takes on the order
+(:func:`runtime.worker.warm.become`) and runs :func:`runtime.worker.start.main`, as ``python
 -m runtime.worker SCRIPT ARGS`` would. The server answers with the worker's pid.
 
 What a fork shares that a cold start would not: the interpreter's state after the imports. A
 variable an import may read is the same by construction (the launcher only sends orders whose
-environment equals the server's there: :func:`runtime.launch.standby.differences`); the
+environment equals the server's there: :func:`runtime.launch.warm_start.differences`); the
 random generators are seeded afresh in each worker (Python's ``random`` does so itself at a
 fork; numpy's global one is reseeded here). A server whose imports started a Python thread
 (a lock it holds would stay held in the child) or loaded the CUDA driver (CUDA cannot be used
@@ -40,11 +40,10 @@ import threading
 import time
 from pathlib import Path
 
-from hpc.contract import inprocess as proto
+from runtime import node_files
 from hpc.contract import jobdir
 from hpc.contract.environment import JobEnvironment
-from runtime.worker.standby import name_process
-from runtime.worker.standby import become, warm_up
+from runtime.worker.warm import become, name_process, warm_up
 from runtime.worker.start import bind_to_parent
 
 W_AND_B_MODULES = ("wandb", "wandb.apis.public")
@@ -68,7 +67,7 @@ def _recv_order(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     return data, fds
 
 
-def _fork_worker(order: proto.Order, fds: list[int], sock: socket.socket) -> int:
+def _fork_worker(order: node_files.Order, fds: list[int], sock: socket.socket) -> int:
     """Forks the worker (through a middle process that exits, so the launcher adopts it);
     returns its pid once it leads its own session and its order is recorded. In the worker
     itself this function does not return: it runs the script, and its exit status leaves as
@@ -93,7 +92,7 @@ def _fork_worker(order: proto.Order, fds: list[int], sock: socket.socket) -> int
     return int(said)
 
 
-def _worker(order: proto.Order, fds: list[int], sock: socket.socket, r: int, w: int, middle: int) -> None:
+def _worker(order: node_files.Order, fds: list[int], sock: socket.socket, r: int, w: int, middle: int) -> None:
     """In the forked worker: its own session, the launcher as parent, the order's streams."""
     try:
         os.close(r)
@@ -106,7 +105,7 @@ def _worker(order: proto.Order, fds: list[int], sock: socket.socket, r: int, w: 
             os.close(fd)
         fds.clear()   # (the server's list: its cleanup has nothing left to close here)
         _fresh_state()
-        jobdir.write_atomic(Path(proto.order_file(os.getpid())), order.encode(), durable=False)
+        jobdir.write_atomic(Path(node_files.order_file(os.getpid())), order.encode(), durable=False)
         os.write(w, str(os.getpid()).encode())
         os.close(w)
     except BaseException as e:   # noqa: BLE001 - the server says why, the launcher starts it cold
@@ -169,7 +168,7 @@ def serve(sock: socket.socket) -> None:
                 raise OSError(f"it does not fork: {why}")
             if len(fds) != 3:
                 raise OSError(f"{len(fds)} descriptors came with the order, not 3")
-            order = proto.Order.decode(line)
+            order = node_files.Order.decode(line)
             sys.stdout.flush()
             sys.stderr.flush()
             answer = f"{_fork_worker(order, fds, sock)}\n"

@@ -1,7 +1,7 @@
 """The NCCL path's plumbing on CPU: the gpu tier's two scenarios with the NCCL plan on gloo.
 
 ``HPC_TEST_INPROC_PLAN=nccl`` runs every step of the NCCL plan that needs no CUDA
-(:func:`runtime.worker.inprocess.nccl.plan_for`): the gloo side group made beside the training
+(:func:`runtime.inprocess.worker.nccl.plan_for`): the gloo side group made beside the training
 group in the same order by members and joiners, the Session's control traffic and the state
 transfer over it, the thread's bound of every training all-reduce instead of a per-operation
 timeout, the optimizer's wait for the reduction, and the abort's search (no NCCL backend on

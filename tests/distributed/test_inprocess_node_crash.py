@@ -39,9 +39,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
+from runtime.inprocess import protocol as proto
 from hpc.contract import jobsecret
-from runtime.launch.inprocess_silent import LOST_S
+from runtime.inprocess.launcher.silent import LOST_S
 from tests.distributed.inprocess_support import SCRIPT, events, lines, wait_for
 from tests.distributed.support import launcher_pid
 

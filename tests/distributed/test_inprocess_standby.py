@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime import node_files
 from runtime.liveness import proc
 
 pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
@@ -35,7 +36,7 @@ STEPS = 120
 def hpc_run(out: Path, job: Path, warm: bool) -> subprocess.Popen[str]:
     out.mkdir()
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="60",
-               **{proto.WARM_ENV: "1" if warm else "0"})
+               **{recovery_settings.WARM_ENV: "1" if warm else "0"})
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nproc-per-node", "3",
                              "--recovery", "inprocess", "--max-restarts", "1", "--job-dir", str(job),
                              "--", "--out", str(out), "--steps", str(STEPS), "--step-sleep", "0.15"],
@@ -46,7 +47,7 @@ def standbys(job: Path) -> list[int]:
     """The job's standby processes (their command line names the standby module)."""
     out = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and proto.STANDBY_MODULE in proc.cmdline(int(entry.name)) \
+        if entry.name.isdigit() and node_files.STANDBY_MODULE in proc.cmdline(int(entry.name)) \
                 and proc.environ(int(entry.name)).get("HPC_JOB_DIR") == str(job):
             out.append(int(entry.name))
     return out

@@ -4,7 +4,7 @@ In-process recovery replaces a dead worker by a joiner. A worker ended by the al
 stop (SIGTERM forwarded on a preemption, or a cut-off rendezvous host's fence killing its
 workers) is no fault to recover from: starting a joiner in its place only delays the stop,
 and on the Slurm cluster a fenced host went on replacing the workers it had just killed
-(``runtime.launch.inprocess_agent``'s ``stopping``). Here a script that does not handle
+(``runtime.inprocess.launcher.agent``'s ``stopping``). Here a script that does not handle
 SIGTERM (it dies of it, as a script without the Session does) is stopped with SIGTERM: the
 launcher announces the deaths, starts no joiner, records no fallback to the restart path (there
 is none: the allocation stops), and the run ends preempted (exit 75), with no worker process

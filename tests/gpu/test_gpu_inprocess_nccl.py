@@ -1,4 +1,4 @@
-"""In-process recovery on NCCL: the abort path (runtime.worker.inprocess.nccl), through ``hpc run``.
+"""In-process recovery on NCCL: the abort path (runtime.inprocess.worker.nccl), through ``hpc run``.
 
 The real launcher, torch's elastic agent and Session workers (``inproc_train.py``, DDP on CUDA,
 so the training group is NCCL) with ``--recovery inprocess``. Two tests, for what each GPU

@@ -161,7 +161,7 @@ def workers(node: str) -> set[int]:
     found = set()
     for pid in map(int, out):
         # The command line a worker runs (a warm standby that became a joiner: its order's);
-        # an idle standby (``runtime.worker.standby``) is no worker.
+        # an idle standby (``runtime.inprocess.worker.standby``) is no worker.
         argv = proc.cmdline(pid)
         if "runtime.worker" in argv and any(a.endswith("train_gpt.py") for a in argv):
             found.add(pid)

@@ -17,38 +17,40 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
-from hpc.contract.inprocess import Arrival, Members, plan_members
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.protocol import Arrival, Members
+from runtime.inprocess.rules import plan_members
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_rank_holds_its_old_step_untouched_the_agreed_one_loaded_and_nothing_half_loaded():
-    assert proto.held_after(7, 9, proto.UNTOUCHED) == 7
-    assert proto.held_after(7, 9, proto.LOADED) == 9
-    assert proto.held_after(7, 9, proto.LOADING) == proto.HOLDS_NOTHING == -1
+    assert rules.held_after(7, 9, proto.UNTOUCHED) == 7
+    assert rules.held_after(7, 9, proto.LOADED) == 9
+    assert rules.held_after(7, 9, proto.LOADING) == proto.HOLDS_NOTHING == -1
     with pytest.raises(ValueError, match="phase 'half'.*untouched, loading or loaded"):
-        proto.held_after(7, 9, "half")
+        rules.held_after(7, 9, "half")
 
 
 def test_a_half_loaded_rank_is_never_the_source_even_at_the_lowest_rank():
     # Generation 1 agreed on step 9 (its source, old rank 3, then died mid-transfer): old rank 0
     # had begun to load it, old rank 1 had not (still 7), old rank 2 had loaded it whole.
-    arrivals = [Arrival("a/1", 0, proto.held_after(7, 9, proto.LOADING)),
-                Arrival("b/1", 1, proto.held_after(7, 9, proto.UNTOUCHED)),
-                Arrival("c/1", 2, proto.held_after(7, 9, proto.LOADED))]
+    arrivals = [Arrival("a/1", 0, rules.held_after(7, 9, proto.LOADING)),
+                Arrival("b/1", 1, rules.held_after(7, 9, proto.UNTOUCHED)),
+                Arrival("c/1", 2, rules.held_after(7, 9, proto.LOADED))]
     m = plan_members(2, arrivals, old=["a/1", "b/1", "c/1", "d/1"], reason="second fault")
     assert (m.step, m.source, m.uids[m.source]) == (9, 2, "c/1")
     # Without the loaded one, the untouched rank's older step is the one every rank goes on from.
     m = plan_members(2, arrivals[:2], old=["a/1", "b/1", "c/1"], reason="second fault")
     assert (m.step, m.source, m.uids[m.source]) == (7, 1, "b/1")
-    assert proto.repeats(m, 3) is None
+    assert rules.repeats(m, 3) is None
 
 
 def test_with_no_step_held_whole_the_generation_has_no_source_and_every_member_gives_up():
-    from runtime.worker.inprocess.membership import Membership
-    from runtime.worker.inprocess.peers import ShardedFallback
-    from runtime.worker.inprocess.recovery import InProcess
+    from runtime.inprocess.worker.membership import Membership
+    from runtime.inprocess.worker.peers import ShardedFallback
+    from runtime.inprocess.worker.recovery import InProcess
 
     store = dist.HashStore()
     inp = InProcess(store, rank=0, world_size=1, timeout=timedelta(seconds=5), step_bound_s=lambda: 5.0)
@@ -66,8 +68,8 @@ def test_with_no_step_held_whole_the_generation_has_no_source_and_every_member_g
 def test_the_transfer_marks_a_receiver_half_loaded_until_its_whole_state_is_loaded(monkeypatch):
     # The received state is loaded part by part after the broadcast: a failure in between
     # leaves the model overwritten and the optimizer not, which the phase must say.
-    from runtime.worker.inprocess import recovery
-    from runtime.worker.inprocess.recovery import InProcess
+    from runtime.inprocess.worker import recovery
+    from runtime.inprocess.worker.recovery import InProcess
 
     torch.manual_seed(0)
     inp = InProcess(dist.HashStore(), rank=1, world_size=2, timeout=timedelta(seconds=5),
@@ -83,7 +85,7 @@ def test_the_transfer_marks_a_receiver_half_loaded_until_its_whole_state_is_load
         inp._transfer(members, held=9)
     assert torch.equal(model.weight, source.weight), "the model part was loaded"
     assert inp._phase == proto.LOADING
-    assert proto.held_after(9, members.step, inp._phase) == proto.HOLDS_NOTHING
+    assert rules.held_after(9, members.step, inp._phase) == proto.HOLDS_NOTHING
 
     sent["optims"] = [inp.optimizers[0].state_dict()]
     inp._phase = proto.UNTOUCHED

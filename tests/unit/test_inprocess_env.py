@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 
@@ -53,8 +53,8 @@ def test_good_values_pass(name: str, value: str) -> None:
 
 
 def test_the_workers_parse_the_same_way() -> None:
-    assert proto.parse_window_s("") == proto.DEFAULT_WINDOW_S and proto.parse_window_s("2.5") == 2.5
-    assert proto.parse_timeout_s("") is None and proto.parse_timeout_s("30") == 30.0
+    assert recovery_settings.parse_window_s("") == recovery_settings.DEFAULT_WINDOW_S and recovery_settings.parse_window_s("2.5") == 2.5
+    assert recovery_settings.parse_timeout_s("") is None and recovery_settings.parse_timeout_s("30") == 30.0
     for bad in ("nan", "0", "x"):
         with pytest.raises(ValueError, match="HPC_INPROC_WINDOW_S"):
-            proto.parse_window_s(bad)
+            recovery_settings.parse_window_s(bad)

@@ -8,8 +8,8 @@ import threading
 
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
-from runtime.worker.inprocess.membership import Membership, joiners_waiting
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.worker.membership import Membership, joiners_waiting
 
 
 def test_a_joiner_is_taken_in_with_the_last_rank_and_a_spare_beyond_the_largest_world_waits():

@@ -20,8 +20,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
-from runtime.worker.inprocess.membership import FOLLOW_SLICE_S, Membership
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.worker.membership import FOLLOW_SLICE_S, Membership
 
 OLD = ("n0/leader", "n1/follower", "n2/busy")
 SILENT_S = 1.5
@@ -74,7 +74,7 @@ LEADER = """
 import sys, time
 from datetime import timedelta
 import torch.distributed as dist
-from runtime.worker.inprocess.membership import FOLLOW_SLICE_S, Membership
+from runtime.inprocess.worker.membership import FOLLOW_SLICE_S, Membership
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
 m = Membership(store, "n0/leader", window_s=0.2)
 m.uids = ("n0/leader", "n1/follower", "n2/busy")

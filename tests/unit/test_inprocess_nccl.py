@@ -1,4 +1,4 @@
-"""The NCCL path's decisions (runtime.worker.inprocess.nccl): the plan per backend, the
+"""The NCCL path's decisions (runtime.inprocess.worker.nccl): the plan per backend, the
 environment, and the bound of a training all-reduce.
 
 The plan and the environment are pure. The bound is tested on real gloo operations (two ranks
@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from runtime.worker.inprocess import nccl  # noqa: E402
-from runtime.worker.inprocess.guard import StepGuard  # noqa: E402
+from runtime.inprocess.worker import nccl  # noqa: E402
+from runtime.inprocess.worker.guard import StepGuard  # noqa: E402
 
 
 @pytest.mark.unit
@@ -245,7 +245,7 @@ class _UnreadableWork:
 @pytest.mark.unit
 def test_an_unreadable_work_exception_is_decided_by_the_future_and_a_real_error_still_fails() -> None:
     """On an H200 (torch 2.11) every NCCL step failed with that TypeError, no NCCL error logged."""
-    from runtime.worker.inprocess.guard import work_error
+    from runtime.inprocess.worker.guard import work_error
 
     assert work_error(_UnreadableWork(None)) is None   # the operation ended well: the step goes on
     err = work_error(_UnreadableWork(RuntimeError("NCCL communicator was aborted")))

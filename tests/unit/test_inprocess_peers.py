@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.contract.inprocess import JOINER_RANK, Arrival, plan_members
-from runtime.worker.inprocess.peers import LIVE, OWN, PEER, Holding, NoCopy, agree, holders, owners
+from runtime.inprocess.protocol import JOINER_RANK, Arrival
+from runtime.inprocess.rules import plan_members
+from runtime.inprocess.worker.peers import LIVE, OWN, PEER, Holding, NoCopy, agree, holders, owners
 
 
 def test_ring_over_two_nodes_of_two_keeps_each_copy_on_the_other_node():
@@ -88,7 +89,7 @@ def test_sharded_re_form_keeps_ranks_and_the_joiner_takes_the_lost_one():
 
 
 def test_copy_options_default_and_refuse_bad_values_naming_the_variable():
-    from runtime.worker.inprocess.shard_copy import options
+    from runtime.inprocess.worker.shard_copy import options
 
     assert options({}) == (1, 4096 * 2**20)
     assert options({"HPC_INPROC_COPY_EVERY": "5", "HPC_INPROC_COPY_MAX_MB": "0.5"}) == (5, 2**19)
@@ -97,7 +98,7 @@ def test_copy_options_default_and_refuse_bad_values_naming_the_variable():
 
 
 def test_copies_over_the_memory_bound_are_refused_with_the_value_and_the_limit():
-    from runtime.worker.inprocess.shard_copy import CopyLimit, check_bound
+    from runtime.inprocess.worker.shard_copy import CopyLimit, check_bound
 
     assert check_bound(2**20, kept=1, max_bytes=4 * 2**20, rank=3) == 4 * 2**20   # 2 own + 2 kept
     with pytest.raises(CopyLimit) as e:
@@ -107,7 +108,7 @@ def test_copies_over_the_memory_bound_are_refused_with_the_value_and_the_limit()
 
 
 def test_a_snapshot_over_one_percent_of_the_steps_between_copies_is_said_once_with_the_interval(caplog):
-    from runtime.worker.inprocess.shard_copy import PeerCopies
+    from runtime.inprocess.worker.shard_copy import PeerCopies
 
     copies = PeerCopies([], [], {}, every=2, max_bytes=1, node="a")
     copies.snapshot_s, copies.snapshots = 0.006, 3        # 2 ms a snapshot
@@ -121,7 +122,7 @@ def test_a_snapshot_over_one_percent_of_the_steps_between_copies_is_said_once_wi
 
 
 def test_the_advised_copy_interval_keeps_the_snapshot_within_one_percent_of_a_step_without_it():
-    from runtime.worker.inprocess.shard_copy import advised_every
+    from runtime.inprocess.worker.shard_copy import advised_every
 
     assert advised_every(0.002, 0.1, every=2) is None          # 1 % exactly: fine
     assert advised_every(0.002, 0.1, every=1) == 2
@@ -134,7 +135,7 @@ def test_a_copy_every_step_is_advised_against_the_step_without_its_snapshot(capl
     """The Session times a step from one boundary to the next, so with a copy every step the
     step time it hands over holds the previous snapshot: 40 ms of snapshot in 140-ms steps is
     4 % of the 100-ms step, and needs a copy every 40 steps (29 was advised: 1.4 %)."""
-    from runtime.worker.inprocess import shard_copy
+    from runtime.inprocess.worker import shard_copy
 
     clock = [0.0]
     monkeypatch.setattr(shard_copy.time, "perf_counter", lambda: clock[0])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
 from hpc.contract.errors import SpecError
-from hpc.contract.inprocess import Arrival, close_decision, plan_members
+from runtime.inprocess.protocol import Arrival
+from runtime.inprocess.rules import close_decision, plan_members
 
 OLD = ("n1/10", "n1/11", "n2/20")
 
@@ -50,9 +53,9 @@ def test_an_arrival_counted_twice_is_one_member_and_joiners_alone_hold_no_state(
 
 
 def test_the_recovery_mode_is_validated_with_the_valid_ones_named():
-    assert proto.parse_recovery(" InProcess ") == "inprocess"
+    assert recovery_settings.parse_recovery(" InProcess ") == "inprocess"
     with pytest.raises(SpecError, match="restart or inprocess"):
-        proto.parse_recovery("in-process")
+        recovery_settings.parse_recovery("in-process")
 
 
 def test_the_jobspec_refuses_an_unknown_recovery_naming_the_flag():
@@ -111,10 +114,10 @@ def test_a_promised_replacement_is_waited_for_until_it_joins_or_its_time_runs_ou
 def test_joiners_fill_the_world_up_to_its_largest_size_in_join_order_the_dead_skipped():
     js = [Arrival("s/1", proto.JOINER_RANK, -1), Arrival("s/2", proto.JOINER_RANK + 1, -1),
           Arrival("s/3", proto.JOINER_RANK + 2, -1)]
-    assert proto.admit(js, members=2, max_world=3) == (js[0],)   # a hot spare stays a spare
-    assert proto.admit(js, members=2, max_world=4, dead=["s/1"]) == (js[1], js[2])
-    assert proto.admit(js, members=4, max_world=4) == ()
-    m = plan_members(2, [Arrival("n1/10", 0, 7), *proto.admit(js, members=1, max_world=2)],
+    assert rules.admit(js, members=2, max_world=3) == (js[0],)   # a hot spare stays a spare
+    assert rules.admit(js, members=2, max_world=4, dead=["s/1"]) == (js[1], js[2])
+    assert rules.admit(js, members=4, max_world=4) == ()
+    m = plan_members(2, [Arrival("n1/10", 0, 7), *rules.admit(js, members=1, max_world=2)],
                      old=("n1/10",), reason="joined")
     assert m.uids == ("n1/10", "s/1") and m.source == 0 and m.step == 7
 
@@ -148,12 +151,12 @@ def test_the_cli_refuses_a_bad_replacement_naming_the_flag_and_the_valid_ones(tm
 def test_a_closed_lifeline_names_a_worker_dead_only_on_evidence_that_no_replacement_is_coming():
     closed = {"n2/11": "n2/10", "n3/21": "n3/20"}   # worker -> its launcher
     # wait: a live launcher promises a joiner and announces itself; a gone launcher cannot
-    assert proto.lifeline_dead(closed, set(), replacement="wait") == []
-    assert proto.lifeline_dead(closed, {"n3/20"}, replacement="wait") == ["n3/21"]
+    assert rules.lifeline_dead(closed, set(), replacement="wait") == []
+    assert rules.lifeline_dead(closed, {"n3/20"}, replacement="wait") == ["n3/21"]
     # shrink: nobody waits for a replacement, so a closed line is enough
-    assert proto.lifeline_dead(closed, set(), replacement="shrink") == ["n2/11", "n3/21"]
+    assert rules.lifeline_dead(closed, set(), replacement="shrink") == ["n2/11", "n3/21"]
     # a line still open (slow, stopped, cut off) is never in ``closed``: never named
-    assert proto.lifeline_dead({}, {"n3/20"}, replacement="shrink") == []
+    assert rules.lifeline_dead({}, {"n3/20"}, replacement="shrink") == []
     hello = proto.Hello("worker", "n2/11", parent="n2/10", space="hpc/inproc/n1:29500")
     key = bytes(range(32))
     assert proto.Hello.parse(hello.line(key), key) == hello

@@ -23,11 +23,13 @@ import pytest
 import torch.distributed as dist
 
 from hpc.contract import environment as job_env
-from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_adopt as adopt
+from hpc.contract import recovery_settings
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.launcher import adopt
 from runtime.liveness import proc
-from runtime.worker.inprocess import rebind
-from runtime.worker.inprocess.membership import Membership
+from runtime.inprocess.worker import rebind
+from runtime.inprocess.worker.membership import Membership
 
 
 def test_workers_are_kept_only_with_succession_no_spares_and_every_local_rank_alive():
@@ -49,7 +51,7 @@ def test_the_adopt_value_round_trips_and_ignores_junk():
 
 def test_lost_uids_are_the_workers_on_hosts_outside_the_new_epoch():
     uids = ["node1/10", "node1/11", "node2/20", "node3/30"]
-    assert proto.lost_uids(uids, ["node2", "node3"]) == ["node1/10", "node1/11"]
+    assert rules.lost_uids(uids, ["node2", "node3"]) == ["node1/10", "node1/11"]
     rec = proto.Rebind(1, "node2:29400", "hpc/inproc/node2:4000", ("node2", "node3"))
     assert proto.Rebind.decode(rec.encode()) == rec
 
@@ -161,7 +163,7 @@ def test_survivors_re_form_in_a_store_without_history_and_do_not_wait_for_the_lo
     survivors = [Membership(new, u, window_s=60.0) for u in old[2:]]
     for m in survivors:
         m.gen, m.uids = 4, old
-        for u in proto.lost_uids(m.uids, ["node2", "node3"]):
+        for u in rules.lost_uids(m.uids, ["node2", "node3"]):
             new.set(proto.dead(u), "lost with its node")
     got: dict[str, object] = {}
     steps = {"node2/3": 17, "node2/4": 17, "node3/5": 18, "node3/6": 17}
@@ -326,7 +328,7 @@ def test_an_adopted_workers_joiner_writes_where_the_worker_wrote(tmp_path: Path)
             p.kill()
             p.wait()
     assert launch["outs"] == {0: str(log), 1: ""}
-    assert launch["envs"][0][proto.STORE_ENV] == "node2:29413"
+    assert launch["envs"][0][recovery_settings.STORE_ENV] == "node2:29413"
     # The new epoch: with the worker's own (0), the joiner's epoch watch took the current
     # epoch's record for a new one and broke its connections to the new store.
     assert launch["envs"][0][job_env.RDZV_EPOCH] == "1"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.worker.inprocess.guard import StepGuard
+from runtime.inprocess.worker.guard import StepGuard
 
 
 def test_a_failed_steps_scheduler_step_does_not_leak_its_lr_into_the_redo():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.worker.inprocess import guard as guard_mod
-from runtime.worker.inprocess.guard import PeerLost, StepGuard
+from runtime.inprocess.worker import guard as guard_mod
+from runtime.inprocess.worker.guard import PeerLost, StepGuard
 
 
 class _Work:

@@ -1,8 +1,8 @@
-"""The pure rules of runtime.launch.inprocess_silent: which worker is frozen, whose workers a lost node held."""
+"""The pure rules of runtime.inprocess.launcher.silent: which worker is frozen, whose workers a lost node held."""
 
 from __future__ import annotations
 
-from runtime.launch.inprocess_silent import StoppedWorkers, victims
+from runtime.inprocess.launcher.silent import StoppedWorkers, victims
 
 
 def test_a_worker_stopped_for_two_seconds_is_frozen():

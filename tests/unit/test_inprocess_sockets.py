@@ -1,4 +1,4 @@
-"""Breaking an abandoned gloo group's connections (runtime.worker.inprocess.sockets), on real gloo.
+"""Breaking an abandoned gloo group's connections (runtime.inprocess.worker.sockets), on real gloo.
 
 Two real gloo process groups (ranks 0 and 1 of one world, in two threads of this process). Rank
 1 posts an all-reduce rank 0 never joins, with a 60-s bound, as the guard's released all-reduce
@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from runtime.worker.inprocess import sockets  # noqa: E402
+from runtime.inprocess.worker import sockets  # noqa: E402
 
 
 def two_groups() -> tuple[list, sockets.Captured]:

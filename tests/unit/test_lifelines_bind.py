@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.launch.inprocess_lifelines import Lifelines, listen_host
+from runtime.inprocess.launcher.lifelines import Lifelines, listen_host
 
 pytestmark = pytest.mark.unit
 

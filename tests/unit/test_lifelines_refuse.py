@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_lifelines
-from runtime.launch.inprocess_lifelines import MAX_PENDING, Lifelines
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.launcher import lifelines as inprocess_lifelines
+from runtime.inprocess.launcher.lifelines import MAX_PENDING, Lifelines
 
 pytestmark = pytest.mark.unit
 KEY = bytes(range(32))

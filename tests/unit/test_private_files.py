@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.contract import inprocess as proto
+from runtime import node_files
+from runtime.inprocess import protocol as proto
 from hpc.contract import jobdir
 
 pytestmark = pytest.mark.unit
@@ -20,7 +21,7 @@ NOBODY = 65534
 
 
 def test_an_order_is_written_0600_in_a_0700_directory_and_another_user_cannot_read_it() -> None:
-    path = proto.order_file(999_999_999)
+    path = node_files.order_file(999_999_999)
     jobdir.write_atomic(Path(path), '{"env": {"WANDB_API_KEY": "k" }}', durable=False)
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -45,23 +46,23 @@ def test_a_directory_another_user_made_first_is_not_used(tmp_path: Path,
         os.chown(d, NOBODY, NOBODY)
     try:
         with pytest.raises(OSError, match="not a directory of this user's alone"):
-            proto.private_dir()
+            node_files.private_dir()
         os.chown(planted[1], fake, fake)              # ours, but open to others
         os.chmod(planted[1], 0o755)
         with pytest.raises(OSError, match="mode 755"):
-            proto.private_dir()
+            node_files.private_dir()
         os.chmod(planted[1], 0o700)
-        assert proto.private_dir() == str(planted[1])
+        assert node_files.private_dir() == str(planted[1])
     finally:
         planted[0].rmdir()
 
 
 def test_the_channel_file_for_kept_workers_is_private_too() -> None:
-    from runtime.launch import inprocess_adopt
+    from runtime.inprocess.launcher import adopt as inprocess_adopt
 
     path = inprocess_adopt.publish(999_999_998, proto.Rebind(1, "127.0.0.1:1", "s", ("a",)))
     try:
-        assert path.parent == Path(proto.private_dir()) and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert path.parent == Path(node_files.private_dir()) and stat.S_IMODE(path.stat().st_mode) == 0o600
         assert proto.Rebind.decode(path.read_text()).epoch == 1
     finally:
         path.unlink()
@@ -77,13 +78,13 @@ def test_records_of_ended_processes_are_removed_and_live_ones_kept() -> None:
 
     from runtime.liveness.proc import forget_stale_orders
 
-    root = Path(proto.private_dir())
+    root = Path(node_files.private_dir())
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", proto.FORK_MODULE])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", node_files.FORK_MODULE])
     files: dict[str, Path] = {}
     try:
-        while proto.FORK_MODULE not in Path(f"/proc/{live.pid}/cmdline").read_bytes().decode():
+        while node_files.FORK_MODULE not in Path(f"/proc/{live.pid}/cmdline").read_bytes().decode():
             time.sleep(0.01)   # until it runs its own command line (before its exec: ours)
         files = {name: root / name for name in (f"standby-{ended.pid}.json", f"standby-{os.getpid()}.json",
                                                 f"standby-{live.pid}.json", f"channel-{ended.pid}.json")}

@@ -37,6 +37,18 @@ ROOMS: dict[str, tuple[str, str]] = {
     "liveness": (SHARED, "workers write heartbeats and stacks; the launcher's watchdog reads them"),
 }
 
+# A feature's wing: one folder of runtime/ that holds the whole feature, its sub-rooms named for
+# the process that runs each file; the modules at the top of the wing are pure and both sides'.
+WINGS: dict[str, dict[str, tuple[str, str]]] = {
+    "inprocess": {   # recovery without restart: docs/inprocess.md
+        "launcher": (LAUNCHER, "the per-node launcher: its agent, adoption, lifelines, silent-loss "
+                               "watch, hot spare and warm standby"),
+        "worker": (WORKER, "every training process: the recovery's stages, guards, membership, "
+                           "transfers, shard copies, rebind; the warm standby process"),
+    },
+}
+WING_TOP = SHARED   # a wing's own top modules (its protocol and its pure rules)
+
 TOP: dict[str, tuple[str, str]] = {
     # module at the top of runtime/: (side, who runs it)
     "session": (WORKER, "the user's import path: from runtime.session import Session"),
@@ -47,6 +59,8 @@ TOP: dict[str, tuple[str, str]] = {
     "preemption": (SHARED, "the warning -> deadline -> save-or-exit rules (launcher and workers)"),
     "stopping": (SHARED, "the agreed stop notice: the launcher writes it, the workers obey it"),
     "stop_deadline": (SHARED, "when a stop becomes a kill, read by the launcher and the workers"),
+    "node_files": (SHARED, "the user's private node-local directory and the warm processes' orders kept there "
+                           "(the launcher writes them, workers and /proc readers read them)"),
     "peer_sockets": (SHARED, "a lost store's connections shut down (the launcher's fence, the workers' rebind)"),
     "succession": (SHARED, "the rendezvous board: launchers elect, checkpoints are fenced by it"),
     "exclusions": (SHARED, "bad nodes: the launcher and its watchdog record, the batch shell "
@@ -68,6 +82,10 @@ def side_of(module: str) -> str | None:
         return SHARED if parts == ["runtime"] else None
     if parts[1] in ROOMS:
         return ROOMS[parts[1]][0]
+    if parts[1] in WINGS:
+        if len(parts) == 2 or (len(parts) == 3 and parts[2] not in WINGS[parts[1]]):
+            return WING_TOP
+        return WINGS[parts[1]][parts[2]][0]
     if len(parts) == 2 and parts[1] in TOP:
         return TOP[parts[1]][0]
     return None
@@ -95,6 +113,8 @@ def test_every_runtime_module_has_a_room() -> None:
 def test_declared_rooms_and_top_modules_exist() -> None:
     root = Path(__file__).resolve().parents[2] / "runtime"
     assert sorted(r for r in ROOMS if not (root / r / "__init__.py").is_file()) == []
+    assert sorted(f"{w}/{r}" for w, rooms in WINGS.items() for r in rooms
+                  if not (root / w / r / "__init__.py").is_file()) == []
     assert sorted(t for t in TOP if not (root / f"{t}.py").is_file()) == []
 
 
@@ -118,3 +138,24 @@ def test_the_rule_catches_each_kind_of_crossing() -> None:
     assert [c.split(":")[0] for c in crossings(edges)] == [
         "runtime.ending.outcome", "runtime.session", "runtime.stopping", "runtime.worker.metrics"]
     assert side_of("runtime.newfile") is None and side_of("runtime.launch.newfile") == LAUNCHER
+    assert side_of("runtime.inprocess.launcher.agent") == LAUNCHER
+    assert side_of("runtime.inprocess.worker.recovery") == WORKER
+    assert side_of("runtime.inprocess.protocol") == SHARED == side_of("runtime.inprocess")
+
+
+def test_a_feature_lives_in_its_wing_and_no_file_name_carries_its_prefix() -> None:
+    """In-process recovery is one place, ``runtime/inprocess/``: no module elsewhere in
+    ``runtime/`` or the contract is named for it (the login side's report of its events,
+    ``hpc/report/inproc.py``, is the report's), and no file name carries a feature prefix
+    (``inprocess_agent.py`` beside the launcher's own modules is how a feature grows beside the
+    structure instead of into it)."""
+    root = Path(__file__).resolve().parents[2]
+    def in_a_wing(f: Path) -> bool:
+        return f.is_relative_to(root / "runtime") and f.relative_to(root / "runtime").parts[0] in WINGS
+
+    stray = sorted(str(f.relative_to(root)) for top in ("runtime", "hpc/contract") for f in (root / top).rglob("*.py")
+                   if any(w in f.stem for w in ("inprocess", "inproc", "standby")) and not in_a_wing(f))
+    assert stray == [], f"in-process code outside runtime/inprocess/: {stray}"
+    prefixed = sorted(str(f.relative_to(root)) for f in (root / "runtime").rglob("*.py")
+                      if any(f.stem.startswith(w + "_") for w in WINGS))
+    assert prefixed == [], f"a wing's name as a file-name prefix: {prefixed}"

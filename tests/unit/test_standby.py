@@ -16,38 +16,40 @@ from pathlib import Path
 
 import pytest
 
-from hpc.contract import inprocess as proto
-from runtime.launch import standby
+from hpc.contract import recovery_settings
+from runtime import node_files
+from runtime.inprocess.launcher import standby
+from runtime.launch import warm_start
 from runtime.liveness import proc
-from runtime.worker.standby import script_imports
+from runtime.worker.warm import script_imports
 
 pytestmark = pytest.mark.unit
 
 
 def test_only_variables_read_after_the_imports_may_differ():
     base = {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin", "HPC_JOB_DIR": "/j", "RANK": "0"}
-    joiner = {**base, "RANK": "2", "LOCAL_RANK": "2", proto.JOIN_ENV: "1", "MASTER_PORT": "29500",
+    joiner = {**base, "RANK": "2", "LOCAL_RANK": "2", recovery_settings.JOIN_ENV: "1", "MASTER_PORT": "29500",
               "TORCHELASTIC_ERROR_FILE": "/e", "HPC_PENDING_WARNING": "SIGUSR2@1.0", "NCCL_DEBUG": "INFO"}
-    assert standby.differences(base, joiner) == []
+    assert warm_start.differences(base, joiner) == []
     # torch reads OMP_NUM_THREADS when imported; a library path changes what loads
-    assert standby.differences(base, {**joiner, "OMP_NUM_THREADS": "4"}) == ["OMP_NUM_THREADS"]
-    assert standby.differences(base, {**joiner, "LD_LIBRARY_PATH": "/x"}) == ["LD_LIBRARY_PATH"]
-    assert standby.differences({**base, "MKL_NUM_THREADS": "1"}, joiner) == ["MKL_NUM_THREADS"]
+    assert warm_start.differences(base, {**joiner, "OMP_NUM_THREADS": "4"}) == ["OMP_NUM_THREADS"]
+    assert warm_start.differences(base, {**joiner, "LD_LIBRARY_PATH": "/x"}) == ["LD_LIBRARY_PATH"]
+    assert warm_start.differences({**base, "MKL_NUM_THREADS": "1"}, joiner) == ["MKL_NUM_THREADS"]
 
 
 def test_the_switch_and_the_command_a_standby_can_run():
-    assert standby.enabled({}) and standby.enabled({proto.WARM_ENV: "1"})
-    assert not standby.enabled({proto.WARM_ENV: "0"}) and not standby.enabled({proto.WARM_ENV: "off"})
-    assert standby.worker_command(["/py", "-m", "runtime.worker", "train.py", "--x"])
-    assert not standby.worker_command(["/py", "-u", "-m", "runtime.worker", "train.py"])
-    assert not standby.worker_command(["/py", "train.py"])
+    assert standby.enabled({}) and standby.enabled({recovery_settings.WARM_ENV: "1"})
+    assert not standby.enabled({recovery_settings.WARM_ENV: "0"}) and not standby.enabled({recovery_settings.WARM_ENV: "off"})
+    assert warm_start.worker_command(["/py", "-m", "runtime.worker", "train.py", "--x"])
+    assert not warm_start.worker_command(["/py", "-u", "-m", "runtime.worker", "train.py"])
+    assert not warm_start.worker_command(["/py", "train.py"])
 
 
 def test_the_order_round_trips():
-    order = proto.Order(argv=("/py", "-m", "runtime.worker", "a b.py", "--lr=1"),
+    order = node_files.Order(argv=("/py", "-m", "runtime.worker", "a b.py", "--lr=1"),
                         env={"A": "1", "B": "x=y"}, cwd="/w", stdout="/l/rank-2.log")
-    assert proto.Order.decode(order.encode()) == order
-    assert proto.order_file(123).endswith(f"/hpc-{os.getuid()}/standby-123.json")
+    assert node_files.Order.decode(order.encode()) == order
+    assert node_files.order_file(123).endswith(f"/hpc-{os.getuid()}/standby-123.json")
 
 
 def test_a_scripts_libraries_are_warmed_not_its_own_modules(tmp_path: Path):
@@ -70,12 +72,12 @@ def _sleeper(*extra: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def test_a_standby_that_became_a_worker_is_seen_as_that_worker():
-    idle = _sleeper(proto.STANDBY_MODULE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    idle = _sleeper(node_files.STANDBY_MODULE, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert idle.pid not in proc.workers(os.getpid())   # idle: not a worker, not a local rank
-        order = proto.Order(argv=(sys.executable, "-m", "runtime.worker", "train.py"),
+        order = node_files.Order(argv=(sys.executable, "-m", "runtime.worker", "train.py"),
                             env={"LOCAL_RANK": "2", "OMP_NUM_THREADS": "1"}, cwd="/")
-        path = Path(proto.order_file(idle.pid))
+        path = Path(node_files.order_file(idle.pid))
         path.write_text(order.encode())
         try:
             assert idle.pid in proc.workers(os.getpid())
@@ -88,17 +90,17 @@ def test_a_standby_that_became_a_worker_is_seen_as_that_worker():
         idle.wait()
     other = _sleeper()   # an order file is read only for a standby's command line
     try:
-        Path(proto.order_file(other.pid)).write_text(order.encode())
+        Path(node_files.order_file(other.pid)).write_text(order.encode())
         assert proc.cmdline(other.pid)[:2] == [sys.executable, "-c"]
     finally:
-        Path(proto.order_file(other.pid)).unlink()
+        Path(node_files.order_file(other.pid)).unlink()
         other.kill()
         other.wait()
 
 
 def test_a_joiner_starts_cold_when_its_standby_was_started_otherwise():
     warm = standby.Standby()
-    warm.proc = _sleeper(proto.STANDBY_MODULE)
+    warm.proc = _sleeper(node_files.STANDBY_MODULE)
     warm.python, warm.env = sys.executable, {"OMP_NUM_THREADS": "2", "PATH": "/bin"}
     argv = [sys.executable, "-m", "runtime.worker", "train.py"]
     try:
@@ -108,12 +110,12 @@ def test_a_joiner_starts_cold_when_its_standby_was_started_otherwise():
         got = warm.take(argv, {**warm.env, "RANK": "2"}, stdout="/l/rank-2.log")
         assert got is not None and warm.proc is None and warm.handed == [got.pid]
         assert got.wait(timeout=30) == 0   # (the stand-in read its order and ended)
-        assert proto.Order.decode(Path(proto.order_file(got.pid)).read_text()).stdout == "/l/rank-2.log"
+        assert node_files.Order.decode(Path(node_files.order_file(got.pid)).read_text()).stdout == "/l/rank-2.log"
     finally:
         warm.close()
         for p in filter(None, [warm.proc]):
             p.kill()
-    assert not Path(proto.order_file(got.pid)).exists()   # its record goes once it is gone
+    assert not Path(node_files.order_file(got.pid)).exists()   # its record goes once it is gone
 
 
 def test_no_standby_before_the_delay_and_none_after_repeated_deaths(monkeypatch: pytest.MonkeyPatch):
@@ -137,7 +139,7 @@ def test_no_standby_before_the_delay_and_none_after_repeated_deaths(monkeypatch:
     assert started == []
     for t in (10, 20, 30, 40, 50, 60):
         warm.tend(argv, {"RANK": "1", "LOCAL_RANK": "1", "A": "1"}, now=t)
-    assert started[0] == ["/py", "-m", proto.STANDBY_MODULE, "train.py"]
+    assert started[0] == ["/py", "-m", node_files.STANDBY_MODULE, "train.py"]
     assert len(started) == standby.MAX_FAILURES and warm.env == {"A": "1"}   # no rank of its own
 
 

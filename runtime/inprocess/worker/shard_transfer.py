@@ -1,10 +1,10 @@
 """Stage 4 of an FSDP2 recovery: agree on the step every shard still has, and move the shards.
 
 Every member of the new generation (same world, every rank kept, joiners at the lost ranks'
-places) says what it holds (:meth:`runtime.worker.inprocess.shard_copy.PeerCopies.holding`:
+places) says what it holds (:meth:`runtime.inprocess.worker.shard_copy.PeerCopies.holding`:
 its live step, its own snapshots, the copies it keeps); one ``all_gather_object`` gives every
-member the same list, so every member computes the same :class:`~runtime.worker.inprocess.peers.Plan`
-(:func:`~runtime.worker.inprocess.peers.agree`) with no leader. Then each shard that must travel
+member the same list, so every member computes the same :class:`~runtime.inprocess.worker.peers.Plan`
+(:func:`~runtime.inprocess.worker.peers.agree`) with no leader. Then each shard that must travel
 goes point to point from the holder of its copy to its rank (one pair at a time, in shard
 order), a rank ahead of the agreed step loads its own snapshot, and a rank at it keeps its live
 state. No file is read. When a shard is nowhere, :func:`give_up` tells the launchers (the
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
-from runtime.worker.inprocess import peers, transfer
-from runtime.worker.inprocess.peers import ShardedFallback
-from runtime.worker.inprocess.shard_copy import PeerCopies, nbytes
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.worker import peers, transfer
+from runtime.inprocess.worker.peers import ShardedFallback
+from runtime.inprocess.worker.shard_copy import PeerCopies, nbytes
 
 log = logging.getLogger("hpc.inprocess")
 SETTLE_S = 5.0   # how long the agreement waits for this rank's exchange in flight to end

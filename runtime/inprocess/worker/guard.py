@@ -9,7 +9,7 @@ DDP's gradient all-reduces; :class:`StepGuard` runs them itself (a DDP comm hook
   failure (a peer died: its socket closed; or the bound ran out: a silent peer) marks the step
   failed and hands DDP the local gradient instead of raising; on NCCL (whose own per-operation
   timeout ends the process) the bound is a thread's that fails the step and aborts the
-  generation's communicators (:mod:`runtime.worker.inprocess.nccl`);
+  generation's communicators (:mod:`runtime.inprocess.worker.nccl`);
 - the optimizer's ``step`` is wrapped: on a failed step it does nothing, so the model and the
   optimizer stay exactly at the state the step started from;
 - the small registered state (sampler cursor, LR scheduler, counters, RNG) is copied at each
@@ -42,7 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime.inprocess import protocol as proto
 from runtime.liveness import posted
 from runtime.worker import rng
 
@@ -78,11 +79,11 @@ class StepGuard:
         self._saved_rng: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved_groups: list[list[dict[str, Any]]] = []
-        self._faults = _parse_faults(os.environ.get(proto.FAULT_ENV, ""))
+        self._faults = _parse_faults(os.environ.get(recovery_settings.FAULT_ENV, ""))
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation
-        self.bound: Any = None    # NCCL: the bound of its all-reduces (runtime.worker.inprocess.nccl.Bound)
+        self.bound: Any = None    # NCCL: the bound of its all-reduces (runtime.inprocess.worker.nccl.Bound)
         self._posted: list[Any] = []   # NCCL: this step's all-reduces (the optimizer step waits for them)
 
     # -- the step's start and end ------------------------------------------------------------
@@ -262,7 +263,7 @@ class StepGuard:
 
         An operation still running when the interpreter exits finishes on gloo's thread
         during finalization, and its Python callback then ends the process
-        (:mod:`runtime.worker.inprocess.sockets`).
+        (:mod:`runtime.inprocess.worker.sockets`).
         """
         deadline = time.monotonic() + timeout_s
         while (left := self.in_flight(before_gen=before_gen)) and time.monotonic() < deadline:
@@ -342,7 +343,7 @@ def _parse_faults(raw: str) -> list[tuple[int, int, str]]:
     for one in filter(None, (x.strip() for x in raw.split(","))):
         rank, step, kind = one.split(":")
         if kind not in ("kill", "fail", "save", "repeat", "transfer", "group", "late"):
-            raise ValueError(f"{proto.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat, "
+            raise ValueError(f"{recovery_settings.FAULT_ENV}={raw!r}: the kind must be kill, fail, save, repeat, "
                              "transfer, group or late")
         out.append((int(rank), int(step), kind))
     return out

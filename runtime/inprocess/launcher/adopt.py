@@ -9,8 +9,8 @@ the new epoch, the new agent *adopts* them instead of starting workers
 (:class:`AdoptedProcesses` stands in for torch's process context: it watches, reaps and, if
 torch's restart path runs after all, stops them), and, once the new round has its store,
 names it to them in a node-local file (:func:`publish`, a
-:class:`~hpc.contract.inprocess.Rebind` at ``HPC_INPROC_CHANNEL``): they re-form there, in
-process (:mod:`runtime.worker.inprocess.rebind`). If not (no majority, this node left out or
+:class:`~runtime.inprocess.protocol.Rebind` at ``HPC_INPROC_CHANNEL``): they re-form there, in
+process (:mod:`runtime.inprocess.worker.rebind`). If not (no majority, this node left out or
 cut off), the adopted workers are killed and an ``inproc_fallback`` says why.
 
 What still takes today's restart path (:func:`why_not`, recorded in ``inproc_fallback``):
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from hpc.contract import environment as job_env
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime import node_files
+from runtime.inprocess import protocol as proto
 from hpc.contract import jobdir
 from runtime.liveness import proc
 
@@ -54,9 +56,9 @@ def keep_handles(pcontext: Any) -> None:
 def channel_path(launcher_pid: int) -> Path:
     """The node-local file where launcher ``launcher_pid`` names a new epoch's store (it
     keeps its PID across ``execv``, so its workers find the file where they were told): in the
-    user's own 0700 directory (:func:`~hpc.contract.inprocess.private_dir`), where no other
+    user's own 0700 directory (:func:`~runtime.node_files.private_dir`), where no other
     user can plant one that sends the kept workers to another store."""
-    return Path(proto.private_dir()) / f"channel-{launcher_pid}.json"
+    return Path(node_files.private_dir()) / f"channel-{launcher_pid}.json"
 
 
 def why_not(*, succession: bool, spares: int, kept: Mapping[int, int], nproc: int) -> str | None:
@@ -89,7 +91,7 @@ def live_workers(launcher_pid: int) -> dict[int, int]:
         if state is None:
             continue
         env = proc.environ(pid)
-        if state == "Z" or env.get(proto.RECOVERY_ENV) != proto.INPROCESS or "LOCAL_RANK" not in env:
+        if state == "Z" or env.get(recovery_settings.RECOVERY_ENV) != recovery_settings.INPROCESS or "LOCAL_RANK" not in env:
             continue
         out[int(env["LOCAL_RANK"])] = pid
     return out
@@ -124,7 +126,7 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
         if not argv:
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
-        envs[lr] = {**proc.environ(pid), proto.STORE_ENV: store, "MASTER_ADDR": master_addr,
+        envs[lr] = {**proc.environ(pid), recovery_settings.STORE_ENV: store, "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port), **job_env.JobEnvironment(rdzv_epoch=epoch).to_env()}
         outs[lr] = _log_file(pid)
     # ``outs``: where each worker writes (its stdout's file): a joiner in a dead one's place

@@ -2,50 +2,50 @@
 
 A Session in in-process mode (``HPC_RECOVERY=inprocess`` and a store in ``HPC_INPROC_STORE``)
 holds one :class:`InProcess`. Its process group lives under a generation's prefix in the store
-that outlives the workers; after a failed step (:mod:`runtime.worker.inprocess.guard`) or a failed
+that outlives the workers; after a failed step (:mod:`runtime.inprocess.worker.guard`) or a failed
 collective at a step boundary the Session calls :meth:`InProcess.recover`, which runs:
 
 1. **abort**: announce the fault in the store, abort the old generation's NCCL communicators
-   (CUDA: :mod:`runtime.worker.inprocess.nccl`), unregister every process group of the old
+   (CUDA: :mod:`runtime.inprocess.worker.nccl`), unregister every process group of the old
    generation (kept referenced, never destroyed) and break its gloo groups' connections
-   (:mod:`runtime.worker.inprocess.sockets`): its operation still in flight, if any, ends now
+   (:mod:`runtime.inprocess.worker.sockets`): its operation still in flight, if any, ends now
    instead of at its bound or at a peer's exit, and peers still waiting on this rank in the
    old group fail at once;
 2. **re-form**: arrive at the next generation and learn its members, ranks and the step to go
-   on from (:mod:`runtime.worker.inprocess.membership`);
+   on from (:mod:`runtime.inprocess.worker.membership`);
 3. **group**: a new group of the new world under the generation's prefix (gloo; or NCCL bound
    to the rank's device, with a gloo side group for the control traffic and the transfer);
 4. **transfer**: the member holding that step broadcasts model, optimizers, the registered
-   small state and its RNG (:mod:`runtime.worker.inprocess.transfer`); no file is read;
+   small state and its RNG (:mod:`runtime.inprocess.worker.transfer`); no file is read;
 5. **re-wrap**: each DDP model is rebuilt around the same module on the new group (same
    parameters, so the user's optimizer and references stay valid), with the guard's hook.
 
 FSDP2 models (``s.wrap(model, fsdp=True)``, no mesh of their own) hold no replica anywhere:
 each rank's shards are also kept in a rank's host memory on another node
-(:mod:`runtime.worker.inprocess.shard_copy`), the re-form keeps every member's rank (joiners
+(:mod:`runtime.inprocess.worker.shard_copy`), the re-form keeps every member's rank (joiners
 fill the lost ranks), stage 4 becomes an agreement on the newest step every shard still has
-(:mod:`runtime.worker.inprocess.peers`) with the lost ranks' shards sent by the holders of
+(:mod:`runtime.inprocess.worker.peers`) with the lost ranks' shards sent by the holders of
 their copies and survivors ahead of that step rolled back to their own snapshot, and stage 5
-re-binds FSDP2 to the new group (:mod:`runtime.worker.inprocess.fsdp_guard`). A sharded world
+re-binds FSDP2 to the new group (:mod:`runtime.inprocess.worker.fsdp_guard`). A sharded world
 that cannot keep its size, or a shard with no copy left (a rank and its copy's holder both
-lost), raises :class:`~runtime.worker.inprocess.peers.ShardedFallback`: the disk checkpoint (the
-restart path) is taken (:mod:`runtime.worker.inprocess.shard_transfer`).
+lost), raises :class:`~runtime.inprocess.worker.peers.ShardedFallback`: the disk checkpoint (the
+restart path) is taken (:mod:`runtime.inprocess.worker.shard_transfer`).
 
 A second fault during the recovery itself (a member of the new generation dies while its
 group forms, while the models are re-wrapped, or during the state transfer; cascading faults,
 a node's switch neighbour going seconds later) leads to another re-form without it, in the
 same call (:meth:`InProcess.recover`). Each rank then says which step it still holds whole
-(:func:`~hpc.contract.inprocess.held_after`): its own when the transfer had not touched it (a
+(:func:`~runtime.inprocess.rules.held_after`): its own when the transfer had not touched it (a
 receiver receives into buffers of its own), the agreed one when it had loaded it whole, none
 when it had begun to load it (never a source; with no step held whole anywhere, the disk
-checkpoint: :func:`~hpc.contract.inprocess.unsourced`). An FSDP2 recovery, whose shards may be
+checkpoint: :func:`~runtime.inprocess.rules.unsourced`). An FSDP2 recovery, whose shards may be
 half moved, takes the disk checkpoint with the second fault as its reason.
 
 A failure that repeats (a bad batch, a rank that fails the same step every time) would loop
 through re-forms for ever: each generation counts how many generations in a row went on from
 its step (``Members.in_row``, one agreement for every member), and past ``max_reforms``
 (``HPC_INPROC_MAX_REFORMS``, default 3) the members give up in-process recovery as a sharded
-world without a copy does (:func:`~runtime.worker.inprocess.shard_transfer.give_up`): the
+world without a copy does (:func:`~runtime.inprocess.worker.shard_transfer.give_up`): the
 launchers replace nobody and torch's restart path, bounded by ``--max-restarts``, goes on from
 the last checkpoint. A step completed in between resets the count.
 
@@ -77,18 +77,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
 from hpc.contract import jobsecret
 from hpc.contract.jobpaths import JobPaths
-from hpc.contract.inprocess import Members
+from runtime.inprocess.protocol import Members
 from runtime.worker import rng
 from runtime.events import EventLog
 from hpc.contract.environment import JobEnvironment
-from runtime.worker.inprocess import (fsdp_guard, lifeline, nccl, peers, rebind, shard_copy, shard_transfer,
+from runtime.inprocess.worker import (fsdp_guard, lifeline, nccl, peers, rebind, shard_copy, shard_transfer,
                                       sockets, transfer)
-from runtime.worker.inprocess.guard import FaultWatch, StepGuard
-from runtime.worker.inprocess.membership import Excluded, Membership, joiners_waiting
-from runtime.worker.inprocess.peers import ShardedFallback
+from runtime.inprocess.worker.guard import FaultWatch, StepGuard
+from runtime.inprocess.worker.membership import Excluded, Membership, joiners_waiting
+from runtime.inprocess.worker.peers import ShardedFallback
 
 log = logging.getLogger("hpc.inprocess")
 _OLD_GROUPS: list[Any] = []   # every generation's groups, kept alive (see InProcess._abort)
@@ -117,7 +119,7 @@ def connect(address: str, timeout_s: float = 60.0) -> Any:
     """A client of the store at ``host:port`` (the launcher's, or a test's)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"{proto.STORE_ENV}={address!r}: expected host:port, e.g. node1:29400")
+        raise ValueError(f"{recovery_settings.STORE_ENV}={address!r}: expected host:port, e.g. node1:29400")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
@@ -159,9 +161,9 @@ class InProcess:
     """
 
     def __init__(self, store: Any, *, rank: int, world_size: int, timeout: timedelta,
-                 step_bound_s: Callable[[], float], window_s: float = proto.DEFAULT_WINDOW_S,
+                 step_bound_s: Callable[[], float], window_s: float = recovery_settings.DEFAULT_WINDOW_S,
                  reconnect: Callable[[], Any] | None = None, joining: bool = False,
-                 max_world: int = 0, max_reforms: int = proto.DEFAULT_MAX_REFORMS,
+                 max_world: int = 0, max_reforms: int = recovery_settings.DEFAULT_MAX_REFORMS,
                  backend: str = "gloo", device: Any = None, plan: nccl.Plan | None = None) -> None:
         self.plan = plan or nccl.plan(backend)
         self.device = device
@@ -192,7 +194,7 @@ class InProcess:
         self._watch: FaultWatch | None = None
         self._before = sockets.eventpolls()  # epolls older than this job's groups: never broken
         self._breaking = threading.Lock()    # a fault watch's break against a recovery's new groups
-        self._line: Any = None               # this worker's lifeline (runtime.worker.inprocess.lifeline)
+        self._line: Any = None               # this worker's lifeline (runtime.inprocess.worker.lifeline)
         self.key: bytes | None = None        # the job's key: signs the lifeline's hello
         self._epochs: rebind.EpochWatch | None = None   # a new epoch's store after the host's loss
         self._forming: tuple[int, list[int]] = (-1, [])   # a generation's own store connection (its fds)
@@ -208,22 +210,22 @@ class InProcess:
         """The recovery this worker was started for, or None (the restart path). On NCCL
         it sets the variables the NCCL path needs in this process (:func:`nccl.apply_env`),
         before any group is made."""
-        mode = environ.get(proto.RECOVERY_ENV, proto.RESTART) or proto.RESTART
-        if proto.parse_recovery(mode, proto.RECOVERY_ENV) != proto.INPROCESS:
+        mode = environ.get(recovery_settings.RECOVERY_ENV, recovery_settings.RESTART) or recovery_settings.RESTART
+        if recovery_settings.parse_recovery(mode, recovery_settings.RECOVERY_ENV) != recovery_settings.INPROCESS:
             return None
         plan = nccl.plan_for(backend, environ)
         if plan.backend == "nccl":
             nccl.apply_env(os.environ)
-        address = environ.get(proto.STORE_ENV, "")
+        address = environ.get(recovery_settings.STORE_ENV, "")
         if not address:
-            raise RuntimeError(f"{proto.RECOVERY_ENV}=inprocess needs {proto.STORE_ENV}=host:port "
+            raise RuntimeError(f"{recovery_settings.RECOVERY_ENV}=inprocess needs {recovery_settings.STORE_ENV}=host:port "
                                "(the launcher sets it); set it or use --recovery restart")
-        window = proto.parse_window_s(environ.get(proto.WINDOW_ENV, ""))
-        fixed = proto.parse_timeout_s(environ.get(proto.TIMEOUT_ENV, ""))
+        window = recovery_settings.parse_window_s(environ.get(recovery_settings.WINDOW_ENV, ""))
+        fixed = recovery_settings.parse_timeout_s(environ.get(recovery_settings.TIMEOUT_ENV, ""))
         bound = (lambda: fixed) if fixed is not None else step_bound_s
-        joining = environ.get(proto.JOIN_ENV, "") == "1"
-        max_world = int(environ.get(proto.MAX_WORLD_ENV, "") or 0)
-        max_reforms = proto.parse_max_reforms(environ.get(proto.MAX_REFORMS_ENV, ""))
+        joining = environ.get(recovery_settings.JOIN_ENV, "") == "1"
+        max_world = int(environ.get(recovery_settings.MAX_WORLD_ENV, "") or 0)
+        max_reforms = recovery_settings.parse_max_reforms(environ.get(recovery_settings.MAX_REFORMS_ENV, ""))
         raw = connect(address)
         if environ.get("MASTER_PORT"):
             space = proto.namespace(environ.get("MASTER_ADDR", ""), environ["MASTER_PORT"])
@@ -238,7 +240,7 @@ class InProcess:
                    max_world=max_world, max_reforms=max_reforms, backend=backend, device=device, plan=plan)
         made.space, made.raw, made.address = space, raw, address
         made.key = _job_key(environ)
-        channel = environ.get(proto.CHANNEL_ENV, "")
+        channel = environ.get(recovery_settings.CHANNEL_ENV, "")
         if channel:   # the launcher keeps this worker through the rendezvous host's loss
             made._epochs = rebind.EpochWatch(Path(channel), JobEnvironment.from_env(environ).rdzv_epoch or 0,
                                              address=lambda: made.address, on_new=made._break_all)
@@ -451,7 +453,7 @@ class InProcess:
         while the group forms, while the models are re-wrapped, or during the state transfer)
         leads to another re-form without it (:meth:`_retry`), bounded by ``max_reforms`` like
         any repeated re-form at one step. What this rank then says it holds follows
-        :func:`~hpc.contract.inprocess.held_after`: a rank that had begun to load the
+        :func:`~runtime.inprocess.rules.held_after`: a rank that had begun to load the
         received state holds no step whole and is never the source.
 
         Args:
@@ -551,7 +553,7 @@ class InProcess:
         self._forming_gen = -1   # (it left the forming by itself)
         why = (f"a second fault during the recovery into generation {members.gen} ({stage}): "
                f"{_first_line(error)}")
-        now = proto.held_after(held, members.step, self._phase)
+        now = rules.held_after(held, members.step, self._phase)
         log.warning("in-process recovery: %s; this rank held step %d, now holds %s; re-forming again",
                     why, held, now if now >= 0 else "no step whole (its state was half loaded)")
         with self._breaking:
@@ -570,7 +572,7 @@ class InProcess:
 
     def _reform(self, step: int, old_rank: int, why: str) -> Members:
         """The re-form (:meth:`Membership.reform`), in a new rendezvous epoch's store when the
-        launcher named one (the old store's host is lost, :mod:`runtime.worker.inprocess.rebind`):
+        launcher named one (the old store's host is lost, :mod:`runtime.inprocess.worker.rebind`):
         at once when it is already named, else after a failed store request, waited for."""
         while True:
             if self._epochs is not None and self._epochs.pending():
@@ -593,7 +595,7 @@ class InProcess:
         self.membership.store = self.store
         self.address, self.space = address, space
         self.reconnect = lambda: dist.PrefixStore(space, connect(address))
-        lost = proto.lost_uids(self.membership.uids, rec.members)
+        lost = rules.lost_uids(self.membership.uids, rec.members)
         for u in lost:
             self.store.set(proto.dead(u), f"lost with its node: not in rendezvous epoch {rec.epoch}")
         if self.copies is not None:
@@ -623,16 +625,16 @@ class InProcess:
 
         Raises:
             ShardedFallback: The failure repeats (names the count, the step and the error), or
-                no member holds the state whole (:func:`~hpc.contract.inprocess.unsourced`).
+                no member holds the state whole (:func:`~runtime.inprocess.rules.unsourced`).
         """
-        why = proto.repeats(members, self.max_reforms)
+        why = rules.repeats(members, self.max_reforms)
         if why is not None:
             raise shard_transfer.give_up(self.store, why)
 
     def _abort(self, extra: list[Any]) -> int:
         """Aborts the old generation's NCCL communicators (NCCL: :func:`nccl.abort_all`),
         unregisters every group of it, keeps them, and breaks the connections of its gloo
-        groups (:func:`runtime.worker.inprocess.sockets.devices`). Returns how many NCCL
+        groups (:func:`runtime.inprocess.worker.sockets.devices`). Returns how many NCCL
         backends were aborted.
 
         Gloo cannot be aborted (pytorch#130345; its ``abort()`` returns without ending an
@@ -640,7 +642,7 @@ class InProcess:
         for operations in flight). The training group's connections are shut down, so its
         operation in flight (the released all-reduce) ends now, with its Python callback, and
         not on gloo's thread during the interpreter's exit, which ended the process
-        (:mod:`runtime.worker.inprocess.sockets`). The cost is a few threads per recovery.
+        (:mod:`runtime.inprocess.worker.sockets`). The cost is a few threads per recovery.
         """
         old: list[Any] = list(extra)
         aborted = nccl.abort_all() if self.plan.abort_nccl else 0   # before any group is unregistered
@@ -698,7 +700,7 @@ class InProcess:
         return moved
 
     def _transfer_shards(self, members: Members, *, held: int | None) -> tuple[int, int]:
-        """FSDP2's stage 4 (:mod:`runtime.worker.inprocess.shard_transfer`), then the source's
+        """FSDP2's stage 4 (:mod:`runtime.inprocess.worker.shard_transfer`), then the source's
         session state to a joiner. Returns (the agreed step, bytes moved)."""
         assert self.copies is not None
         self._plan, moved = shard_transfer.recover_shards(

@@ -2,9 +2,9 @@
 
 The store of in-process recovery lives on the rendezvous host. When that node is lost, the
 launchers elect a new host (:mod:`runtime.succession`) and keep their workers alive
-(:mod:`runtime.launch.inprocess_adopt`); the new epoch's store has no history. Each launcher
+(:mod:`runtime.inprocess.launcher.adopt`); the new epoch's store has no history. Each launcher
 names that store in a node-local file (``HPC_INPROC_CHANNEL``, a
-:class:`~hpc.contract.inprocess.Rebind`), never through the shared job directory (another
+:class:`~runtime.inprocess.protocol.Rebind`), never through the shared job directory (another
 node's attribute cache could show it late).
 
 :class:`EpochWatch` looks at that file 4 times a second (one ``stat``). When a newer epoch
@@ -12,7 +12,7 @@ appears it first breaks this process's connections to the old store (a store req
 crashed host, whose packets go nowhere, would otherwise wait out its whole timeout) and the
 current generation's gloo connections (a step waiting on a lost peer ends now), then offers
 the new store to the recovery (:meth:`EpochWatch.take`), which re-forms there
-(:mod:`runtime.worker.inprocess.recovery`).
+(:mod:`runtime.inprocess.worker.recovery`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc.contract import inprocess as proto
+from runtime.inprocess import protocol as proto
 from runtime import peer_sockets
 
 log = logging.getLogger("hpc.inprocess")

@@ -3,9 +3,9 @@
 Under ``--recovery inprocess`` (``--replacement wait``) the survivors of a dead worker wait for
 its joiner, so the joiner's start-up is the recovery's: a cold one starts python and imports
 torch and the Session first (~4.5 s of a 6.4-s worker-kill recovery in the campaign, 3 nodes at
-load ~2). The launcher therefore keeps one :mod:`runtime.worker.standby` process per node,
+load ~2). The launcher therefore keeps one :mod:`runtime.inprocess.worker.standby` process per node,
 started :data:`AFTER_S` (2 s) after its workers' first step (so it does not compete with their own
-start; at once on a node with CPUs to spare, :func:`at_launch`), and hands it the joiner's :class:`~hpc.contract.inprocess.Order` when a worker dies; a
+start; at once on a node with CPUs to spare, :func:`at_launch`), and hands it the joiner's :class:`~runtime.node_files.Order` when a worker dies; a
 new standby follows the same delay later. A joiner starts cold, as before, when there is no live standby,
 when the standby was started with an environment the joiner's differs from in a variable that
 may be read at import (:func:`differences`, named in the log), or when the worker's command is
@@ -22,8 +22,10 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime import node_files
 from hpc.contract import jobdir
+from runtime.launch.warm_start import PER_RANK, cold_because, worker_command
 from runtime.liveness.heartbeat import read_all
 
 log = logging.getLogger("hpc.launch")
@@ -33,28 +35,11 @@ log = logging.getLogger("hpc.launch")
 # worker kill 0.1 s after the first step of a requeued allocation, a freeze 9 s after the first).
 AFTER_S = 2.0
 MAX_FAILURES = 3     # standbys that died unused before no more are started
-# Variables a worker reads after its imports (the rendezvous, its rank, the store, its
-# process group's transport, W&B): a joiner's may differ from its standby's. Any other
-# difference could have changed what an import did (OMP_NUM_THREADS, a library path...).
-LATE_PREFIXES = ("HPC_", "TORCHELASTIC_", "MASTER_", "WANDB_", "NCCL_", "TORCH_NCCL_", "GLOO_")
-LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
-                        "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
-# Not given to a standby: with them /proc would show it as a worker of a local rank.
-PER_RANK = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", proto.JOIN_ENV)
 
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """Whether joiners start from a warm standby (``HPC_INPROC_WARM``, default on)."""
-    return environ.get(proto.WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def differences(started_with: Mapping[str, str], wanted: Mapping[str, str]) -> list[str]:
-    """The variables that differ between a standby's environment and a joiner's and may be
-    read at import (pure): a joiner needs all of them equal to start from that standby."""
-    names = set(started_with) | set(wanted)
-    return sorted(n for n in names if started_with.get(n) != wanted.get(n)
-                  and not n.startswith(LATE_PREFIXES) and n not in LATE_NAMES)
+    return environ.get(recovery_settings.WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def at_launch(cpus: int, local_workers: int) -> bool:
@@ -66,23 +51,6 @@ def at_launch(cpus: int, local_workers: int) -> bool:
 def training(heartbeat_dir: str) -> bool:
     """Whether a worker of this node has done a step (its heartbeat says so): start-up is over."""
     return bool(heartbeat_dir) and any(b.steps_done >= 1 for b in read_all(Path(heartbeat_dir)))
-
-
-def cold_because(argv: Sequence[str], env: Mapping[str, str], python: str,
-                 started_with: Mapping[str, str]) -> str:
-    """Why the worker ``argv``/``env`` cannot come from a warm process started on ``python``
-    with ``started_with`` (pure but for the interpreters' paths), or "": not a worker's command
-    on that interpreter, or an environment that differs where an import may read it."""
-    if not worker_command(argv) or os.path.realpath(argv[0]) != os.path.realpath(python):
-        return f"the command is not {python} -m runtime.worker: {list(argv)[:3]}"
-    if diff := differences(started_with, env):
-        return f"its environment differs in {', '.join(diff)}"
-    return ""
-
-
-def worker_command(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` is a worker's command a standby can run (pure)."""
-    return len(argv) >= 4 and list(argv[1:3]) == ["-m", "runtime.worker"]
 
 
 class Standby:
@@ -134,7 +102,7 @@ class Standby:
         python, script = argv[0], argv[3]
         env = {k: v for k, v in template.items() if k not in PER_RANK}
         try:
-            self.proc = subprocess.Popen([python, "-m", proto.STANDBY_MODULE, script], env=env,
+            self.proc = subprocess.Popen([python, "-m", node_files.STANDBY_MODULE, script], env=env,
                                          stdin=subprocess.PIPE, start_new_session=True)
         except OSError as e:
             self.failures += 1
@@ -156,11 +124,11 @@ class Standby:
         if why:
             log.warning("in-process recovery: the joiner starts cold, not from the warm standby: %s", why)
             return None
-        order = proto.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd(),
+        order = node_files.Order(argv=tuple(argv), env=dict(env), cwd=cwd or os.getcwd(),
                             stdout=stdout, stderr=stderr)
         path = None
         try:
-            path = Path(proto.order_file(proc.pid))
+            path = Path(node_files.order_file(proc.pid))
             jobdir.write_atomic(path, order.encode(), durable=False)   # the worker's environment: 0600
             proc.stdin.write(order.encode().encode() + b"\n")
             proc.stdin.close()
@@ -190,7 +158,7 @@ class Standby:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                Path(proto.order_file(pid)).unlink(missing_ok=True)
+                Path(node_files.order_file(pid)).unlink(missing_ok=True)
             except OSError:
                 pass
 

@@ -9,7 +9,7 @@ properties with less machinery, and torch 2.13's FSDP2 gives the seams:
   reduce-scatters (backward) through replaceable comm objects (``set_custom_all_gather``,
   ``set_custom_reduce_scatter``). :class:`GuardedAllGather` and :class:`GuardedReduceScatter`
   run the same gloo operation bounded by the guard's per-operation timeout (as DDP's comm hook
-  does, :mod:`runtime.worker.inprocess.guard`) and wait in slices; a failure, or a fault
+  does, :mod:`runtime.inprocess.worker.guard`) and wait in slices; a failure, or a fault
   announced meanwhile, marks the step failed and returns, leaving the output as it is. The
   step then computes on garbage, but the guarded optimizer step does nothing, so the sharded
   parameters and the optimizer state stay at the step's start: the failed step leaves no trace,
@@ -23,7 +23,7 @@ properties with less machinery, and torch 2.13's FSDP2 gives the seams:
   parameters and the optimizer stay the same objects, so user references stay valid. This
   holds at the same world size with every rank kept (rank ``r`` owns shard ``r``, and the
   mesh's coordinates stay true): a sharded re-form keeps ranks and joiners fill the lost ones
-  (:func:`hpc.contract.inprocess.plan_members`); a shrink falls back to the restart path.
+  (:func:`runtime.inprocess.rules.plan_members`); a shrink falls back to the restart path.
 
 Meshes of their own (HSDP, TP: ``Session(parallel=...)``) are not carried (their sub-groups are
 not re-made here) and keep the restart path.

@@ -1,6 +1,6 @@
 """A worker's lifeline: one idle TCP connection whose closing tells the store host it died.
 
-The listener is the store host launcher's (:mod:`runtime.launch.inprocess_lifelines`, which
+The listener is the store host launcher's (:mod:`runtime.inprocess.launcher.lifelines`, which
 says why and what it concludes). A worker opens its line once it is a member of a generation
 (its uid is in the store), says who it is, and keeps the socket untouched for its life; the
 Session's end says ``bye``. Any other end of the process (SIGKILL, a crash, its node lost)
@@ -16,7 +16,7 @@ import os
 import socket
 from typing import Any
 
-from hpc.contract import inprocess as proto
+from runtime.inprocess import protocol as proto
 
 log = logging.getLogger("hpc.inprocess")
 

@@ -4,24 +4,24 @@ torch's elastic agent (``SimpleElasticAgent._invoke_run``) treats any failed wor
 whole group's failure: it stops every local worker and starts them all again after a new
 rendezvous (and its spawn context already kills the siblings when it polls a failed one), and it
 restarts every worker when a new node waits to join. In in-process mode the survivors recover
-by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that decision:
+by themselves (:mod:`runtime.inprocess.worker`), so this launcher must own that decision:
 
 - it watches its workers itself (``/proc``: a dead child is a zombie until reaped, with its exit
   status in ``/proc/PID/stat``) and, when one dies, **announces it in the store at once**
-  (``dead/UID`` and ``fault/G`` of :mod:`hpc.contract.inprocess`): the survivors everywhere
+  (``dead/UID`` and ``fault/G`` of :mod:`runtime.inprocess.protocol`): the survivors everywhere
   leave their step in milliseconds, and the re-form does not wait for the dead one;
 - it **restarts the dead worker as a joiner** (``HPC_INPROC_JOIN=1``, the same command and
   environment torch gave it, bounded by ``--max-restarts``): with ``--replacement wait`` (the
   default) it promises the replacement in the store (``replace/UID``) before announcing the
   death, so the survivors' re-form waits for the joiner and the world keeps its size (the joiner
-  is made from the node's warm standby when one is ready, :mod:`runtime.launch.standby`); with
+  is made from the node's warm standby when one is ready, :mod:`runtime.inprocess.launcher.standby`); with
   ``--replacement shrink`` it promises nothing, the survivors re-form at once without the dead
   worker and the joiner is taken in at a later step boundary (the hot spares' grow path). The
-  joiner receives the state from the survivors' memory (:mod:`runtime.worker.inprocess`). Only
+  joiner receives the state from the survivors' memory (:mod:`runtime.inprocess.worker`). Only
   the dead worker is started again;
-- a worker stopped (SIGSTOP) for :data:`~runtime.launch.inprocess_silent.STOPPED_S` is frozen:
+- a worker stopped (SIGSTOP) for :data:`~runtime.inprocess.launcher.silent.STOPPED_S` is frozen:
   it is SIGKILLed and then announced and replaced like a dead one
-  (:mod:`runtime.launch.inprocess_silent`, which also announces a lost node's workers);
+  (:mod:`runtime.inprocess.launcher.silent`, which also announces a lost node's workers);
 - while any local worker lives, the group is healthy to torch (no restart, no kill), and a node
   waiting to join does not restart anyone either;
 - when every local worker has ended: all that did not die finished, so the node finished; if
@@ -31,7 +31,7 @@ by themselves (:mod:`runtime.worker.inprocess`), so this launcher must own that 
   with no peer copy left), a dead worker is not replaced and the waiting joiners are ended: the
   workers end and torch's restart path (the last checkpoint) runs, with an ``inproc_fallback``;
 - after the rendezvous host's loss, a launcher restarted into the succession election with
-  its workers kept (:mod:`runtime.launch.inprocess_adopt`) *adopts* them in the new epoch's
+  its workers kept (:mod:`runtime.inprocess.launcher.adopt`) *adopts* them in the new epoch's
   first round instead of starting workers, and names the round's store to them;
 - when the dead worker was the last living member of the generation (every member died), no
   joiner is started and the waiting ones are ended: a joiner is taken in by a member, so it
@@ -55,8 +55,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from hpc.contract import environment as job_env
-from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_adopt, inprocess_silent, standby
+from hpc.contract import recovery_settings
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.launcher import adopt as inprocess_adopt, silent as inprocess_silent, standby
 from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
@@ -78,7 +79,7 @@ def describe_exit(status: int) -> str:
 
 @contextmanager
 def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
-                    replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
+                    replacement: str = recovery_settings.WAIT, *, adopt: Mapping[int, int] | None = None,
                     epoch: int = 0, members: Sequence[str] = (),
                     keep_on_loss: Callable[[], bool] | None = None,
                     stopping: Callable[[], bool] | None = None) -> Iterator[SimpleNamespace]:
@@ -89,7 +90,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
         store_address: ``host:port`` of the rendezvous store the workers use.
         events: Where to record (``runtime.events.EventLog``), or None.
         node_rank: This node's rank (its workers are published under ``node/N`` for a peer
-            that names this node lost: :mod:`runtime.launch.inprocess_silent`).
+            that names this node lost: :mod:`runtime.inprocess.launcher.silent`).
         replacement: The job's ``--replacement``: ``wait`` promises a dead worker's joiner in
             the store (the survivors' re-form waits for it), ``shrink`` does not (the
             survivors go on without it; it is taken in at a later step boundary).
@@ -286,7 +287,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             launch = self.__dict__.get("_launch") or {}
             try:
                 argv = [launch["entrypoint"], *launch["args"][lr]]
-                env = {**os.environ, **launch["envs"][lr], proto.JOIN_ENV: "1"}
+                env = {**os.environ, **launch["envs"][lr], recovery_settings.JOIN_ENV: "1"}
             except (KeyError, TypeError) as e:
                 log.warning("in-process recovery: cannot restart local rank %d as a joiner (%s)", lr, e)
                 return False
@@ -311,7 +312,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
             return True
 
         def _tend_standby(self) -> None:
-            """Keeps this node's warm standby (:mod:`runtime.launch.standby`) once workers run."""
+            """Keeps this node's warm standby (:mod:`runtime.inprocess.launcher.standby`) once workers run."""
             if warm.settled():   # (every look at the workers: no environment merged for nothing)
                 return
             launch = self.__dict__.get("_launch") or {}
@@ -373,7 +374,7 @@ def owning_recovery(store_address: str, events: Any = None, node_rank: int = 0,
                     if store.check([proto.FALLBACK]) else ""
                 if (uids and not left) or gave_up:
                     replace = None
-                if replace and replacement == proto.WAIT:   # before the death: the re-form waits for it
+                if replace and replacement == recovery_settings.WAIT:   # before the death: the re-form waits for it
                     store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
                 store.set(proto.dead(who), why)
                 if not uids or who in uids:   # (not when a lifeline announced it and the survivors
@@ -448,13 +449,13 @@ def end_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> No
 
 
 def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0,
-             replacement: str = proto.WAIT, *, adopt: Mapping[int, int] | None = None,
+             replacement: str = recovery_settings.WAIT, *, adopt: Mapping[int, int] | None = None,
              epoch: int = 0, members: Sequence[str] = (),
              keep_on_loss: Callable[[], bool] | None = None,
              stopping: Callable[[], bool] | None = None) -> Any:
     """The context the launcher runs torch's agent in for the job's ``--recovery`` (and
     ``--replacement``; ``adopt``: workers kept through the old host's loss)."""
-    if recovery != proto.INPROCESS:
+    if recovery != recovery_settings.INPROCESS:
         return nullcontext()
     return owning_recovery(store_address, events, node_rank, replacement, adopt=adopt,
                            epoch=epoch, members=members, keep_on_loss=keep_on_loss, stopping=stopping)
@@ -464,8 +465,8 @@ def worker_env(store_address: str, *, keeps: bool = False) -> dict[str, str]:
     """What the workers need for in-process recovery (the launcher sets it per agent run);
     ``keeps``: this launcher may keep them through the host's loss, and names the new epoch's
     store in the channel (a node-local file; it keeps its PID across its ``execv``)."""
-    env = {proto.RECOVERY_ENV: proto.INPROCESS, proto.STORE_ENV: store_address}
+    env = {recovery_settings.RECOVERY_ENV: recovery_settings.INPROCESS, recovery_settings.STORE_ENV: store_address}
     if keeps:
-        env[proto.CHANNEL_ENV] = str(inprocess_adopt.channel_path(os.getpid()))
+        env[recovery_settings.CHANNEL_ENV] = str(inprocess_adopt.channel_path(os.getpid()))
     return env
 

@@ -2,7 +2,7 @@
 
 With FSDP2 each rank owns one shard of the parameters and of the optimizer state; no other rank
 holds it. Under in-process recovery every rank therefore keeps, in host memory, a copy of the
-shards of a *buddy* rank on another node (:mod:`runtime.worker.inprocess.shard_copy` moves the
+shards of a *buddy* rank on another node (:mod:`runtime.inprocess.worker.shard_copy` moves the
 tensors): the copies form a ring over the nodes, so the loss of one node (all its ranks) leaves
 a copy of each of its shards on the next node. With one node there is no other node to keep a
 copy on, and none is kept (a copy in the same node's memory dies with it).

@@ -1,19 +1,19 @@
 """Agreeing on a new generation in the store: who is in it, in which rank order, from which step.
 
-The keys and the pure rules are :mod:`hpc.contract.inprocess`; this module runs them against a
+The keys and the pure rules are :mod:`runtime.inprocess.protocol`; this module runs them against a
 real ``torch.distributed.Store`` (the launcher's TCPStore; tests may pass a ``HashStore``).
 A survivor calls :meth:`Membership.reform` after it left a failed step: it arrives at the next
 generation, and either leads it (the first arrival waits for the others by
-:func:`~hpc.contract.inprocess.close_decision` and writes the member list) or waits for the
+:func:`~runtime.inprocess.rules.close_decision` and writes the member list) or waits for the
 leader's list. The leader counts ``g/G/lead`` up while it decides, which may take minutes (a
 member in an announced long phase); a follower waits as long as that count moves, and only a
-leader silent for :func:`~hpc.contract.inprocess.leader_silent_s` (it died while closing) is
+leader silent for :func:`~runtime.inprocess.rules.leader_silent_s` (it died while closing) is
 replaced, by going to the generation after. A follower that left a live, deciding leader on
 its own clock would open a second world beside the first (split brain).
 
 A joiner (a restarted worker, a hot spare's) calls :meth:`Membership.join`: it writes its
 arrival under ``join/N`` and waits until a closed generation lists it. The leader of every
-generation takes in the joiners that fit (:func:`~hpc.contract.inprocess.admit`), and waits
+generation takes in the joiners that fit (:func:`~runtime.inprocess.rules.admit`), and waits
 for the replacement a launcher promised for a dead member.
 """
 
@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from hpc.contract import inprocess as proto
-from hpc.contract.inprocess import Arrival, Members
+from hpc.contract import recovery_settings
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.protocol import Arrival, Members
 
 log = logging.getLogger("hpc.inprocess")
 POLL_S = 0.02
@@ -56,19 +58,19 @@ class Membership:
 
     Args:
         store: The store that outlives the workers.
-        me: This process's uid (:func:`hpc.contract.inprocess.uid`).
+        me: This process's uid (:func:`runtime.inprocess.protocol.uid`).
         host: Its host name.
         window_s: How long a leader waits for silent members of the old generation.
         max_world: The largest world joiners may fill (0: the starting one).
         leader_silent_s: How long a follower waits for a leader whose beat stands still
-            (None: :func:`~hpc.contract.inprocess.leader_silent_s` of ``window_s``).
+            (None: :func:`~runtime.inprocess.rules.leader_silent_s` of ``window_s``).
     """
 
     def __init__(self, store: Any, me: str, *, host: str = "",
-                 window_s: float = proto.DEFAULT_WINDOW_S, max_world: int = 0,
+                 window_s: float = recovery_settings.DEFAULT_WINDOW_S, max_world: int = 0,
                  leader_silent_s: float | None = None) -> None:
         self.store, self.me, self.host, self.window_s = store, me, host, window_s
-        self.leader_silent_s = (proto.leader_silent_s(window_s) if leader_silent_s is None
+        self.leader_silent_s = (rules.leader_silent_s(window_s) if leader_silent_s is None
                                 else leader_silent_s)
         self.max_world = max_world   # the largest world joiners may fill (0: the starting one)
         self.gen = 0
@@ -232,10 +234,10 @@ class Membership:
             # promise of the replacement it had no room for (randomized trials, seed 28).
             arrivals = [a for a in self._arrivals(gen) if a.uid not in dead or a.uid == self.me]
             joiners = self._joiners(start)
-            taken = proto.admit(joiners, members=len(arrivals), max_world=self._max_world(),
+            taken = rules.admit(joiners, members=len(arrivals), max_world=self._max_world(),
                                 dead=self._dead([j.uid for j in joiners]))
             now = time.time()
-            decision = proto.close_decision(old, [a.uid for a in arrivals], dead=dead,
+            decision = rules.close_decision(old, [a.uid for a in arrivals], dead=dead,
                                             busy_until=self._busy(old), coming=self._coming(gen, old),
                                             now=now, opened=opened, window_s=self.window_s,
                                             promised=self._promised(dead), joiners=len(taken))
@@ -248,11 +250,11 @@ class Membership:
         if taken:
             reason = "; ".join(x for x in (reason, f"joined: {', '.join(j.uid for j in taken)}") if x)
         if all(a.step < 0 for a in (*arrivals, *taken)):   # every survivor half-loaded: the disk
-            members = proto.unsourced(gen, [*arrivals, *taken], old=old, reason=reason)
+            members = rules.unsourced(gen, [*arrivals, *taken], old=old, reason=reason)
         else:
-            members = proto.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
+            members = rules.plan_members(gen, [*arrivals, *taken], old=old, reason=reason,
                                          keep_ranks=self.store.check([proto.SHARDED]))
-        members = dataclasses.replace(members, in_row=proto.in_row(self._last_closed(), members.step))
+        members = dataclasses.replace(members, in_row=rules.in_row(self._last_closed(), members.step))
         self.store.set(proto.JOIN_ADMITTED, str(scanned))
         self.store.set(proto.members(gen), proto.encode(members))
         self.store.set(proto.GENERATION, str(gen))

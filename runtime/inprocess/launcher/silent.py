@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from hpc.contract import inprocess as proto
+from runtime.inprocess import protocol as proto
 
 log = logging.getLogger("hpc.launch")
 STOPPED_S = 2.0   # a worker stopped this long is frozen (SIGKILLed, replaced)

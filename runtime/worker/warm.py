@@ -1,35 +1,26 @@
-"""A warm standby: a worker process started ahead of need, waiting to become a dead one's joiner.
+"""What makes a pre-imported process the worker a cold start would be (the worker side).
 
-Under ``--recovery inprocess`` the survivors of a dead worker wait for its joiner (the world
-keeps its size), and a cold joiner spends its first seconds starting python and importing torch
-and the Session (~4.5 s of the campaign's 6.4-s worker-kill recovery on 3 nodes). So each
-node's launcher keeps one process ready (:mod:`runtime.launch.standby`): this module. It binds
-its life to the launcher, imports what every worker imports, and blocks on its stdin. When a
-worker dies, the launcher writes the joiner's :class:`~hpc.contract.inprocess.Order` there
-(its command, environment, directory and log files, exactly those a cold joiner would get);
-the standby takes them on and runs :func:`runtime.worker.start.main`, as ``python -m
-runtime.worker SCRIPT ARGS`` would. Its stdin closed without an order: it exits 0.
-
-While it waits it ignores the job's warning signal (the launcher forwards it to its children;
-a standby has nothing to save) and writes nothing. Usage: ``python -m runtime.worker.standby [SCRIPT]`` (its libraries are imported too).
+A cold worker spends its first seconds starting python and importing torch, the Session's stack
+(DCP pulls in DTensor and sympy), DDP's ``torch._dynamo`` and the script's own libraries. A warm
+process (the node's fork server, :mod:`runtime.worker.forkserver`, whose forks are the workers;
+in-process recovery's warm standby, :mod:`runtime.inprocess.worker.standby`) imports all that
+once ahead of need (:func:`warm_up`) and then takes on a worker's :class:`~runtime.node_files.Order`
+(:func:`become`): its files, directory and environment, and :func:`runtime.worker.start.main`,
+as ``python -m runtime.worker SCRIPT ARGS`` would run it.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
 
-from hpc.contract import inprocess as proto
-from hpc.contract.environment import JobEnvironment
-from runtime.worker.start import bind_to_parent
+from runtime import node_files
 from runtime.worker.start import main as worker_main
 
 
 # What every Session worker imports before its first step, some of it late (DDP's construction
 # imports torch._dynamo: seconds, measured in a warm joiner that had not).
-READY_NAME = "hpc-standby"   # its process name once warm (before: python's)
 WORKER_MODULES = ("numpy", "torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
                   "torch.optim", "runtime.session", "runtime.worker.start")
 
@@ -75,7 +66,7 @@ def warm_up(script: str = "") -> None:
             continue
 
 
-def become(order: proto.Order) -> None:
+def become(order: node_files.Order) -> None:
     """Takes on the order's files, directory and environment, then runs the worker."""
     for fd, path in ((1, order.stdout), (2, order.stderr)):
         if path:
@@ -88,7 +79,7 @@ def become(order: proto.Order) -> None:
     os.dup2(null, 0)
     os.close(null)
     os.chdir(order.cwd)
-    atexit.register(_forget, proto.order_file(os.getpid()))   # (the launcher's record of it)
+    atexit.register(_forget, node_files.order_file(os.getpid()))   # (the launcher's record of it)
     os.environ.clear()
     os.environ.update(order.env)
     args = list(order.argv[1:])
@@ -111,21 +102,3 @@ def _forget(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def main() -> None:
-    job = JobEnvironment.from_env(os.environ)
-    bind_to_parent(job.agent_pid)
-    if job.warning_signal and job.warning_signal not in ("SIGTERM", "SIGINT") \
-            and hasattr(signal, job.warning_signal):
-        signal.signal(getattr(signal, job.warning_signal), signal.SIG_IGN)
-    warm_up(sys.argv[1] if len(sys.argv) > 1 else "")
-    name_process(READY_NAME)   # ready: ps and /proc/PID/comm say so
-    line = sys.stdin.buffer.readline()
-    if not line.strip():
-        return   # the launcher ended without needing it
-    become(proto.Order.decode(line))
-
-
-if __name__ == "__main__":
-    main()

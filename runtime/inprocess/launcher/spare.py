@@ -6,13 +6,13 @@ rendezvous's redundancy list and is let in by a restart of every worker
 never opens. Here the nodes beyond the job's largest size (node rank ``>= MAX``) are the
 spares, by rank: their launchers do not join torch's rendezvous at all. Each starts its
 ``--nproc-per-node`` workers at once as *joiners* (``HPC_INPROC_JOIN=1``): they import torch,
-build nothing yet and wait in the store (``join/N``, :mod:`hpc.contract.inprocess`). When a
+build nothing yet and wait in the store (``join/N``, :mod:`runtime.inprocess.protocol`). When a
 member node is lost, the survivors' re-form takes them in (up to the job's largest world), the
 member holding the newest step broadcasts the state, and the world has its size again with no
 checkpoint read. The launcher then records ``workers_started`` (the spare's join in the
 goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
 launcher does, kills a worker stopped (SIGSTOP) for
-:data:`~runtime.launch.inprocess_silent.STOPPED_S` as a member node's launcher does (then it is
+:data:`~runtime.inprocess.launcher.silent.STOPPED_S` as a member node's launcher does (then it is
 announced dead: without that, a frozen taken-in worker held its peers in the step boundary's
 broadcast until the allocation ended), and ends with them. A job that finishes first releases
 the joiners (``done``): they exit 0, not needed. When the members leave in-process recovery
@@ -45,9 +45,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
+from runtime.inprocess import protocol as proto
 from runtime.ending import outcome
-from runtime.launch import host_store, inprocess_agent, inprocess_silent
+from runtime.inprocess.launcher import agent as inprocess_agent, silent as inprocess_silent
+from runtime.launch import host_store
 from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
@@ -56,7 +58,7 @@ POLL_S = 0.5
 
 def is_spare(recovery: str, spare_nodes: int, node_rank: int, max_nodes: int) -> bool:
     """Whether this node is an in-process hot spare (pure): the nodes past ``MAX`` are."""
-    return recovery == proto.INPROCESS and spare_nodes > 0 and node_rank >= max_nodes
+    return recovery == recovery_settings.INPROCESS and spare_nodes > 0 and node_rank >= max_nodes
 
 
 def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, nproc: int,
@@ -65,7 +67,7 @@ def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, npr
     ``MASTER_PORT``: the running round's namespace is read from the store (``current``)."""
     env = {k: v for k, v in base.items() if k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env.update(inprocess_agent.worker_env(store_address))
-    env.update({proto.JOIN_ENV: "1", "MASTER_ADDR": store_address.rpartition(":")[0], "RANK": "0",
+    env.update({recovery_settings.JOIN_ENV: "1", "MASTER_ADDR": store_address.rpartition(":")[0], "RANK": "0",
                 "WORLD_SIZE": "1", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
                 "GROUP_RANK": str(node_rank), "TORCHELASTIC_RESTART_COUNT": "0"})
     return env

@@ -2,7 +2,7 @@
 
 In-process recovery began on gloo, which cannot be aborted (pytorch#130345): an abandoned gloo
 operation ends at its per-operation bound or when its sockets are broken
-(:mod:`runtime.worker.inprocess.sockets`). On CUDA the training group is NCCL, whose
+(:mod:`runtime.inprocess.worker.sockets`). On CUDA the training group is NCCL, whose
 communicators *can* be aborted (``ncclCommAbort``): the kernels of an operation blocked on a
 lost peer exit, and a thread blocked waiting for them (``loss.item()``, a stream sync) goes
 on. :func:`plan` says, per backend, what the recovery does; it is pure and unit-tested.
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpc.contract import inprocess as inproc
+from hpc.contract import recovery_settings
 
 log = logging.getLogger("hpc.inprocess")
 BACKENDS = ("gloo", "nccl")
@@ -128,7 +128,7 @@ class EnvChange:
     why: str
 
 
-NCCL_ENV = inproc.NCCL_ENV   # the table, declared once in the contract (the launcher sets it too)
+NCCL_ENV = recovery_settings.NCCL_ENV   # the table, declared once in the contract (the launcher sets it too)
 
 
 def env_changes(environ: Mapping[str, str]) -> tuple[list[EnvChange], list[str]]:

@@ -10,7 +10,7 @@ default 1) each rank, at the step boundary after the optimizer step:
    rollback buffer;
 2. hands the snapshot to a **side thread** that sends it, on a gloo group of its own (so the
    training group's collectives never queue behind it), to its holder: the rank at the same
-   place on the next node (:func:`runtime.worker.inprocess.peers.holders`), and receives the
+   place on the next node (:func:`runtime.inprocess.worker.peers.holders`), and receives the
    copies it keeps for its owners.
 
 **Double-buffered**: each rank keeps its two newest own snapshots (a new snapshot is written
@@ -26,7 +26,7 @@ checked against ``HPC_INPROC_COPY_MAX_MB`` (default 4096) at every snapshot; bey
 stops with the value and the limit, instead of swapping a node to death.
 
 After a loss, :meth:`PeerCopies.holding` says what this rank holds for the agreement
-(:func:`~runtime.worker.inprocess.peers.agree`), :meth:`snapshot_of` gives a buffered state,
+(:func:`~runtime.inprocess.worker.peers.agree`), :meth:`snapshot_of` gives a buffered state,
 and :meth:`load` puts a state into the live model and optimizer in place (the user's objects
 stay the same objects).
 """
@@ -45,9 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc.contract import inprocess as proto
+from hpc.contract import recovery_settings
 from runtime.worker import rng
-from runtime.worker.inprocess import peers, transfer
+from runtime.inprocess.worker import peers, transfer
 
 log = logging.getLogger("hpc.inprocess")
 _DT = "__dtensor_local__"   # marks a DTensor's local tensor in a snapshot's optimizer state
@@ -65,16 +65,16 @@ def options(environ: Mapping[str, str]) -> tuple[int, int]:
     Raises:
         ValueError: A value that is not a positive number, naming the variable.
     """
-    raw_every = environ.get(proto.COPY_EVERY_ENV, "") or str(proto.DEFAULT_COPY_EVERY)
-    raw_max = environ.get(proto.COPY_MAX_MB_ENV, "") or str(proto.DEFAULT_COPY_MAX_MB)
+    raw_every = environ.get(recovery_settings.COPY_EVERY_ENV, "") or str(recovery_settings.DEFAULT_COPY_EVERY)
+    raw_max = environ.get(recovery_settings.COPY_MAX_MB_ENV, "") or str(recovery_settings.DEFAULT_COPY_MAX_MB)
     try:
         every, max_mb = int(raw_every), float(raw_max)
     except ValueError:
         every, max_mb = 0, 0.0
     if every < 1 or not (math.isfinite(max_mb) and max_mb > 0):
-        raise ValueError(f"{proto.COPY_EVERY_ENV}={raw_every!r}, {proto.COPY_MAX_MB_ENV}={raw_max!r}: "
+        raise ValueError(f"{recovery_settings.COPY_EVERY_ENV}={raw_every!r}, {recovery_settings.COPY_MAX_MB_ENV}={raw_max!r}: "
                          f"expected a whole number of steps >= 1 and megabytes > 0 (defaults "
-                         f"{proto.DEFAULT_COPY_EVERY} and {proto.DEFAULT_COPY_MAX_MB:g})")
+                         f"{recovery_settings.DEFAULT_COPY_EVERY} and {recovery_settings.DEFAULT_COPY_MAX_MB:g})")
     return every, int(max_mb * 2**20)
 
 
@@ -90,7 +90,7 @@ def check_bound(size: int, *, kept: int, max_bytes: int, rank: int) -> int:
         raise CopyLimit(
             f"the FSDP2 peer copies need {total / 2**20:.1f} MB of host memory on rank {rank} "
             f"({size / 2**20:.1f} MB of shards x {KEEP} buffers x (own + {kept} kept)), over the "
-            f"limit {proto.COPY_MAX_MB_ENV}={max_bytes / 2**20:g} MB: raise the limit, or use "
+            f"limit {recovery_settings.COPY_MAX_MB_ENV}={max_bytes / 2**20:g} MB: raise the limit, or use "
             "--recovery restart")
     return total
 
@@ -236,7 +236,7 @@ class PeerCopies:
                         "path every %d step(s) of %.0f ms (%.1f %% of the step time, over %.0f %%): set "
                         "%s=%d or more (a lost rank then goes back up to that many steps)", mean * 1e3,
                         self.every, base * 1e3, mean / (self.every * base) * 100, OVERHEAD_TARGET * 100,
-                        proto.COPY_EVERY_ENV, need)
+                        recovery_settings.COPY_EVERY_ENV, need)
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Waits for the exchange in flight (all of it, or ``timeout_s``)."""

@@ -8,14 +8,14 @@ re-form took 3.00 s of a 3.5-s recovery) or the peer beacon (5 s,
 merely slow to arrive. The evidence used instead: a process's TCP connection.
 
 The store host's launcher (the one whose rendezvous store the workers use) listens on a port
-it publishes in the store (``lifelines`` at ``ROOT``, :mod:`hpc.contract.inprocess`). Every
+it publishes in the store (``lifelines`` at ``ROOT``, :mod:`runtime.inprocess.protocol`). Every
 worker, once it is a member of a generation, and every launcher opens one connection to it
-and says who it is (:class:`~hpc.contract.inprocess.Hello`); nothing else goes over it until
+and says who it is (:class:`~runtime.inprocess.protocol.Hello`); nothing else goes over it until
 the process ends on purpose and says ``bye``. When a process ends any other way -- SIGKILL,
 a crash, the OOM killer, every process of its node killed -- its kernel closes the socket and
 the listener reads end-of-file at once. A worker whose line closed so is dead, and is
 announced (``dead/UID`` and ``fault/G``, as its launcher would) by the rule
-:func:`~hpc.contract.inprocess.lifeline_dead`: at once under ``--replacement shrink``; under
+:func:`~runtime.inprocess.rules.lifeline_dead`: at once under ``--replacement shrink``; under
 ``wait`` only once its launcher's line closed too (its node crashed: no replacement will be
 promised), since a live launcher announces the death itself after promising a joiner.
 
@@ -37,8 +37,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from hpc.contract import inprocess as proto
-from runtime.launch import inprocess_silent
+from hpc.contract import recovery_settings
+from runtime.inprocess import rules
+from runtime.inprocess import protocol as proto
+from runtime.inprocess.launcher import silent as inprocess_silent
 
 log = logging.getLogger("hpc.launch")
 PUBLISH_EVERY_S = 0.2   # how often the listener tries to reach the store to publish its port
@@ -94,7 +96,7 @@ class Lifelines(threading.Thread):
         host: This launcher's host (for the record).
     """
 
-    def __init__(self, store_address: str, *, key: bytes, replacement: str = proto.WAIT,
+    def __init__(self, store_address: str, *, key: bytes, replacement: str = recovery_settings.WAIT,
                  events: Any = None, host: str = "") -> None:
         super().__init__(name="hpc-lifelines", daemon=True)
         self.store_address, self.replacement, self.events = store_address, replacement, events
@@ -212,7 +214,7 @@ class Lifelines(threading.Thread):
             self.launchers_closed.add(hello.uid)
         elif hello.kind == "worker":
             self.closed[hello.uid] = hello
-        named = proto.lifeline_dead({u: h.parent for u, h in self.closed.items()},
+        named = rules.lifeline_dead({u: h.parent for u, h in self.closed.items()},
                                     self.launchers_closed, replacement=self.replacement)
         for u in named:
             hello = self.closed.pop(u)
