@@ -23,6 +23,12 @@ from runtime.liveness.proc import workers
 
 log = logging.getLogger("hpc.launch")
 
+# The fence asks the main thread by this signal to restart the launcher keeping its workers
+# (in-process recovery through the rendezvous host's loss): they die with the thread that
+# started them (PR_SET_PDEATHSIG, runtime/worker/start.py), and an execv from another thread
+# ends that one. Not forwarded: the recovery installs its handler for the agent's run.
+KEEP_SIGNAL = signal.SIGRTMIN + 2
+
 
 class SignalForwarder:
     """Records warning signals and forwards them to the workers; never raises in the agent.

@@ -36,7 +36,6 @@ from hpc.contract import diskspace, jobdir
 from hpc.contract import environment as job_env
 from hpc.contract.environment import JobEnvironment
 from hpc.contract.events import read_events
-from hpc.contract import jobsecret
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
@@ -51,14 +50,11 @@ from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
 from runtime import exclusions, peer_sockets, stop_deadline, stopping, succession
 from runtime.ending import outcome
-from hpc.contract import recovery_settings
 from runtime import node_files
-from runtime.inprocess.launcher import (adopt as inprocess_adopt, agent as inprocess_agent,
-                                        lifelines as inprocess_lifelines, silent as inprocess_silent,
-                                        spare as inprocess_spare)
+from runtime.launch import recovery as launch_recovery
 from runtime.launch import health, host_store, quorum, rdzv_failure, rendezvous, spares, warm_start
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
-from runtime.launch.forwarding import SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
+from runtime.launch.forwarding import KEEP_SIGNAL, SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
 from runtime.launch.plan import LaunchPlan, env_defaults, plan_launch, rdzv_port  # noqa: F401 - re-exported
 
 log = logging.getLogger("hpc.launch")
@@ -91,10 +87,6 @@ def rdzv_conf(max_nodes: int, join_timeout_s: int = RDZV_CONF["join_timeout"]) -
 
 # A rendezvous store silent this long (from a node that is not its host): the host is lost.
 STORE_LOST_S = host_store.STORE_LOST_S
-# The fence asks the main thread by this signal to restart the launcher keeping its workers:
-# they die with the thread that started them (PR_SET_PDEATHSIG, runtime/worker/start.py), and
-# an execv from another thread ends that one.
-KEEP_SIGNAL = signal.SIGRTMIN + 2
 YIELD_S = 10.0   # how long the fence waits for the main thread to take that restart
 
 
@@ -158,8 +150,7 @@ def run(plan: LaunchPlan, forwarder: SignalForwarder, *, lost_epoch: int | None 
         plan = _plan_for_epoch(plan, epoch, me)   # restarted, or joining later: the current host
     epochs: list[str] = []
     pending = None
-    if not adopt:   # a channel left by an earlier launcher of this PID must not move new workers
-        inprocess_adopt.channel_path(os.getpid()).unlink(missing_ok=True)
+    launch_recovery.begin(adopt)
     stale = forget_stale_orders()   # environments of workers killed before they could remove them
     if stale:
         log.info("removed %d record(s) of ended processes from %s", len(stale), node_files.private_dir())
@@ -196,23 +187,14 @@ def _epochs(plan: LaunchPlan, forwarder: SignalForwarder, tee: RankTee, board: s
                                     members=len(epoch.members), tee=tee, names=epoch.members,
                                     adopt=adopt, warm=warm)
         if pending is None:   # adopt: taken by that agent; kept: kept by it for the next epoch
-            kept = end.extra.pop("adopt", None) or {}
-            if adopt:   # any left alive that it did not keep is stopped
-                inprocess_adopt.stop_left({lr: p for lr, p in adopt.items() if p not in kept.values()})
-            adopt = kept or None
+            adopt = launch_recovery.carried(end, adopt)
         pending = None
         nxt = _next_epoch(plan, forwarder, end, epoch, board, order, me) if slurm.active else None
         if nxt is None:
             break
         epochs.append(f"epoch {nxt.index}: {nxt.reason}, new host {nxt.host}")
         plan, epoch = _plan_for_epoch(plan, nxt, me), nxt
-    if adopt:   # kept through the host's loss, but no new epoch takes them: stopped
-        inprocess_adopt.kill(list(adopt.values()))
-        EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0).emit(
-            "inproc_fallback", reason=inproc_host_lost(
-                epoch.host, end.reason, succession=True,
-                then=f"no new epoch takes this node's workers ({end.extra.get('succession') or end.reason}): "
-                     "they are stopped"))
+    launch_recovery.abandon(plan, epoch.host, end, adopt)   # kept, but no new epoch takes them
     end.extra["epochs"] = epochs
     lost_batch_host = bool(order) and order[0] not in epoch.members
     return outcome.finish(plan, forwarder, end, batch_host_lost=lost_batch_host)
@@ -279,56 +261,22 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     Slurm, the fence: a newer epoch decided without this node stops its workers. ``names``:
     the epoch's members by node rank (Slurm's host names; none under hpc run); ``adopt``:
     workers kept through the old host's loss, taken by the first round instead of started."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     spec = plan.spec
     tee = tee or RankTee(sys.stdout, verbose=verbose_from_env(os.environ))
     job_env.JobEnvironment(rdzv_epoch=epoch).export(os.environ)
-    # --recovery inprocess: the workers keep their state in the rendezvous store of this epoch.
-    inproc_events = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank,
-                             sync_every_s=0) if spec.recovery == "inprocess" else None
-    keeps = spec.recovery == "inprocess" and inprocess_adopt.why_not(
-        succession=board is not None, spares=spec.spare_nodes,
-        kept=dict.fromkeys(range(spec.nproc_per_node), 0), nproc=spec.nproc_per_node) is None
-    recovery = inprocess_agent.for_spec(
-        spec.recovery, plan.rdzv_endpoint, inproc_events, plan.node_rank, spec.replacement, adopt=adopt,
-        epoch=epoch, members=names,
-        keep_on_loss=(lambda: not forwarder.received and not host_store.answers(plan.rdzv_endpoint))
-        if keeps and not plan.is_rdzv_host and plan.launchers > 1 else None,
-        stopping=lambda: bool(forwarder.received) or (fence is not None and fence.acted))
-    if spec.recovery == "inprocess":
-        os.environ.pop(recovery_settings.CHANNEL_ENV, None)
-        os.environ.update(inprocess_agent.worker_env(plan.rdzv_endpoint, keeps=keeps),
-                          **{recovery_settings.MAX_WORLD_ENV: str(plan.nnodes[1] * spec.nproc_per_node)})
+    recovery = launch_recovery.for_run(   # the job's --recovery: the one seam
+        plan, epoch=epoch, board=board, names=names, adopt=adopt,
+        stopping=lambda: bool(forwarder.received) or (fence is not None and fence.acted),
+        keep_allowed=lambda: not forwarder.received)
+    recovery.prepare()
     join_timeout_s = rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s)["join_timeout"]
-    if not plan.is_rdzv_host and plan.launchers > 1:
-        # A node that arrives after the host gave up must not knock at a gone store for minutes.
-        gone = host_store.await_host(plan.rdzv_endpoint, timeout_s=join_timeout_s,
-                                     ended=functools.partial(_host_ended, plan))
-        if gone is not None:
-            log.error("%s", gone)
-            ended = _host_ended(plan) is not None
-            return outcome.AgentEnd("failed" if ended else "rendezvous", gone, time.time(),
-                                    ended=time.time(), extra={"follow_node0": True} if ended else {})
-    if inprocess_spare.is_spare(spec.recovery, spec.spare_nodes, plan.node_rank, plan.nnodes[1]):
-        spare_end = inprocess_spare.run_spare(plan, inproc_events,   # joiners, no torch agent
-                                              relaunch=lambda: _restart_launcher([], epoch))
-        if spare_end is not None:
-            return spare_end
-        # The members fell back to torch's restart path: this node joins its round below.
-    lifelines = lifeline = None   # a crashed node's workers announced at once (inprocess_lifelines)
-    if spec.recovery == "inprocess":
-        key = jobsecret.ensure(JobPaths(plan.job_dir).secret)   # signs every line's hello
-        if plan.is_rdzv_host:
-            lifelines = inprocess_lifelines.Lifelines(plan.rdzv_endpoint, key=key, replacement=spec.replacement,
-                                                      events=inproc_events)
-            lifelines.start()
-        lifeline = inprocess_lifelines.LauncherLine(plan.rdzv_endpoint, key=key)
-        lifeline.start()
-    handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
+    instead = _host_gone(plan, join_timeout_s) \
+        or recovery.instead_of_agent(relaunch=lambda: _restart_launcher([], epoch))
+    if instead is not None:
+        return instead
+    recovery.start()
     logs_specs = _logs_specs(plan, tee)
 
     def why(failures: Any) -> str:
@@ -338,49 +286,9 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     def on_restart(failures: Any, restart: int, of: int) -> None:
         tee.drain()
         log.warning("%s: starting the workers again (restart %d of %d)", why(failures), restart, of)
-    # The first round from the known node list in O(N) store requests (runtime/launch/rendezvous.py).
-    rdzv = rendezvous.choose(node_rank=plan.node_rank, expected=members if board is not None and members
-                             else plan.launchers, min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1],
-                             spares=spec.spare_nodes,
-                             configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s),
-                                          is_host=plan.is_rdzv_host))
-    if rdzv.backend == rendezvous.BACKEND:
-        rendezvous.register()
-    log.info("rendezvous: %s", rdzv.reason)
-    config = LaunchConfig(
-        min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
-        run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=rdzv.backend,
-        rdzv_configs=rdzv.configs, max_restarts=spec.max_restarts,
-        monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
-        signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
-    )
-    # Stall watch (runtime/liveness): heartbeats in, stacks + SIGKILL of stuck workers out.
-    watchdog = Watchdog.for_job(plan.job_dir, spec.liveness, allocation=plan.allocation,
-                                node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
-                                run_id=plan.run_id, max_nodes=plan.launchers, local=plan.local)
-    if spec.recovery == "inprocess" and watchdog.beacon is not None:   # a lost node: announced
-        watchdog.on_lost = inprocess_silent.LostNodes(plan.rdzv_endpoint, inproc_events,
-                                                      host=socket.gethostname())
-        if plan.is_rdzv_host and board is not None:   # a cut-off host must not train on alone
-            beacon = watchdog.beacon
-            watchdog.on_lost = UnlessCutOff(watchdog.on_lost, members=members or plan.launchers,
-                                            reachable=_controller_reachable,
-                                            in_sight=lambda: beacon.in_sight(inprocess_silent.LOST_S / 2))
-        watchdog.on_lost_after_s = inprocess_silent.LOST_S
-    watchdog.start()
-    # The host's loss is watched for under hpc run too, whatever the recovery (no succession
-    # there: the job ends as a node failure instead of hanging on the silent store).
-    fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
-                   tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None,
-                   events=inproc_events, rdzv_host=plan.rdzv_endpoint.rsplit(":", 1)[0],
-                   rdzv_endpoint=plan.rdzv_endpoint) if plan.launchers > 1 else None
-    keep_handler = None
-    if fence is not None:
-        fence.relaunch = lambda: not forwarder.received
-        if spec.recovery == "inprocess":   # the workers kept through the host's loss, if they can be
-            fence.keep = lambda: _keep(board, spec)
-            keep_handler = signal.signal(KEEP_SIGNAL, lambda *_: fence.exec_kept())
-        fence.start()
+    config = _launch_config(plan, logs_specs, expected=members if board is not None and members
+                            else plan.launchers)
+    watchdog, fence = _watches(plan, board, epoch, members, recovery, forwarder)
     below_min = quorum.start(plan) if board is not None and fence is not None and plan.is_rdzv_host else None
     joining = EventLog(plan.job_dir, allocation=plan.allocation, node_rank=plan.node_rank, sync_every_s=0)
     joining.emit(rdzv_failure.JOIN_EVENT, epoch=epoch)   # which nodes arrived, if the round times out
@@ -390,7 +298,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
     follow_node0 = False   # a rendezvous error while the host answered: node 0 records the end
-    inproc_state = None    # in-process: whether the agent kept its workers through the host's loss
+    state = None           # what the recovery's agent context yielded
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
@@ -398,72 +306,26 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                 lambda: bool(forwarder.received) or (fence is not None and fence.acted),
                 futile=lambda result: _futile(plan, result) or watchdog.repeated()
                 or startups.futile(result),
-                on_restart=on_restart), release, warm_start.serving(warm), recovery as inproc_state:
+                on_restart=on_restart), release, warm_start.serving(warm), recovery.agent() as state:
             elastic_launch(config, sys.executable)(*plan.argv)
-    except ChildFailedError as e:
-        result = "failed"
-        exit_codes = tuple(sorted({f.exitcode for f in e.failures.values()}))
-        reason = why(e.failures)
-    except SignalException as e:
-        result, reason = "signal", f"launcher got {e.sigval.name}"
-    except RendezvousError as e:
-        result, reason = "rendezvous", f"rendezvous failed: {e}"
-        if plan.is_rdzv_host:
-            # The store lives here: not a lost host, a failure to requeue would only repeat.
-            # A timeout names the nodes that did not join; anything else is this node's
-            # problem (port in use, bad address).
-            result = "failed"
-            reason = rdzv_failure.explain(
-                e, endpoint=plan.rdzv_endpoint, timeout_s=join_timeout_s, min_nodes=plan.nnodes[0],
-                nodes=list(names) or [f"node {i}" for i in range(plan.launchers)],
-                joined=rdzv_failure.joined(read_events(plan.job_dir), plan.allocation, epoch))
-        elif not (fence is not None and fence.acted):
-            # Another node: the host's loss only if its store does not answer (host_store.py).
-            answered = rdzv_failure.explain_non_host(
-                e, endpoint=plan.rdzv_endpoint, answered=host_store.answers(plan.rdzv_endpoint),
-                timeout_s=join_timeout_s)
-            if answered is not None:
-                log.warning("%s", answered)
-                result, reason, follow_node0 = "failed", answered, True
-    except Exception as e:  # the agent itself failed (e.g. a full disk): still record why
-        if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
-            log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)
-        else:
-            log.exception("the elastic agent failed")
-            result, reason = "failed", f"the elastic agent failed: {type(e).__name__}: {e}"
+    except Exception as e:  # the agent's own end: a failed worker, a signal, the rendezvous...
+        result, reason, exit_codes, follow_node0 = _agent_failed(
+            e, plan, why=why, names=names, epoch=epoch, join_timeout_s=join_timeout_s,
+            fenced=fence is not None and fence.acted, release=release)
     ended = time.time()
-    if lifeline is not None:
-        lifeline.close()   # this launcher ends on purpose: not a lost node
-    if lifelines is not None:
-        lifelines.stop()
     tee.drain()    # rank 0's last lines (its traceback) before this launcher's verdict
     watchdog.stop()
     if forwarder.stop is not None:
         forwarder.stop.cancel()   # the workers ended: no time-limit SIGTERM now
     if fence is not None:
         fence.stop()
-        if keep_handler is not None:
-            signal.signal(KEEP_SIGNAL, keep_handler)
-        if fence.host_lost is not None and fence.replaced is None:
-            result, reason = "rendezvous", fence.host_lost
-        elif fence.replaced is not None:
-            result, reason = "fenced", fence.replaced
+    recovery.stop()
+    if fence is not None and fence.acted:   # (replaced: fenced off; else its host is lost)
+        result, reason = ("fenced", fence.replaced) if fence.replaced is not None \
+            else ("rendezvous", fence.host_lost)
     extra: dict[str, Any] = {"follow_node0": True} if follow_node0 else {}
-    if getattr(inproc_state, "kept", False) and not (fence is not None and fence.acted):
-        # torch's agent failed on the lost host's store (refused, reset) before the fence saw it
-        # silent, and kept the workers: the next epoch takes them, or they are stopped here
-        kept, why_not = _keep(board, spec)
-        if why_not is None and kept and not forwarder.received:
-            result, reason = "rendezvous", f"lost the rendezvous host {plan.rdzv_endpoint}: its store does not answer"
-            extra["adopt"] = kept
-        else:
-            inprocess_adopt.kill(list(kept.values()))
-            result = "rendezvous" if result == "failed" and not forwarder.received else result
-    if result == "rendezvous" and inproc_events is not None and not plan.is_rdzv_host \
-            and "adopt" not in extra \
-            and not (fence is not None and fence.fell_back):   # the store refused before the fence saw it silent
-        inproc_events.emit("inproc_fallback", reason=inproc_host_lost(
-            plan.rdzv_endpoint.rsplit(":", 1)[0], reason, succession=board is not None))
+    result, reason = recovery.settle(result, reason, extra, fence=fence, received=forwarder.received,
+                                     state=state)
     if below_min is not None:
         below_min.stop()
         if below_min.short is not None and not (fence is not None and fence.acted):
@@ -472,12 +334,103 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
                             extra=extra)
 
 
-def _keep(board: succession.Board | None, spec: JobSpec) -> tuple[dict[int, int], str | None]:
-    """This node's live in-process workers and why they cannot be kept through the rendezvous
-    host's loss (None: they are kept, :mod:`runtime.inprocess.launcher.adopt`)."""
-    kept = inprocess_adopt.live_workers(os.getpid())
-    return kept, inprocess_adopt.why_not(succession=board is not None, spares=spec.spare_nodes,
-                                         kept=kept, nproc=spec.nproc_per_node)
+def _watches(plan: LaunchPlan, board: succession.Board | None, epoch: int, members: int,
+             recovery: Any, forwarder: SignalForwarder) -> tuple[Watchdog, _Fence | None]:
+    """The run's stall watch (runtime/liveness: heartbeats in, stacks and SIGKILL of stuck
+    workers out) and fence, started. The host's loss is watched for under hpc run too, whatever
+    the recovery (no succession there: the job ends as a node failure instead of hanging on the
+    silent store)."""
+    watchdog = Watchdog.for_job(plan.job_dir, plan.spec.liveness, allocation=plan.allocation,
+                                node_rank=plan.node_rank, rdzv_endpoint=plan.rdzv_endpoint,
+                                run_id=plan.run_id, max_nodes=plan.launchers, local=plan.local)
+    recovery.watch(watchdog, board=board, members=members, reachable=_controller_reachable)
+    watchdog.start()
+    fence = _Fence(board, epoch, members=members, is_host=plan.is_rdzv_host,
+                   tracker=watchdog.beacon.tracker if watchdog.beacon is not None else None,
+                   rdzv_endpoint=plan.rdzv_endpoint) if plan.launchers > 1 else None
+    if fence is not None:
+        fence.relaunch = lambda: not forwarder.received
+        recovery.arm(fence, board)
+        fence.start()
+    return watchdog, fence
+
+
+def _host_gone(plan: LaunchPlan, join_timeout_s: float) -> outcome.AgentEnd | None:
+    """How this run ends before it starts when the rendezvous host is gone (None: it answers,
+    or this node is the host). A node that arrives after the host gave up must not knock at a
+    gone store for minutes."""
+    if plan.is_rdzv_host or plan.launchers <= 1:
+        return None
+    gone = host_store.await_host(plan.rdzv_endpoint, timeout_s=join_timeout_s,
+                                 ended=functools.partial(_host_ended, plan))
+    if gone is None:
+        return None
+    log.error("%s", gone)
+    ended = _host_ended(plan) is not None
+    return outcome.AgentEnd("failed" if ended else "rendezvous", gone, time.time(),
+                            ended=time.time(), extra={"follow_node0": True} if ended else {})
+
+
+def _launch_config(plan: LaunchPlan, logs_specs: Any, *, expected: int) -> Any:
+    """torch's ``LaunchConfig`` for this run; the first round from the known node list in O(N)
+    store requests (runtime/launch/rendezvous.py) where it can be."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    spec = plan.spec
+    rdzv = rendezvous.choose(node_rank=plan.node_rank, expected=expected, min_nodes=plan.nnodes[0],
+                             max_nodes=plan.nnodes[1], spares=spec.spare_nodes,
+                             configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s),
+                                          is_host=plan.is_rdzv_host))
+    if rdzv.backend == rendezvous.BACKEND:
+        rendezvous.register()
+    log.info("rendezvous: %s", rdzv.reason)
+    handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
+    return LaunchConfig(
+        min_nodes=plan.nnodes[0], max_nodes=plan.nnodes[1], nproc_per_node=spec.nproc_per_node,
+        run_id=plan.run_id, role="worker", rdzv_endpoint=plan.rdzv_endpoint, rdzv_backend=rdzv.backend,
+        rdzv_configs=rdzv.configs, max_restarts=spec.max_restarts,
+        monitor_interval=0.5, start_method="spawn", logs_specs=logs_specs,
+        signals_to_handle=",".join(s for s in ("SIGINT", "SIGHUP", "SIGQUIT") if s not in handled_by_us),
+    )
+
+
+def _agent_failed(e: Exception, plan: LaunchPlan, *, why: Any, names: Sequence[str], epoch: int,
+                  join_timeout_s: float, fenced: bool,
+                  release: spares.SpareRelease) -> tuple[str, str, tuple[int, ...], bool]:
+    """The run's result for the exception torch's agent ended with: (result, reason, the
+    workers' exit codes, whether node 0 records the end)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    if isinstance(e, ChildFailedError):
+        return "failed", why(e.failures), tuple(sorted({f.exitcode for f in e.failures.values()})), False
+    if isinstance(e, SignalException):
+        return "signal", f"launcher got {e.sigval.name}", (), False
+    if isinstance(e, RendezvousError):
+        if plan.is_rdzv_host:
+            # The store lives here: not a lost host, a failure to requeue would only repeat.
+            # A timeout names the nodes that did not join; anything else is this node's
+            # problem (port in use, bad address).
+            return "failed", rdzv_failure.explain(
+                e, endpoint=plan.rdzv_endpoint, timeout_s=join_timeout_s, min_nodes=plan.nnodes[0],
+                nodes=list(names) or [f"node {i}" for i in range(plan.launchers)],
+                joined=rdzv_failure.joined(read_events(plan.job_dir), plan.allocation, epoch)), (), False
+        if not fenced:
+            # Another node: the host's loss only if its store does not answer (host_store.py).
+            answered = rdzv_failure.explain_non_host(
+                e, endpoint=plan.rdzv_endpoint, answered=host_store.answers(plan.rdzv_endpoint),
+                timeout_s=join_timeout_s)
+            if answered is not None:
+                log.warning("%s", answered)
+                return "failed", answered, (), True
+        return "rendezvous", f"rendezvous failed: {e}", (), False
+    # The agent itself failed (e.g. a full disk): still record why.
+    if spares.was_released(release, e):   # a hot spare the job did not need (runtime/launch/spares.py)
+        log.info("hot spare not needed: the job ended while this node waited (%s)", release.released)
+        return "succeeded", "", (), False
+    log.exception("the elastic agent failed")
+    return "failed", f"the elastic agent failed: {type(e).__name__}: {e}", (), False
 
 
 def _host_ended(plan: LaunchPlan) -> str | None:
@@ -560,73 +513,8 @@ def _restart_launcher(children: list[int], epoch: int, adopt: dict[int, int] | N
     log.warning("restarting this launcher to elect a new rendezvous host (epoch %d's is lost)", epoch)
     logging.shutdown()
     args = [a for a in _ARGV if not a.startswith(("--lost-host", "--adopt"))]
-    kept = [f"--adopt={inprocess_adopt.format_adopt(adopt)}"] if adopt else []
+    kept = launch_recovery.adopt_args(adopt)
     os.execv(sys.executable, [sys.executable, "-m", "runtime.launch", *args, f"--lost-host={epoch}", *kept])
-
-
-def inproc_host_lost(host: str, why: str, *, succession: bool, then: str | None = None) -> str:
-    """The ``inproc_fallback`` reason when the rendezvous host is lost and this node's workers
-    cannot be kept (``then``: why not, :func:`runtime.inprocess.launcher.adopt.why_not`) (pure)."""
-    then = then or ("a new rendezvous host is elected and the workers start again from the last checkpoint"
-                    if succession else "no succession outside Slurm: the job ends as a node failure")
-    return (f"the rendezvous host {host} is lost; its store carried the in-process membership "
-            f"({why}): the workers here are stopped, {then}")
-
-
-class UnlessCutOff:
-    """The rendezvous host's announcement of lost nodes under ``--recovery inprocess`` (its
-    workers then re-form without them), held back while this node may be the one cut off.
-
-    A host that sees at most half of its epoch's nodes and cannot reach Slurm's controller is
-    the one cut off: the others elect a new host and keep their workers
-    (:mod:`runtime.inprocess.launcher.adopt`). Its own workers must not re-form alone and train
-    (and commit checkpoints) in the seconds before the survivors' election fences it: its
-    fence stops them (:class:`_Fence`, the same rule). With the controller reachable the
-    others are gone, not cut off: the host announces them and goes on, as before.
-
-    The nodes left are those *in sight* (their counters advanced within ``in_sight``'s window),
-    not those not yet named lost: cut off, the host sees its peers' counters stop one after
-    another, and when the first is named lost the others are as silent, only not for as long
-    (the CI of d306e5b: the cut host re-formed alone with "2 of 3 left" and saved a step the
-    survivors then could not).
-
-    Args:
-        announce: The announcement (:class:`~runtime.inprocess.launcher.silent.LostNodes`).
-        members: The epoch's nodes.
-        reachable: ``() -> bool``: can this node reach Slurm's controller? Asked when the nodes
-            in sight are no majority; its answer stands for :data:`ASK_AGAIN_S`.
-        in_sight: ``() -> int``: other nodes seen alive just now (None: all not named lost).
-    """
-
-    ASK_AGAIN_S = 5.0
-
-    def __init__(self, announce: Any, *, members: int, reachable: Any, in_sight: Any = None,
-                 clock: Any = time.monotonic) -> None:
-        self.announce, self.members, self.reachable = announce, members, reachable
-        self.in_sight, self.clock = in_sight, clock
-        self.lost: set[int] = set()
-        self.gone_confirmed = False       # the controller's last answer: the others are gone
-        self._asked_at: float | None = None
-        self._held = False
-
-    def __call__(self, lost: Mapping[int, tuple[str, float]]) -> None:
-        self.lost |= set(lost)
-        left = self.members - len(self.lost)
-        if self.in_sight is not None:
-            left = min(left, 1 + self.in_sight())
-        if self.members >= 2 and left * 2 <= self.members:
-            now = self.clock()
-            if self._asked_at is None or now - self._asked_at >= self.ASK_AGAIN_S:
-                self._asked_at = now
-                self.gone_confirmed = bool(self.reachable())
-            if not self.gone_confirmed:
-                if not self._held:
-                    self._held = True
-                    log.warning("in-process recovery: %d of %d nodes in sight (lost %d) and Slurm's "
-                                "controller does not answer: this node may be the one cut off; its "
-                                "workers do not re-form without them", left, self.members, len(self.lost))
-                return
-        self.announce(lost)
 
 
 class _Fence(threading.Thread):
@@ -650,14 +538,13 @@ class _Fence(threading.Thread):
     """
 
     def __init__(self, board: succession.Board | None, epoch: int, *, members: int, is_host: bool,
-                 tracker: Any = None, events: Any = None, rdzv_host: str = "",
-                 rdzv_endpoint: str = "") -> None:
+                 tracker: Any = None, rdzv_endpoint: str = "") -> None:
         super().__init__(name="hpc-fence", daemon=True)
         self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
         self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
-        self.events, self.rdzv_host = events, rdzv_host   # in-process only: its events log
         self.rdzv_endpoint = rdzv_endpoint   # asked once more before the host is named lost
-        self.fell_back = False        # it recorded the in-process fallback
+        self.on_host_lost: Any = None   # (why, why the workers are not kept) -> None: the recovery's record
+        self.fell_back = False        # it recorded the recovery's fallback (on_host_lost)
         self.replaced: str | None = None
         self.host_lost: str | None = None
         self.relaunch: Any = None     # () -> bool: may this launcher restart itself now?
@@ -691,11 +578,9 @@ class _Fence(threading.Thread):
                 relaunch = self.host_lost is not None and self.relaunch is not None and self.relaunch()
                 if kept and why_not is None and relaunch:   # the workers live on into the election
                     why_not = self._yield_to_main(kept)   # returns only if the main thread did not take it
-                if self.host_lost is not None and self.events is not None:
+                if self.host_lost is not None and self.on_host_lost is not None:
                     self.fell_back = True
-                    self.events.emit("inproc_fallback", reason=inproc_host_lost(
-                        self.rdzv_host, self.host_lost, succession=self.board is not None,
-                        then=why_not))
+                    self.on_host_lost(self.host_lost, why_not)
                 children = _children(os.getpid())   # first: a log write may block (a dead stdout reader)
                 for pid in children:
                     try:
@@ -933,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     events.ready(spec.spare_nodes)
     tee = RankTee(sys.stdout, verbose=verbose)
     code = run(plan, forwarder, lost_epoch=args.lost_host, tee=tee,
-               adopt=inprocess_adopt.parse_adopt(args.adopt) or None)
+               adopt=launch_recovery.parse_adopt(args.adopt))
     tee.close()
     events.end(code, forwarder.received)
     return code

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from runtime.launch.main import STORE_LOST_S, _Fence, inproc_host_lost
+from runtime.inprocess.launcher.run import host_lost as inproc_host_lost
+from runtime.launch.main import STORE_LOST_S, _Fence
 
 
 def fence(*, is_host: bool = False, ok_ago: float | None) -> tuple[_Fence, SimpleNamespace]:

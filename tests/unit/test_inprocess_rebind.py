@@ -230,7 +230,7 @@ def test_the_fence_gets_the_main_thread_out_of_a_blocked_store_request_to_restar
 def test_a_host_that_lost_its_majority_and_the_controller_does_not_let_its_workers_re_form_alone():
     """The cut-off host's workers re-formed alone and committed a checkpoint step the
     survivors then could not save (seen on the cluster: 'step-000012 already exists')."""
-    from runtime.launch.main import UnlessCutOff
+    from runtime.inprocess.launcher.run import UnlessCutOff
 
     said: list[dict] = []
     asked: list[bool] = []
@@ -256,7 +256,7 @@ def test_a_cut_host_that_sees_its_peers_stop_one_after_another_is_held_back_from
     left are those in sight: none here, so the first loss is held back already; a real single
     loss (the other node in sight) is announced at once; a held host asks the controller again
     only after a while, and goes on once its peer is back in sight."""
-    from runtime.launch.main import UnlessCutOff
+    from runtime.inprocess.launcher.run import UnlessCutOff
 
     said: list[dict] = []
     asked: list[float] = []

@@ -159,3 +159,22 @@ def test_a_feature_lives_in_its_wing_and_no_file_name_carries_its_prefix() -> No
     prefixed = sorted(str(f.relative_to(root)) for f in (root / "runtime").rglob("*.py")
                       if any(f.stem.startswith(w + "_") for w in WINGS))
     assert prefixed == [], f"a wing's name as a file-name prefix: {prefixed}"
+
+
+# The modules outside a wing that import it, each with why: a process's one seam to the feature.
+SEAMS: dict[str, str] = {
+    "runtime.launch.recovery": "the launcher's one seam: for_run() makes each agent run's recovery "
+                               "object from --recovery (the restart path's does nothing)",
+    "runtime.session": "the Session's in-process steps (not behind one object yet: its branches "
+                       "on self._inproc)",
+}
+
+
+def test_the_core_reaches_a_wing_only_through_its_seams() -> None:
+    """The launcher's core (``launch/main.py``, the fence, the agent run) asks one object made
+    by ``runtime.launch.recovery.for_run`` and names no in-process module; a new import of the
+    wing from outside it is a feature growing beside the structure again."""
+    edges, _ = imports(modules())
+    reaching = {e.module for e in edges if not e.typing and e.target.split(".")[:2] == ["runtime", "inprocess"]
+                and e.module.split(".")[:2] != ["runtime", "inprocess"]}
+    assert sorted(reaching) == sorted(SEAMS), "import the wing only in a seam listed in SEAMS"

@@ -49,7 +49,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -446,19 +446,6 @@ def end_processes(procs: Iterable[subprocess.Popen], grace_s: float = 5.0) -> No
                 os.killpg(p.pid, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def for_spec(recovery: str, store_address: str, events: Any = None, node_rank: int = 0,
-             replacement: str = recovery_settings.WAIT, *, adopt: Mapping[int, int] | None = None,
-             epoch: int = 0, members: Sequence[str] = (),
-             keep_on_loss: Callable[[], bool] | None = None,
-             stopping: Callable[[], bool] | None = None) -> Any:
-    """The context the launcher runs torch's agent in for the job's ``--recovery`` (and
-    ``--replacement``; ``adopt``: workers kept through the old host's loss)."""
-    if recovery != recovery_settings.INPROCESS:
-        return nullcontext()
-    return owning_recovery(store_address, events, node_rank, replacement, adopt=adopt,
-                           epoch=epoch, members=members, keep_on_loss=keep_on_loss, stopping=stopping)
 
 
 def worker_env(store_address: str, *, keeps: bool = False) -> dict[str, str]:

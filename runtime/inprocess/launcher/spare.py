@@ -56,9 +56,10 @@ log = logging.getLogger("hpc.launch")
 POLL_S = 0.5
 
 
-def is_spare(recovery: str, spare_nodes: int, node_rank: int, max_nodes: int) -> bool:
-    """Whether this node is an in-process hot spare (pure): the nodes past ``MAX`` are."""
-    return recovery == recovery_settings.INPROCESS and spare_nodes > 0 and node_rank >= max_nodes
+def is_spare(spare_nodes: int, node_rank: int, max_nodes: int) -> bool:
+    """Whether this node is one of the job's hot spares under in-process recovery (pure): the
+    node ranks past the job's largest world."""
+    return spare_nodes > 0 and node_rank >= max_nodes
 
 
 def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, nproc: int,
