@@ -14,8 +14,8 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   scripts that want to know how long they have; node 0's launcher then asks Slurm for the real
   deadline (:mod:`runtime.stop_deadline`, bounded) and rewrites the notice with the earlier of
   the two, which the Session's save decision reads;
-* torch's agent restarts no workers (:func:`no_restarts_once_stopping` sets the agent's remaining
-  restarts to 0, as torch itself does for a wedged worker);
+* torch's agent restarts no workers (:class:`runtime.launch.agent.StopAware` sets the agent's
+  remaining restarts to 0, as torch itself does for a wedged worker);
 * a worker started anyway (a membership change, a torch without that hook) exits at once with
   status 0 and, on global rank 0, an exit intent naming the stop (:func:`exit_if_stopping`);
 * workers still running shortly before the expected SIGTERM get one from the launcher
@@ -33,14 +33,12 @@ So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it
   (:func:`amend_outcome`): the outcome is recorded as ``preempted`` or ``time_limit`` and the
   job is requeued.
 
-torch-free except :func:`no_restarts_once_stopping`, which imports torch's launcher lazily: the
-worker wrapper imports this module before the user's script, and the launcher's signal handler
-calls into it (nothing is imported there).
+torch-free: the worker wrapper imports this module before the user's script, and the
+launcher's signal handler calls into it (nothing is imported there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -49,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -353,68 +351,6 @@ def amend_outcome(kind: str, reason: str, notice: StopNotice | None, *,
                              else f"{said} (saved step {saved}; its exit was cut short)")
     said = f"{notice.signal} ({notice.kind}): the workers did not stop by themselves"
     return notice.kind, f"{said}; {reason}" if reason else said
-
-
-@contextlib.contextmanager
-def no_restarts_once_stopping(stopping: Callable[[], bool],
-                              futile: Callable[[Any], str | None] = lambda result: None,
-                              on_restart: Callable[[Any, int, int], None] | None = None
-                              ) -> Iterator[None]:
-    """While inside, torch's elastic agent restarts no workers once ``stopping()`` is true.
-
-    ``launch_agent`` builds a ``LocalElasticAgent`` by its module-global name; inside this
-    context that name is a subclass whose monitor sets the remaining restarts to 0 once a stop
-    began (torch does the same for a wedged worker), so failed workers end the run instead of
-    being started again. Without that name (another torch), the worker-side guard
-    (:func:`exit_if_stopping`) still keeps the user's script from running again.
-
-    ``futile(result)`` names a reason why failed workers would fail again (the job's disk is
-    full, the checkpoint directory is a file), or None: with a reason, a failed group is not
-    restarted either; ``result`` is the agent's ``RunResult`` (its ``failures``). The restarts are for
-    faults that go away; these would spend them all redoing work from the last checkpoint.
-
-    ``on_restart(failures, restart, max_restarts)`` is told of each restart the agent is about
-    to make after failed workers (``failures``: global rank -> torch's ``ProcessFailure``).
-    """
-    try:
-        from torch.distributed.launcher import api as launcher_api
-    except ImportError:   # pragma: no cover - the launcher always has torch
-        yield
-        return
-    base = getattr(launcher_api, "LocalElasticAgent", None)
-    if base is None or not hasattr(base, "_monitor_workers"):
-        log.warning("torch's launcher has no LocalElasticAgent to guard: restarted workers "
-                    "of a stopping allocation exit at once instead")
-        yield
-        return
-
-    class StopAwareAgent(base):  # type: ignore[misc, valid-type]
-        def _monitor_workers(self, worker_group: Any) -> Any:
-            result = super()._monitor_workers(worker_group)
-            left = getattr(self, "_remaining_restarts", 0)
-            if left and stopping():
-                log.warning("the allocation is stopping: no restart of the workers "
-                            "(%d left unused)", left)
-                self._remaining_restarts = 0
-            elif left and getattr(getattr(result, "state", None), "name", "") == "FAILED" \
-                    and (why := futile(result)):
-                log.error("the workers failed and %s: no restart (%d left unused), it would "
-                          "only fail the same way", why, left)
-                self._remaining_restarts = 0
-            elif left and getattr(getattr(result, "state", None), "name", "") == "FAILED" \
-                    and on_restart is not None:
-                total = getattr(getattr(worker_group, "spec", None), "max_restarts", left)
-                try:
-                    on_restart(getattr(result, "failures", {}), total - left + 1, total)
-                except Exception:  # noqa: BLE001 - a message must not break the agent
-                    log.exception("cannot describe the failed workers")
-            return result
-
-    launcher_api.LocalElasticAgent = StopAwareAgent
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = base
 
 
 def exit_if_stopping(job: job_env.JobEnvironment, rank: str | None) -> None:

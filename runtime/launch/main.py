@@ -51,7 +51,7 @@ from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verb
 from runtime import exclusions, peer_sockets, stop_deadline, stopping, succession
 from runtime.ending import outcome
 from runtime import node_files
-from runtime.launch import recovery as launch_recovery
+from runtime.launch import agent as launch_agent, recovery as launch_recovery
 from runtime.launch import health, host_store, quorum, rdzv_failure, rendezvous, spares, warm_start
 from runtime.ending.outcome import EXIT_CODES, root_failure  # noqa: F401 - re-exported
 from runtime.launch.forwarding import KEEP_SIGNAL, SignalForwarder, children as _children, kill_workers  # noqa: F401 - re-exported
@@ -298,15 +298,14 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
     release = spares.SpareRelease()
     reason, result, exit_codes = "", "succeeded", ()
     follow_node0 = False   # a rendezvous error while the host answered: node 0 records the end
-    state = None           # what the recovery's agent context yielded
     try:
         # Never restart workers inside a stopping allocation (runtime/stopping.py), nor on a
         # node a newer rendezvous epoch has fenced off.
-        with stopping.no_restarts_once_stopping(
-                lambda: bool(forwarder.received) or (fence is not None and fence.acted),
-                futile=lambda result: _futile(plan, result) or watchdog.repeated()
-                or startups.futile(result),
-                on_restart=on_restart), release, warm_start.serving(warm), recovery.agent() as state:
+        rules = launch_agent.StopRules(
+            lambda: bool(forwarder.received) or (fence is not None and fence.acted),
+            futile=lambda result: _futile(plan, result) or watchdog.repeated() or startups.futile(result),
+            on_restart=on_restart)
+        with launch_agent.installed(rules, recovery.agent_part()), release, warm_start.serving(warm):
             elastic_launch(config, sys.executable)(*plan.argv)
     except Exception as e:  # the agent's own end: a failed worker, a signal, the rendezvous...
         result, reason, exit_codes, follow_node0 = _agent_failed(
@@ -324,8 +323,7 @@ def _run_agent(plan: LaunchPlan, forwarder: SignalForwarder, epoch: int,
         result, reason = ("fenced", fence.replaced) if fence.replaced is not None \
             else ("rendezvous", fence.host_lost)
     extra: dict[str, Any] = {"follow_node0": True} if follow_node0 else {}
-    result, reason = recovery.settle(result, reason, extra, fence=fence, received=forwarder.received,
-                                     state=state)
+    result, reason = recovery.settle(result, reason, extra, fence=fence, received=forwarder.received)
     if below_min is not None:
         below_min.stop()
         if below_min.short is not None and not (fence is not None and fence.acted):

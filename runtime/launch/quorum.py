@@ -134,28 +134,14 @@ class QuorumWatch(threading.Thread):
         self._stop_event.set()
 
 
-def watch_exit_barrier() -> bool:
-    """Wraps torch's ``SimpleElasticAgent._exit_barrier`` (once per process) so that entering it
-    sets :data:`_FINISHED`; returns whether it could (another torch without that method: the
-    watch then cannot tell a finished node from a waiting one, as before)."""
-    try:
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-    except ImportError:   # pragma: no cover - the launcher always has torch
-        return False
-    original = SimpleElasticAgent.__dict__.get("_exit_barrier")
-    if original is None:
-        log.warning("torch's agent has no _exit_barrier: the quorum watch cannot tell a node whose "
-                    "workers finished from one waiting in a rendezvous")
-        return False
-    if getattr(original, "hpc_quorum", False):
-        return True
+class MarksFinished:
+    """The part of the launcher's agent (:mod:`runtime.launch.agent` composes it before torch's)
+    that marks entering torch's exit barrier (:data:`_FINISHED`): this node's workers finished,
+    it is not waiting in a rendezvous."""
 
-    def _exit_barrier(self: Any) -> Any:
+    def _exit_barrier(self) -> Any:
         _FINISHED.set()
-        return original(self)
-    _exit_barrier.hpc_quorum = True   # type: ignore[attr-defined]
-    SimpleElasticAgent._exit_barrier = _exit_barrier   # type: ignore[method-assign]
-    return True
+        return super()._exit_barrier()   # type: ignore[misc]
 
 
 def start(plan: "LaunchPlan") -> QuorumWatch | None:
@@ -188,7 +174,6 @@ def start(plan: "LaunchPlan") -> QuorumWatch | None:
         return info.state.value, info.nodes
 
     _FINISHED.clear()   # this agent's run (a launcher goes on in a new epoch after a failure)
-    watch_exit_barrier()
     watch = QuorumWatch(min_nodes=plan.nnodes[0], working=working, job=job,
                         act=lambda: os.kill(os.getpid(), signal.SIGQUIT), finished=_FINISHED.is_set)
     watch.start()

@@ -13,14 +13,13 @@ from the spec by :func:`for_run` (the one place the launcher compares the mode):
 The points, in the order of an agent run: :meth:`~Restart.prepare` (the workers'
 environment), :meth:`~Restart.instead_of_agent` (a node that runs no agent of its own),
 :meth:`~Restart.start`, :meth:`~Restart.watch` (the stall watch's lost nodes),
-:meth:`~Restart.arm` (the fence), :meth:`~Restart.agent` (the context torch's agent runs in),
+:meth:`~Restart.arm` (the fence), :meth:`~Restart.agent_part` (its part of torch's agent),
 :meth:`~Restart.stop` and :meth:`~Restart.settle` (the run's result). Across runs, the workers
 kept through the rendezvous host's loss are handed on by the functions in ``__all__``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -63,17 +62,19 @@ class Restart:
     def arm(self, fence: Any, board: Board | None) -> None:
         """Tells the fence what to do when the rendezvous host is lost (before it starts)."""
 
-    def agent(self) -> contextlib.AbstractContextManager[Any]:
-        """The context torch's agent runs in."""
-        return contextlib.nullcontext()
+    def agent_part(self) -> tuple[type, Mapping[str, Any]] | None:
+        """The recovery's part of torch's agent, composed before it
+        (:func:`runtime.launch.agent.installed`): its class and the class attributes that
+        carry its settings; None: torch's agent as it is."""
+        return None
 
     def stop(self) -> None:
         """Stops what :meth:`start` started (the agent has returned)."""
 
     def settle(self, result: str, reason: str, extra: dict[str, Any], *, fence: Any,
-               received: Sequence[Any], state: Any) -> tuple[str, str]:
+               received: Sequence[Any]) -> tuple[str, str]:
         """The run's result and reason after the recovery's own ending (``extra`` may gain
-        what the next epoch's run takes over); ``state``: what :meth:`agent` yielded."""
+        what the next epoch's run takes over)."""
         return result, reason
 
 

@@ -106,14 +106,17 @@ def test_entering_torchs_exit_barrier_marks_the_node_finished():
     from types import SimpleNamespace
 
     from torch.distributed import HashStore
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from runtime.launch import quorum
 
+    class Agent(quorum.MarksFinished, LocalElasticAgent):
+        pass
+
     quorum._FINISHED.clear()
-    assert quorum.watch_exit_barrier() and quorum.watch_exit_barrier(), "idempotent"
-    agent = SimpleNamespace(_worker_group=SimpleNamespace(state="SUCCEEDED", group_world_size=1),
-                            _store=HashStore(), _exit_barrier_timeout=5.0, _in_exit_barrier=False)
+    agent = Agent.__new__(Agent)   # (torch's own fields that its barrier reads, no worker spec)
+    agent._worker_group = SimpleNamespace(state="SUCCEEDED", group_world_size=1)
+    agent._store, agent._exit_barrier_timeout, agent._in_exit_barrier = HashStore(), 5.0, False
     assert not quorum._FINISHED.is_set()
-    SimpleElasticAgent._exit_barrier(agent)   # torch's own barrier, one agent: passes at once
+    agent._exit_barrier()   # torch's own barrier behind it, one agent: passes at once
     assert quorum._FINISHED.is_set()

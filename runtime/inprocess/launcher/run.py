@@ -13,9 +13,9 @@ each one does what recovery without restart needs of this node for the run:
   back on a rendezvous host that may be the one cut off (:class:`UnlessCutOff`);
 - **arm**: the fence keeps the workers through the host's loss where they can be
   (:mod:`~runtime.inprocess.launcher.adopt`), and records the fallback where they cannot;
-- **agent**: torch's agent that announces deaths and starts joiners
-  (:mod:`~runtime.inprocess.launcher.agent`);
-- **stop**: the lifelines closed (this launcher ends on purpose), the fence's signal handed back;
+- **agent part**: the part of torch's agent that announces deaths and starts joiners
+  (:class:`~runtime.inprocess.launcher.agent.InProcessAgent`);
+- **stop**: the warm standby ended, the lifelines closed (this launcher ends on purpose), the fence's signal handed back;
 - **settle**: workers torch's agent kept when the host's store broke go to the next epoch, or
   are stopped, and a lost host's fallback is recorded.
 """
@@ -134,7 +134,7 @@ class InProcessRun:
             succession=board is not None, spares=spec.spare_nodes,
             kept=dict.fromkeys(range(spec.nproc_per_node), 0), nproc=spec.nproc_per_node) is None
         endpoint = plan.rdzv_endpoint
-        self._agent = agent.owning_recovery(
+        self.settings = agent.AgentSettings(
             endpoint, self.events, plan.node_rank, spec.replacement, adopt=adopt, epoch=epoch, members=names,
             keep_on_loss=(lambda: keep_allowed() and not host_store.answers(endpoint))
             if self.keeps and not plan.is_rdzv_host and plan.launchers > 1 else None,
@@ -185,10 +185,11 @@ class InProcessRun:
             host, why, succession=board is not None, then=then))
         self._keep_handler = signal.signal(KEEP_SIGNAL, lambda *_: fence.exec_kept())
 
-    def agent(self) -> Any:
-        return self._agent
+    def agent_part(self) -> tuple[type, Mapping[str, Any]]:
+        return agent.InProcessAgent, {"inproc": self.settings}
 
     def stop(self) -> None:
+        self.settings.standby.close()
         if self._line is not None:
             self._line.close()   # this launcher ends on purpose: not a lost node
         if self._listener is not None:
@@ -197,9 +198,9 @@ class InProcessRun:
             signal.signal(KEEP_SIGNAL, self._keep_handler)
 
     def settle(self, result: str, reason: str, extra: dict[str, Any], *, fence: Any,
-               received: Sequence[Any], state: Any) -> tuple[str, str]:
+               received: Sequence[Any]) -> tuple[str, str]:
         plan, fenced = self.plan, fence is not None and fence.acted
-        if getattr(state, "kept", False) and not fenced:
+        if self.settings.kept and not fenced:
             # torch's agent failed on the lost host's store (refused, reset) before the fence saw it
             # silent, and kept the workers: the next epoch takes them, or they are stopped here
             kept, why_not = keepable(self.board, plan.spec)
