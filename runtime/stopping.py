@@ -64,7 +64,7 @@ from runtime.preemption import DEFAULT_GRACE_S, classify_warning, deadline_for
 log = logging.getLogger("hpc.launch")
 
 # Without Slurm: seconds from a SIGTERM to the SIGKILL of workers still running (Slurm's
-# default KillWait; the same grace hpc run's lifeline gives, runtime/launch/lifeline.py).
+# default KillWait; the same grace the watch of hpc run gives, runtime/launch/parent_watch.py).
 KILL_AFTER_S = 30.0
 # While the workers show a save progressing (``still_saving``), the kill waits, looking again
 # this often, at most this long after the SIGTERM (the stall watch's budget for a save).

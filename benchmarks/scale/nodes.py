@@ -5,7 +5,7 @@ Each agent is one node's control plane, with the project's real code:
 * **join**: torch's c10d rendezvous handler with the launcher's settings
   (:func:`runtime.launch.main.rdzv_conf`, ``MIN = MAX = N``) against the real libuv ``TCPStore``;
   its keep-alive thread then runs as in a real agent;
-* **keepalive**: a real :class:`~runtime.liveness.peers.PeerBeacon` thread (its store client
+* **keepalive**: a real :class:`~runtime.liveness.beacon.PeerBeacon` thread (its store client
   wrapped to count requests);
 * **node records**: the stall watch's cross-node part (:class:`runtime.liveness.nodes.NodeBoard`:
   ``peers`` and ``publish``, what :meth:`Watchdog.check` does on the job directory every
@@ -35,7 +35,7 @@ from runtime.launch import rendezvous
 from runtime.launch.main import rdzv_conf
 from runtime.liveness.deadline import StallPolicy
 from runtime.liveness.heartbeat import Heartbeat
-from runtime.liveness.peers import BEAT_S, PeerBeacon
+from runtime.liveness.beacon import BEAT_S, PeerBeacon
 from runtime.liveness.verdict import assess
 from runtime.liveness.nodes import NodeBoard
 from runtime.liveness.watchdog import POLL_S

@@ -43,7 +43,7 @@ from benchmarks.scale.fit import exponent
 from benchmarks.scale.meter import cpu_s, load
 from runtime.launch.main import rdzv_conf
 from runtime.liveness import groups
-from runtime.liveness.peers import BEAT_S, LOST_AFTER_S
+from runtime.liveness.beacon import BEAT_S, LOST_AFTER_S
 from runtime.liveness.watchdog import POLL_S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -71,7 +71,7 @@ BATCH_STEPS: tuple[BatchStep, ...] = (
                   f" --spare-nodes {spec.spare_nodes}" if spec.spare_nodes else ""),
               # Only an allocation above MIN can shrink (runtime.exclusions.plan_release);
               # spares make one (MIN to MAX + spares: slurm_options.nodes_range).
-              lambda spec: spec.min_nodes < spec.max_nodes + spec.spare_nodes),
+              lambda spec: spec.min_nodes < spec.allocated_nodes),
     BatchStep("container", "ask Slurm for the job's end time and GraceTime and requeue the job "
               "from the batch shell, outside the container, where Slurm's commands are",
               lambda spec: f"--container-image {spec.container_image}",

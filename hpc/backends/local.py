@@ -21,7 +21,7 @@ directory.
 - The launchers run in their own session (a terminal's signals reach only ``hpc run``, which
   decides), and the kernel sends them SIGTERM when ``hpc run`` dies, even by SIGKILL
   (``PR_SET_PDEATHSIG``): the workers save and stop, and a launcher whose ``hpc run`` is gone
-  stops them for good after a grace period (:mod:`runtime.launch.lifeline`). The workers are bound
+  stops them for good after a grace period (:mod:`runtime.launch.parent_watch`). The workers are bound
   to their launcher in turn (:mod:`runtime.worker`).
 """
 
@@ -200,7 +200,7 @@ def already_finished(spec: JobSpec) -> jobdir.Outcome | None:
 
 def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False,
          resume: str = "") -> int:
-    nodes = spec.max_nodes + spec.spare_nodes   # the hot spares' launchers too
+    nodes = spec.allocated_nodes   # the hot spares' launchers too
     port = spec.rdzv_port or free_port()
     run_id = uuid.uuid4().hex[:12]
     if (warning := checkpoint_warning(spec)) is not None:

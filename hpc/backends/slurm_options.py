@@ -97,7 +97,7 @@ def exclusion_lines(spec: JobSpec) -> list[str]:
     Slurm and point ``srun`` at the kept ones (``python -m runtime.exclusions``, whose output
     is evaluated; it never fails the job). ``[]`` for a one-node job, which has none to give
     back, and in a container, whose Python the batch shell does not have."""
-    if spec.max_nodes + spec.spare_nodes <= 1 or spec.container_image:
+    if spec.allocated_nodes <= 1 or spec.container_image:
         return []
     command = shlex.join([spec.python, "-m", EXCLUSIONS_MODULE, "--job-dir", spec.job_dir])
     return [f'eval "$({command} || true)"']

@@ -519,7 +519,7 @@ class JobSpec:
                             "GPUs are gres=gpu:TYPE:N)",
                             pick(f"--gpus-per-node 8 --gpu-type {self.gpu_type}",
                                  f"gpus_per_node=8, gpu_type={self.gpu_type!r}"))
-        if self.spare_nodes and self.max_nodes + self.spare_nodes > values.MAX_NODES:
+        if self.spare_nodes and self.allocated_nodes > values.MAX_NODES:
             raise SpecError(name("spare_nodes"), self.spare_nodes,
                             f"at most {values.MAX_NODES - self.max_nodes} with "
                             f"{name('nodes')} {self.nodes_text} (nodes and spares together at "
@@ -568,6 +568,11 @@ class JobSpec:
     @property
     def max_nodes(self) -> int:
         return self.nodes[1]
+
+    @property
+    def allocated_nodes(self) -> int:
+        """The nodes the job asks Slurm for: the largest world and the hot spares beside it."""
+        return self.max_nodes + self.spare_nodes
 
     @property
     def nodes_text(self) -> str:

@@ -75,8 +75,8 @@ class SignalForwarder:
 def kill_workers(ppid: int, parent: int | None = None) -> list[int]:
     """SIGKILLs the worker processes of launcher ``ppid``; returns their pids.
 
-    With ``parent`` (``hpc run``'s pid): nothing when that is gone, for then the lifeline
-    (:mod:`runtime.launch.lifeline`) ends the job and records it as cancelled.
+    With ``parent`` (``hpc run``'s pid): nothing when that is gone, for then the parent watch
+    (:mod:`runtime.launch.parent_watch`) ends the job and records it as cancelled.
     """
     if parent is not None and os.getppid() != parent:
         return []

@@ -44,7 +44,7 @@ from runtime.env import SlurmEnv, rendezvous_host
 from runtime.events import EventLog, LauncherRecorder
 from runtime.liveness.proc import forget_stale_orders
 from runtime.liveness.watchdog import Watchdog, heartbeat_dir
-from runtime.launch.lifeline import GRACE_S, watch_parent
+from runtime.launch.parent_watch import GRACE_S, watch_parent
 from runtime.launch.network import NetworkError, detect
 from runtime.launch.save_watch import SaveWatch
 from runtime.console import NOTE, ConsoleFormatter, RankTee, console_level, verbose_from_env
@@ -539,7 +539,7 @@ class _Fence(threading.Thread):
                  tracker: Any = None, rdzv_endpoint: str = "") -> None:
         super().__init__(name="hpc-fence", daemon=True)
         self.board, self.epoch, self.members, self.is_host = board, epoch, members, is_host
-        self.tracker = tracker        # runtime.liveness.peers.PeerTracker, fed by the beacon
+        self.tracker = tracker        # runtime.liveness.beacon.PeerTracker, fed by the beacon
         self.rdzv_endpoint = rdzv_endpoint   # asked once more before the host is named lost
         self.on_host_lost: Any = None   # (why, why the workers are not kept) -> None: the recovery's record
         self.fell_back = False        # it recorded the recovery's fallback (on_host_lost)
@@ -762,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or (f"{slurm.job_id}-{slurm.restart_count}" if slurm.active else uuid.uuid4().hex[:12])
     network_problem = None
     try:
-        _, changes = detect(args.rdzv_host, multi_node=spec.max_nodes + spec.spare_nodes > 1 and not args.local,
+        _, changes = detect(args.rdzv_host, multi_node=spec.allocated_nodes > 1 and not args.local,
                             env=os.environ)
     except NetworkError as e:
         print(f"hpc launch: no usable network interface on {socket.gethostname()}: {e}", file=sys.stderr)

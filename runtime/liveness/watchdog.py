@@ -70,7 +70,7 @@ from runtime.liveness import events, nccl, proc, stacks
 from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
-from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
+from runtime.liveness.beacon import LOST_AFTER_S, PeerBeacon
 from runtime.liveness.verdict import (DESYNC_S, HARDWARE_KINDS, RankState, Verdict, assess, blame,
                                       desync, judge, weigh)
 

@@ -337,7 +337,7 @@ def test_killed_hpc_run_leaves_no_process_and_the_job_resumes(tmp_path: Path):
 @pytest.mark.waits
 def test_killed_hpc_run_stops_workers_that_ignore_the_warning(tmp_path: Path):
     """Nobody is left to press Ctrl-C twice: the launcher stops them after the grace period."""
-    from runtime.launch.lifeline import GRACE_S
+    from runtime.launch.parent_watch import GRACE_S
 
     job, marker = tmp_path / "job", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "hpc", "run", str(PROBE), "--nproc-per-node", "2", "--job-dir",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.scale.run import simulate
-from runtime.liveness.peers import LOST_AFTER_S
+from runtime.liveness.beacon import LOST_AFTER_S
 from runtime.succession import ANNOUNCE_WINDOW_S
 
 pytestmark = pytest.mark.distributed

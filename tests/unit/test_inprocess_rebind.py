@@ -294,7 +294,7 @@ def test_a_cut_host_that_sees_its_peers_stop_one_after_another_is_held_back_from
 def test_the_nodes_in_sight_are_those_whose_counters_advanced_lately():
     """Not those not yet named lost: a peer silent 4 s is not in sight with a 2.5 s window;
     as the root, another group's members count while its key advances."""
-    from runtime.liveness.peers import PeerTracker
+    from runtime.liveness.beacon import PeerTracker
 
     t = PeerTracker(0, hosts={0: "node1"})
     t.observe(1, 5, now=10.0)

@@ -321,7 +321,7 @@ def test_hang_events_round_trip_and_reach_the_outcome_line(tmp_path: Path):
 
 # --- peers through the rendezvous store -----------------------------------------------------
 def test_peer_tracker_names_a_silent_peer_only_while_the_store_answers_us():
-    from runtime.liveness.peers import PeerTracker
+    from runtime.liveness.beacon import PeerTracker
 
     t = PeerTracker(node_rank=0, hosts={1: "node2", 2: "node3"})
     for now in range(0, 5):
@@ -345,7 +345,7 @@ def test_a_peer_lost_before_the_group_formed_again_is_not_the_new_groups():
     """A member crashes, the group re-forms (a hot spare in its place, or fewer nodes) and the
     new workers start up quietly for seconds: the crashed node's silence is no stall of the
     new group. A peer that goes on beating is watched again, and its later silence counts."""
-    from runtime.liveness.peers import PeerTracker
+    from runtime.liveness.beacon import PeerTracker
 
     t = PeerTracker(node_rank=0)
     for now in range(0, 5):                  # both peers beat; node rank 2 crashes at 5
@@ -763,7 +763,7 @@ def test_first_steps_waiting_in_one_collective_with_nothing_working_get_an_ordin
 def test_the_peers_are_all_heard_only_while_the_store_answers_and_every_counter_moves():
     """The desync rule needs the peers' word current: a store that stopped answering (its
     host cut off) or one peer's counter standing still (its node lost) is no deadlock here."""
-    from runtime.liveness.peers import PeerTracker
+    from runtime.liveness.beacon import PeerTracker
 
     t = PeerTracker(node_rank=1)
     assert not t.all_heard(100.0, 2.5)                  # the store never answered

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.liveness import groups
-from runtime.liveness.peers import LOST_AFTER_S, PeerBeacon
+from runtime.liveness.beacon import LOST_AFTER_S, PeerBeacon
 
 pytestmark = pytest.mark.unit
 

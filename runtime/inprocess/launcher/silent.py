@@ -10,7 +10,7 @@ worker of the waiting nodes (the restart path):
   SIGKILLed, so its death is announced and a joiner replaces it like any dead worker. A slow
   worker is never stopped, and a tracer's stop (``t``: a debugger, py-spy) is left alone;
 - **a lost node** (a cut link, a frozen or crashed node whose launcher cannot speak): the
-  launchers' peer beacon (:mod:`runtime.liveness.peers`) names a node whose counter stood
+  launchers' peer beacon (:mod:`runtime.liveness.beacon`) names a node whose counter stood
   still :data:`LOST_S` while the store answers. :class:`LostNodes` then marks that node's
   workers of the running generation (its launcher publishes them: ``node/N``) dead (``dead/UID``) and announces the generation's fault
   (``fault/G``): every survivor leaves its step within 0.1 s (its fault watch breaks its

@@ -79,6 +79,6 @@ def watch_parent(parent: int, grace_s: float = GRACE_S, agent_stop_s: float = AG
         time.sleep(agent_stop_s)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, name="hpc-lifeline", daemon=True)
+    thread = threading.Thread(target=watch, name="hpc-parent-watch", daemon=True)
     thread.start()
     return thread
