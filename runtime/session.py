@@ -191,7 +191,7 @@ class Session:
         import numpy as np
 
         # A joiner holds no rank yet: it records from its join on, as the rank it is given.
-        if os.environ.get(recovery_settings.JOIN_ENV, "") != "1":
+        if not recovery_settings.InProcessEnvironment.from_env(os.environ).join:
             self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
                                         restart=self.restart_count, world_size=self.world_size)
         # The node's stall watchdog reads this from now on (phase start-up, a long budget).
@@ -381,7 +381,7 @@ class Session:
     def _in_process(self, backend: str) -> Any:
         """The in-process recovery this worker was started for, or None (restart path).
         On NCCL its communicators are aborted at a fault (:mod:`runtime.inprocess.worker.nccl`)."""
-        if os.environ.get(recovery_settings.RECOVERY_ENV, recovery_settings.RESTART) != recovery_settings.INPROCESS:
+        if not recovery_settings.InProcessEnvironment.from_env(os.environ).inprocess:
             return None
         from runtime.inprocess.worker.recovery import InProcess
 

@@ -10,6 +10,8 @@ submission, naming it and the range), and NCCL's settings for in-process recover
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from hpc.contract.errors import SpecError
 
@@ -148,3 +150,104 @@ def check_env(name: str, value: str) -> None:
         _number(name, value, DEFAULT_COPY_MAX_MB, 1e-3, 1e9, unit=" MB")
     elif name == WARM_ENV and value.strip().lower() not in WARM_VALUES:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(WARM_VALUES)}")
+
+
+@dataclass(frozen=True)
+class InProcessEnvironment:
+    """The in-process variables as one record: their one reader (:meth:`from_env`, which parses
+    each as :func:`check_env` checks it at submission) and the launcher's one writer
+    (:meth:`to_env`, the variables it sets for each worker).
+
+    Attributes:
+        recovery: ``HPC_RECOVERY``: the job's ``--recovery`` (None: not set, the restart path).
+        store: ``HPC_INPROC_STORE``: ``host:port`` of the store that outlives the workers.
+        join: ``HPC_INPROC_JOIN``: this worker joins a running generation (no rank of its own).
+        max_world: ``HPC_INPROC_MAX_WORLD``: the largest world joiners may fill (None: the
+            starting one).
+        channel: ``HPC_INPROC_CHANNEL``: the node-local file where the launcher names a new
+            epoch's store (it keeps its workers through the host's loss).
+        window_s: ``HPC_INPROC_WINDOW_S``: how long a leader waits for silent members.
+        timeout_s: ``HPC_INPROC_TIMEOUT_S``: a training collective's fixed bound (None: the
+            stall deadline's).
+        max_reforms: ``HPC_INPROC_MAX_REFORMS``: re-forms in a row at one step before the
+            restart path.
+        copy_every: ``HPC_INPROC_COPY_EVERY``: FSDP2's peer copy every N steps.
+        copy_max_mb: ``HPC_INPROC_COPY_MAX_MB``: the peer copies' bound of host memory per rank.
+        warm: ``HPC_INPROC_WARM``: a dead worker's joiner comes from the warm standby.
+        faults: ``HPC_TEST_INPROC_FAULT``: the tests' planted faults (unparsed: the guard's).
+    """
+
+    recovery: str | None = None
+    store: str | None = None
+    join: bool | None = None
+    max_world: int | None = None
+    channel: str | None = None
+    window_s: float = DEFAULT_WINDOW_S
+    timeout_s: float | None = None
+    max_reforms: int = DEFAULT_MAX_REFORMS
+    copy_every: int = DEFAULT_COPY_EVERY
+    copy_max_mb: float = DEFAULT_COPY_MAX_MB
+    warm: bool = True
+    faults: str = ""
+
+    @property
+    def inprocess(self) -> bool:
+        """Whether the worker was started for in-process recovery."""
+        return self.recovery == INPROCESS
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> InProcessEnvironment:
+        """The record of ``environ`` (``os.environ``, a child's or a process's environment):
+        under the restart path only :attr:`recovery`, the others left at their defaults.
+
+        Raises:
+            SpecError: ``HPC_RECOVERY`` that is no recovery mode.
+            ValueError: A tunable out of its range, or a launcher's value that is not one,
+                naming the variable, the value and what it takes.
+        """
+        mode = environ.get(RECOVERY_ENV, "")
+        recovery = parse_recovery(mode, RECOVERY_ENV) if mode else None
+        if recovery != INPROCESS:   # the restart path reads none of the others
+            return cls(recovery=recovery)
+        return cls.parsed(environ)
+
+    @classmethod
+    def parsed(cls, environ: Mapping[str, str]) -> InProcessEnvironment:
+        """Every variable of ``environ`` parsed as an in-process worker parses it, whatever
+        ``HPC_RECOVERY`` says (the launcher reads the standby's switch before it sets the mode
+        for its workers; a test gives the tunables alone).
+
+        Raises:
+            SpecError: ``HPC_RECOVERY`` that is no recovery mode.
+            ValueError: as :meth:`from_env`.
+        """
+        mode = environ.get(RECOVERY_ENV, "")
+        recovery = parse_recovery(mode, RECOVERY_ENV) if mode else None
+        raw = {name: environ.get(name, "") for name in (
+            RECOVERY_ENV, STORE_ENV, JOIN_ENV, MAX_WORLD_ENV, CHANNEL_ENV, WINDOW_ENV, TIMEOUT_ENV,
+            MAX_REFORMS_ENV, COPY_EVERY_ENV, COPY_MAX_MB_ENV, WARM_ENV, FAULT_ENV)}
+        world = raw[MAX_WORLD_ENV].strip()
+        if world and not (world.isdigit() and int(world) >= 1):
+            raise ValueError(f"{MAX_WORLD_ENV}={world!r}: expected a whole number >= 1 (set by the launcher)")
+        warm = raw[WARM_ENV].strip().lower() or "1"
+        if warm not in WARM_VALUES:
+            raise ValueError(f"{WARM_ENV}={raw[WARM_ENV]!r}: expected one of {', '.join(WARM_VALUES)}")
+        return cls(
+            recovery=recovery, store=raw[STORE_ENV] or None, join=raw[JOIN_ENV] == "1" if raw[JOIN_ENV] else None,
+            max_world=int(world) if world else None, channel=raw[CHANNEL_ENV] or None,
+            window_s=parse_window_s(raw[WINDOW_ENV]), timeout_s=parse_timeout_s(raw[TIMEOUT_ENV]),
+            max_reforms=parse_max_reforms(raw[MAX_REFORMS_ENV]),
+            copy_every=int(_number(COPY_EVERY_ENV, raw[COPY_EVERY_ENV], DEFAULT_COPY_EVERY, 1, 1e9,
+                                   whole=True, unit=" steps")),
+            copy_max_mb=_number(COPY_MAX_MB_ENV, raw[COPY_MAX_MB_ENV], DEFAULT_COPY_MAX_MB, 1e-3, 1e9,
+                                unit=" MB"),
+            warm=warm in ("1", "true", "yes", "on"), faults=raw[FAULT_ENV])
+
+    def to_env(self) -> dict[str, str]:
+        """The variables the launcher sets for a worker (fields left None are not set; the
+        tunables are the job's own, from ``--env``, and never written here)."""
+        values = {RECOVERY_ENV: self.recovery, STORE_ENV: self.store,
+                  JOIN_ENV: None if self.join is None else "1" if self.join else "0",
+                  MAX_WORLD_ENV: None if self.max_world is None else str(self.max_world),
+                  CHANNEL_ENV: self.channel}
+        return {name: value for name, value in values.items() if value is not None}

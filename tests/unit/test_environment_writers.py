@@ -1,4 +1,5 @@
-"""``JobEnvironment.to_env()`` is the only writer of the ``HPC_*`` variables in Python.
+"""``JobEnvironment.to_env()`` is the only writer of the ``HPC_*`` variables in Python (and
+``InProcessEnvironment.to_env()`` of in-process recovery's, ``HPC_RECOVERY`` and ``HPC_INPROC_*``).
 
 The launcher-to-worker environment is one record (:mod:`hpc.contract.environment`); a variable
 set by hand elsewhere (``os.environ[HPC_X] = ...``, ``env.setdefault(...)``, a dict literal
@@ -14,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from hpc.contract import environment
+from hpc.contract import environment, recovery_settings
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = {k for k, v in vars(environment).items() if isinstance(v, str) and v.startswith("HPC_")}
-HOME = ROOT / "hpc" / "contract" / "environment.py"
+NAMES = {k for module in (environment, recovery_settings) for k, v in vars(module).items()
+         if isinstance(v, str) and v.startswith("HPC_")}
+HOMES = {ROOT / "hpc" / "contract" / "environment.py", ROOT / "hpc" / "contract" / "recovery_settings.py"}
 
 
 def _names_hpc_variable(node: ast.AST | None) -> bool:
@@ -28,7 +30,7 @@ def _names_hpc_variable(node: ast.AST | None) -> bool:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value.startswith("HPC_") and node.value[4:].isupper()
     if isinstance(node, ast.Attribute):
-        return node.attr in NAMES and ast.unparse(node.value).endswith(("job_env", "environment"))
+        return node.attr in NAMES and ast.unparse(node.value).endswith(("job_env", "environment", "recovery_settings"))
     return isinstance(node, ast.Name) and node.id in NAMES
 
 
@@ -56,9 +58,10 @@ def test_only_job_environment_writes_hpc_variables() -> None:
     found = []
     for package in ("hpc", "runtime", "hydra_plugins"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path != HOME:
+            if path not in HOMES:
                 found += [f"{path.relative_to(ROOT)}:{n}" for n in writers(path.read_text())]
-    assert found == [], "set HPC_* through JobEnvironment(...).to_env() / .export(environ)"
+    assert found == [], ("set HPC_* through JobEnvironment(...).to_env() / .export(environ), and in-process "
+                         "recovery's through InProcessEnvironment(...).to_env()")
 
 
 @pytest.mark.parametrize("code", [
@@ -67,6 +70,8 @@ def test_only_job_environment_writes_hpc_variables() -> None:
     "os.environ.setdefault(PENDING_WARNING, 'SIGUSR2@1')",
     "env = dict(os.environ, **{job_env.ALLOCATION: '0'})",
     "env = dict(os.environ, HPC_VERBOSE='1')",
+    "env = {**os.environ, recovery_settings.JOIN_ENV: '1'}",
+    "env[recovery_settings.STORE_ENV] = address",
 ])
 def test_the_check_sees_each_way_of_writing_one(code: str) -> None:
     assert writers(code) == [1]

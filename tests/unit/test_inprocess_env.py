@@ -58,3 +58,28 @@ def test_the_workers_parse_the_same_way() -> None:
     for bad in ("nan", "0", "x"):
         with pytest.raises(ValueError, match="HPC_INPROC_WINDOW_S"):
             recovery_settings.parse_window_s(bad)
+
+
+def test_one_record_reads_them_all_and_the_launcher_writes_its_own_through_it() -> None:
+    E = recovery_settings.InProcessEnvironment
+    launcher = E(recovery="inprocess", store="node1:29400", join=True, max_world=6, channel="/dev/shm/c")
+    env = {**launcher.to_env(), "HPC_INPROC_WINDOW_S": "5", "HPC_INPROC_COPY_EVERY": "4"}
+    assert set(launcher.to_env()) == {"HPC_RECOVERY", "HPC_INPROC_STORE", "HPC_INPROC_JOIN",
+                                      "HPC_INPROC_MAX_WORLD", "HPC_INPROC_CHANNEL"}   # no tunable
+    got = E.from_env(env)
+    assert (got.inprocess, got.store, got.join, got.max_world, got.channel) == (True, "node1:29400", True, 6, "/dev/shm/c")
+    assert (got.window_s, got.copy_every, got.timeout_s, got.warm) == (5.0, 4, None, True)
+    assert E().to_env() == {} and E(join=True).to_env() == {"HPC_INPROC_JOIN": "1"}
+
+
+def test_the_restart_path_reads_only_the_mode_and_a_bad_value_names_its_variable() -> None:
+    E = recovery_settings.InProcessEnvironment
+    restart = E.from_env({"HPC_RECOVERY": "restart", "HPC_INPROC_WINDOW_S": "nan"})
+    assert not restart.inprocess and restart.window_s == recovery_settings.DEFAULT_WINDOW_S
+    with pytest.raises(ValueError, match="HPC_INPROC_WINDOW_S='nan'"):
+        E.from_env({"HPC_RECOVERY": "inprocess", "HPC_INPROC_WINDOW_S": "nan"})
+    with pytest.raises(ValueError, match="HPC_INPROC_MAX_WORLD='x'"):
+        E.from_env({"HPC_RECOVERY": "inprocess", "HPC_INPROC_MAX_WORLD": "x"})
+    with pytest.raises(SpecError, match="HPC_RECOVERY"):
+        E.from_env({"HPC_RECOVERY": "sometimes"})
+    assert not E.parsed({"HPC_INPROC_WARM": "0"}).warm   # the launcher's switch, before it sets the mode

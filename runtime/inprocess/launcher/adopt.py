@@ -126,7 +126,8 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
         if not argv:
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
-        envs[lr] = {**proc.environ(pid), recovery_settings.STORE_ENV: store, "MASTER_ADDR": master_addr,
+        envs[lr] = {**proc.environ(pid), **recovery_settings.InProcessEnvironment(store=store).to_env(),
+                    "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port), **job_env.JobEnvironment(rdzv_epoch=epoch).to_env()}
         outs[lr] = _log_file(pid)
     # ``outs``: where each worker writes (its stdout's file): a joiner in a dead one's place

@@ -298,7 +298,7 @@ class InProcessAgent:
         launch = self._launch
         try:
             argv = [launch["entrypoint"], *launch["args"][lr]]
-            env = {**os.environ, **launch["envs"][lr], recovery_settings.JOIN_ENV: "1"}
+            env = {**os.environ, **launch["envs"][lr], **recovery_settings.InProcessEnvironment(join=True).to_env()}
         except (KeyError, TypeError) as e:
             log.warning("in-process recovery: cannot restart local rank %d as a joiner (%s)", lr, e)
             return False
@@ -460,8 +460,7 @@ def worker_env(store_address: str, *, keeps: bool = False) -> dict[str, str]:
     """What the workers need for in-process recovery (the launcher sets it per agent run);
     ``keeps``: this launcher may keep them through the host's loss, and names the new epoch's
     store in the channel (a node-local file; it keeps its PID across its ``execv``)."""
-    env = {recovery_settings.RECOVERY_ENV: recovery_settings.INPROCESS, recovery_settings.STORE_ENV: store_address}
-    if keeps:
-        env[recovery_settings.CHANNEL_ENV] = str(inprocess_adopt.channel_path(os.getpid()))
-    return env
+    return recovery_settings.InProcessEnvironment(
+        recovery=recovery_settings.INPROCESS, store=store_address,
+        channel=str(inprocess_adopt.channel_path(os.getpid())) if keeps else None).to_env()
 

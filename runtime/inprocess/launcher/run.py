@@ -146,8 +146,9 @@ class InProcessRun:
     def prepare(self) -> None:
         plan = self.plan
         os.environ.pop(recovery_settings.CHANNEL_ENV, None)
-        os.environ.update(agent.worker_env(plan.rdzv_endpoint, keeps=self.keeps),
-                          **{recovery_settings.MAX_WORLD_ENV: str(plan.nnodes[1] * plan.spec.nproc_per_node)})
+        os.environ.update(agent.worker_env(plan.rdzv_endpoint, keeps=self.keeps))
+        os.environ.update(recovery_settings.InProcessEnvironment(
+            max_world=plan.nnodes[1] * plan.spec.nproc_per_node).to_env())
 
     def instead_of_agent(self, relaunch: Callable[[], None]) -> AgentEnd | None:
         plan = self.plan

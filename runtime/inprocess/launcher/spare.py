@@ -68,7 +68,8 @@ def joiner_env(base: dict[str, str], store_address: str, *, local_rank: int, npr
     ``MASTER_PORT``: the running round's namespace is read from the store (``current``)."""
     env = {k: v for k, v in base.items() if k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env.update(inprocess_agent.worker_env(store_address))
-    env.update({recovery_settings.JOIN_ENV: "1", "MASTER_ADDR": store_address.rpartition(":")[0], "RANK": "0",
+    env.update(recovery_settings.InProcessEnvironment(join=True).to_env())
+    env.update({"MASTER_ADDR": store_address.rpartition(":")[0], "RANK": "0",
                 "WORLD_SIZE": "1", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
                 "GROUP_RANK": str(node_rank), "TORCHELASTIC_RESTART_COUNT": "0"})
     return env

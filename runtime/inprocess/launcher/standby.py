@@ -39,7 +39,7 @@ MAX_FAILURES = 3     # standbys that died unused before no more are started
 
 def enabled(environ: Mapping[str, str]) -> bool:
     """Whether joiners start from a warm standby (``HPC_INPROC_WARM``, default on)."""
-    return environ.get(recovery_settings.WARM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return recovery_settings.InProcessEnvironment.parsed(environ).warm
 
 
 def at_launch(cpus: int, local_workers: int) -> bool:

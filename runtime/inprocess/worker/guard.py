@@ -79,7 +79,7 @@ class StepGuard:
         self._saved_rng: Any = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._saved_groups: list[list[dict[str, Any]]] = []
-        self._faults = _parse_faults(os.environ.get(recovery_settings.FAULT_ENV, ""))
+        self._faults = _parse_faults(recovery_settings.InProcessEnvironment.from_env(os.environ).faults)
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}   # gloo operations not finished yet: id -> generation

@@ -210,22 +210,18 @@ class InProcess:
         """The recovery this worker was started for, or None (the restart path). On NCCL
         it sets the variables the NCCL path needs in this process (:func:`nccl.apply_env`),
         before any group is made."""
-        mode = environ.get(recovery_settings.RECOVERY_ENV, recovery_settings.RESTART) or recovery_settings.RESTART
-        if recovery_settings.parse_recovery(mode, recovery_settings.RECOVERY_ENV) != recovery_settings.INPROCESS:
+        env = recovery_settings.InProcessEnvironment.from_env(environ)
+        if not env.inprocess:
             return None
         plan = nccl.plan_for(backend, environ)
         if plan.backend == "nccl":
             nccl.apply_env(os.environ)
-        address = environ.get(recovery_settings.STORE_ENV, "")
+        address = env.store or ""
         if not address:
             raise RuntimeError(f"{recovery_settings.RECOVERY_ENV}=inprocess needs {recovery_settings.STORE_ENV}=host:port "
                                "(the launcher sets it); set it or use --recovery restart")
-        window = recovery_settings.parse_window_s(environ.get(recovery_settings.WINDOW_ENV, ""))
-        fixed = recovery_settings.parse_timeout_s(environ.get(recovery_settings.TIMEOUT_ENV, ""))
+        fixed = env.timeout_s
         bound = (lambda: fixed) if fixed is not None else step_bound_s
-        joining = environ.get(recovery_settings.JOIN_ENV, "") == "1"
-        max_world = int(environ.get(recovery_settings.MAX_WORLD_ENV, "") or 0)
-        max_reforms = recovery_settings.parse_max_reforms(environ.get(recovery_settings.MAX_REFORMS_ENV, ""))
         raw = connect(address)
         if environ.get("MASTER_PORT"):
             space = proto.namespace(environ.get("MASTER_ADDR", ""), environ["MASTER_PORT"])
@@ -236,11 +232,11 @@ class InProcess:
         def store() -> Any:
             return dist.PrefixStore(space, connect(address))
         made = cls(dist.PrefixStore(space, raw), rank=rank, world_size=world_size, timeout=timeout,
-                   step_bound_s=bound, window_s=window, reconnect=store, joining=joining,
-                   max_world=max_world, max_reforms=max_reforms, backend=backend, device=device, plan=plan)
+                   step_bound_s=bound, window_s=env.window_s, reconnect=store, joining=bool(env.join),
+                   max_world=env.max_world or 0, max_reforms=env.max_reforms, backend=backend, device=device, plan=plan)
         made.space, made.raw, made.address = space, raw, address
         made.key = _job_key(environ)
-        channel = environ.get(recovery_settings.CHANNEL_ENV, "")
+        channel = env.channel or ""
         if channel:   # the launcher keeps this worker through the rendezvous host's loss
             made._epochs = rebind.EpochWatch(Path(channel), JobEnvironment.from_env(environ).rdzv_epoch or 0,
                                              address=lambda: made.address, on_new=made._break_all)

@@ -65,17 +65,8 @@ def options(environ: Mapping[str, str]) -> tuple[int, int]:
     Raises:
         ValueError: A value that is not a positive number, naming the variable.
     """
-    raw_every = environ.get(recovery_settings.COPY_EVERY_ENV, "") or str(recovery_settings.DEFAULT_COPY_EVERY)
-    raw_max = environ.get(recovery_settings.COPY_MAX_MB_ENV, "") or str(recovery_settings.DEFAULT_COPY_MAX_MB)
-    try:
-        every, max_mb = int(raw_every), float(raw_max)
-    except ValueError:
-        every, max_mb = 0, 0.0
-    if every < 1 or not (math.isfinite(max_mb) and max_mb > 0):
-        raise ValueError(f"{recovery_settings.COPY_EVERY_ENV}={raw_every!r}, {recovery_settings.COPY_MAX_MB_ENV}={raw_max!r}: "
-                         f"expected a whole number of steps >= 1 and megabytes > 0 (defaults "
-                         f"{recovery_settings.DEFAULT_COPY_EVERY} and {recovery_settings.DEFAULT_COPY_MAX_MB:g})")
-    return every, int(max_mb * 2**20)
+    env = recovery_settings.InProcessEnvironment.parsed(environ)
+    return env.copy_every, int(env.copy_max_mb * 2**20)
 
 
 def check_bound(size: int, *, kept: int, max_bytes: int, rank: int) -> int:
