@@ -67,3 +67,17 @@ def test_no_module_under_tests_imports_a_test_module() -> None:
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not offenders, ("move what these use into a support module (no test_*.py):\n"
                            + "\n".join(offenders))
+
+
+def test_no_product_file_speaks_of_the_work_sessions_that_made_it() -> None:
+    """The docs, results and code speak of the product: "this session", "the previous
+    session" say how the work was organised, and date a figure without saying what it is."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    said = re.compile(r"\b(this|that|previous|last|next|earlier|a later) session\b", re.IGNORECASE)
+    files = [root / "README.md", *(root / "docs").rglob("*.md"), *(root / "benchmarks").rglob("*.md"),
+             *(root / "benchmarks").rglob("*.py"), *(root / "runtime").rglob("*.py"), *(root / "hpc").rglob("*.py")]
+    found = [f"{f.relative_to(root)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
+             if said.search(line)]
+    assert found == []
