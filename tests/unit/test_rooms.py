@@ -178,3 +178,20 @@ def test_the_core_reaches_a_wing_only_through_its_seams() -> None:
     reaching = {e.module for e in edges if not e.typing and e.target.split(".")[:2] == ["runtime", "inprocess"]
                 and e.module.split(".")[:2] != ["runtime", "inprocess"]}
     assert sorted(reaching) == sorted(SEAMS), "import the wing only in a seam listed in SEAMS"
+
+
+def test_the_launchers_say_a_worker_is_dead_in_one_place() -> None:
+    """``dead/UID`` and ``fault/G`` are written on the launchers' side by
+    ``runtime.inprocess.launcher.announce.dead`` alone, whatever saw the death (its child's
+    end, a closed lifeline, a silent beacon, a spare's joiner): one format, one order."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "runtime"
+    writers = []
+    for f in sorted([*(root / "launch").rglob("*.py"), *(root / "inprocess" / "launcher").rglob("*.py")]):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("set", "add") \
+                    and node.args and isinstance(node.args[0], ast.Call) \
+                    and ast.unparse(node.args[0].func).endswith(("proto.dead", "proto.fault")):
+                writers.append(f"{f.relative_to(root)}:{node.lineno}")
+    assert [w.split(":")[0] for w in writers] == ["inprocess/launcher/announce.py"] * 2, writers

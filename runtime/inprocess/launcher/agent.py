@@ -56,7 +56,7 @@ from typing import Any
 from hpc.contract import environment as job_env
 from hpc.contract import recovery_settings
 from runtime.inprocess import protocol as proto
-from runtime.inprocess.launcher import adopt as inprocess_adopt, silent as inprocess_silent, standby
+from runtime.inprocess.launcher import adopt as inprocess_adopt, announce, silent as inprocess_silent, standby
 from runtime.liveness import proc
 
 log = logging.getLogger("hpc.launch")
@@ -391,9 +391,8 @@ class InProcessAgent:
                 replace = None
             if replace and self.inproc.replacement == recovery_settings.WAIT:   # before the death: the re-form waits for it
                 store.set(proto.replace(who), f"{t + REPLACE_WAIT_S:.3f}")
-            store.set(proto.dead(who), why)
-            if not uids or who in uids:   # (not when a lifeline announced it and the survivors
-                store.set(proto.fault(gen), why)   # re-formed already: gen is theirs, whole)
+            # (no fault when a lifeline announced it and the survivors re-formed already: gen is theirs, whole)
+            announce.dead(store, [who], why, gen=gen if not uids or who in uids else None)
         except SignalException:   # the launcher's own stop (its fence's SIGQUIT): swallowed here,
             raise                 # a cut-off host once went on, replacing the workers it had killed
         except Exception as e:   # noqa: BLE001 - the survivors still see their collectives fail

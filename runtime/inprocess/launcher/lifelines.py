@@ -40,7 +40,7 @@ from typing import Any
 from hpc.contract import recovery_settings
 from runtime.inprocess import rules
 from runtime.inprocess import protocol as proto
-from runtime.inprocess.launcher import silent as inprocess_silent
+from runtime.inprocess.launcher import announce, silent as inprocess_silent
 
 log = logging.getLogger("hpc.launch")
 PUBLISH_EVERY_S = 0.2   # how often the listener tries to reach the store to publish its port
@@ -239,8 +239,7 @@ class Lifelines(threading.Thread):
         parent_gone = hello.parent in self.launchers_closed
         why = (f"worker {hello.uid} ended: its connection to {self.host}'s lifelines closed"
                + (f", and its launcher's ({hello.parent}) too: its node is lost" if parent_gone else ""))
-        store.set(proto.dead(hello.uid), why)
-        store.set(proto.fault(gen), why)
+        announce.dead(store, [hello.uid], why, gen=gen)
         self.announced.add(hello.uid)
         log.warning("in-process recovery: %s; announced (generation %d), the others go on", why, gen)
         if self.events is not None:

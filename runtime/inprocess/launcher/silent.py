@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Any
 
 from runtime.inprocess import protocol as proto
+from runtime.inprocess.launcher import announce
 
 log = logging.getLogger("hpc.launch")
 STOPPED_S = 2.0   # a worker stopped this long is frozen (SIGKILLed, replaced)
@@ -151,10 +152,7 @@ class LostNodes:
         t = time.time()
         why = f"node {host} (node rank {rank}) lost: its launcher's beacon stood still {silent:.1f}s " \
               f"(seen from {self.host})"
-        for u in gone:
-            store.set(proto.dead(u), why)
-        if gone:
-            store.set(proto.fault(gen), why)
+        announce.dead(store, gone, why, gen=gen)
         log.warning("in-process recovery: %s; %d worker(s) there announced dead (generation %d), "
                     "the others go on", why, len(gone), gen)
         if self.events is not None:

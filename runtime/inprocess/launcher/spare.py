@@ -48,7 +48,7 @@ from typing import Any
 from hpc.contract import recovery_settings
 from runtime.inprocess import protocol as proto
 from runtime.ending import outcome
-from runtime.inprocess.launcher import agent as inprocess_agent, silent as inprocess_silent
+from runtime.inprocess.launcher import agent as inprocess_agent, announce, silent as inprocess_silent
 from runtime.launch import host_store
 from runtime.liveness import proc
 
@@ -150,10 +150,9 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
                     why = f"launcher on {me}: worker {p.pid} " + (
                         frozen.killed.get(p.pid) or "died, " +
                         inprocess_agent.describe_exit(inprocess_agent.popen_status(p.returncode)))
-                    store.set(proto.dead(proto.uid(me, p.pid)), why)
-                    if joined:
-                        gen = int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0
-                        store.set(proto.fault(gen), why)
+                    gen = (int(store.get(proto.GENERATION)) if store.check([proto.GENERATION]) else 0) \
+                        if joined else None
+                    announce.dead(store, [proto.uid(me, p.pid)], why, gen=gen)
         except Exception as e:   # noqa: BLE001 - the store host is gone: the workers end by themselves
             log.debug("in-process hot spare: store: %s", e)
         time.sleep(POLL_S)
