@@ -157,6 +157,13 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
             log.debug("in-process hot spare: store: %s", e)
         time.sleep(POLL_S)
     watch.stop()
+    return _ended(plan, events, procs, store, joined=joined, started=started, relaunch=relaunch,
+                  silent_s=time.monotonic() - watch.answered_at)
+
+
+def _ended(plan: Any, events: Any, procs: list[subprocess.Popen], store: Any, *, joined: bool,
+           started: float, relaunch: Callable[[], None], silent_s: float) -> outcome.AgentEnd | None:
+    """How the spare node ended once its joiners have (see :func:`run_spare`'s return)."""
     gave_up = _fallback(store)
     if gave_up is not None:   # (a joiner taken in ended with the members' ShardedFallback)
         _to_restart_path(events, procs, gave_up)
@@ -180,7 +187,7 @@ def run_spare(plan: Any, events: Any, relaunch: Callable[[], None]) -> outcome.A
         # watch's bound: the host's loss, not theirs. Ended as a failed node instead, the last
         # launcher of a MIN-2 job left nobody to elect a host or requeue (a fault campaign,
         # seed 3: the allocation held one idle node until the run's cap).
-        _host_lost(plan, events, procs, time.monotonic() - watch.answered_at, relaunch)
+        _host_lost(plan, events, procs, silent_s, relaunch)
     return outcome.AgentEnd("failed", f"a hot spare's worker failed (exit statuses {codes})", started,
                             exit_codes=tuple(c for c in codes if c), ended=time.time())
 
