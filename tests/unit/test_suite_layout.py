@@ -81,3 +81,19 @@ def test_no_product_file_speaks_of_the_work_sessions_that_made_it() -> None:
     found = [f"{f.relative_to(root)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
              if said.search(line)]
     assert found == []
+
+
+def test_every_results_file_opens_with_its_current_figures() -> None:
+    """A reader of ``benchmarks/RESULTS-*.md`` finds the current figures first, with the command
+    that made them (history lives in git and in the sections after them)."""
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    late = []
+    for f in sorted(root.glob("RESULTS-*.md")):
+        head = "\n".join(f.read_text().splitlines()[:12])
+        if "The current figures" not in head or "benchmarks/" not in head:
+            late.append(f.name)
+    assert late == [], f"open with 'The current figures' and the command: {late}"
+    import json
+
+    campaign = json.loads((root / "campaign.json").read_text())
+    assert list(campaign)[0] == "current" and "runs" in campaign and "earlier" in campaign
