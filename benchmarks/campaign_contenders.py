@@ -165,7 +165,7 @@ class Baseline(Contender):
         return any(c.endswith(b"train_plain.py") for c in cmd) and b"torch.distributed.run" not in cmd
 
     def ledger(self, job, job_ids):
-        from hpc.report.ledger import build
+        from hpc.contract.ledger import build
         runs: dict[int, dict[str, Any]] = {}
         for job_id in job_ids:
             for k, run in sorted(accounting_runs(job_id).items()):
@@ -230,7 +230,7 @@ class TorchFT(Baseline):
         return cm.torchft_recoveries(self.records(job))
 
     def ledger(self, job, job_ids):
-        from hpc.report.ledger import build
+        from hpc.contract.ledger import build
         runs: dict[int, dict[str, Any]] = {}
         for job_id in job_ids:
             for k, run in sorted(accounting_runs(job_id).items()):

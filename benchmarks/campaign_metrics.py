@@ -10,7 +10,7 @@ one definition, the same for every contender, and be unit tested on recorded inp
   after the same amount of training, so the schedules stay comparable.
 - :func:`plain_events`: the baseline script's own step records (``steps.jsonl``) and Slurm's
   allocations, written in the event vocabulary of :mod:`hpc.contract.events`, so that
-  :func:`hpc.report.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged;
+  :func:`hpc.contract.ledger.build` (the ledger ``hpc report`` draws) applies to it unchanged;
   :func:`torchft_records` puts the torchft contender's records in the same shape and
   :func:`torchft_recoveries` finds its recoveries in place (a change of the participants).
 - :func:`fault_costs`: the node-seconds a fault cost: every node-second allocated from the fault

@@ -31,7 +31,7 @@ from hpc.contract import joblock, jobdir
 from hpc.contract.errors import UsageError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
-from hpc.index import JobRecord, current_cluster, record_job, resolve
+from hpc.contract.index import JobRecord, current_cluster, record_job, resolve
 
 
 def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,

@@ -21,7 +21,7 @@ from typing import TextIO
 from hpc.contract.errors import SpecError
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient
-from hpc.index import JobRecord, resolve
+from hpc.contract.index import JobRecord, resolve
 from hpc.status import Poller
 
 # Final for sure. PREEMPTED and NODE_FAIL may be followed by a requeue under the same id, so

@@ -31,9 +31,10 @@ from hpc.contract.events import read_events
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import parse_job_state
-from hpc.index import JobRecord, current_cluster, read_index, resolve
+from hpc.contract.index import JobRecord, current_cluster, read_index, resolve
 from hpc.local_clock import LocalClock, read_local_clock
-from hpc.report import inproc, spares
+from hpc.contract import spare_waits
+from hpc.report import inproc
 
 if TYPE_CHECKING:
     from hpc.contract.slurm_parse import AccountingRecord, QueueEntry
@@ -75,7 +76,7 @@ class JobView:
     allocations: tuple[Allocation, ...] = field(default_factory=tuple)
     cluster: str = ""
     chain: str = ""   # "continues job N" / "continued as job M" (Slurm refused a requeue)
-    spares: str = ""  # "hot spares: 1; node3 joined 41s in" (--spare-nodes, hpc.report.spares)
+    spares: str = ""  # "hot spares: 1; node3 joined 41s in" (--spare-nodes, hpc.contract.spare_waits)
 
     @property
     def terminal(self) -> bool:
@@ -307,7 +308,7 @@ def spares_note(job_dir: Path) -> str:
         return ""
     if spare_nodes <= 0:
         return ""
-    return spares.describe(read_events(job_dir), spare_nodes)
+    return spare_waits.describe(read_events(job_dir), spare_nodes)
 
 
 class Poller:

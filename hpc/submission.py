@@ -9,7 +9,7 @@ The order matters and is the point of this module:
    names it;
 3. act (:func:`hpc.api.submit`): create the private job directory, lock it, write
    ``jobspec.json``, submit, record the job id in ``JOB_DIR/slurm_job_id`` and in the user's
-   job index (:mod:`hpc.index`) so that ``hpc status`` lists recent jobs and ``hpc logs
+   job index (:mod:`hpc.contract.index`) so that ``hpc status`` lists recent jobs and ``hpc logs
    JOBID`` finds the job.
 
 sbatch's own rejections (the controller knows limits we cannot see, e.g. QOS or account) are

@@ -43,7 +43,7 @@ from hpc.contract import jobdir, joblock, jobpaths
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import TAG_PREFIX, SlurmClient
-from hpc.index import JobRecord, current_cluster, record_job
+from hpc.contract.index import JobRecord, current_cluster, record_job
 
 SWEEP_FILE = jobpaths.SWEEP
 MAX_TASKS = 10_000   # Slurm's default MaxArraySize is 1001; sites raise it, rarely this far

@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 
 from hpc.contract import jobdir, jobpaths
 from hpc.contract.jobpaths import JobPaths
+from hpc.contract.wandb_records import offline_folders
 from hpc.contract.errors import HpcError, SpecError
 
 SYNCED = jobpaths.WANDB_SYNCED          # what hpc sync uploaded already (folder names)
@@ -66,20 +67,6 @@ class SyncPlan:
     @property
     def pending(self) -> tuple[Path, ...]:
         return tuple(f for f in self.folders if f.name not in self.done | self.unsettled)
-
-
-def offline_folders(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The ``offline-run-<YYYYmmdd_HHMMSS>-<id>[-N]`` folders of ``run_id``, oldest first.
-
-    A start within the same second as the previous one gets a ``-1``, ``-2``... suffix.
-    """
-    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
-    found = []
-    for folder in Path(wandb_dir).glob("offline-run-*"):
-        match = pattern.fullmatch(folder.name)
-        if match and (folder / f"run-{run_id}.wandb").is_file():
-            found.append(((match[1], int(match[2] or 0)), folder))
-    return [folder for _, folder in sorted(found)]
 
 
 def read_synced(job_dir: Path, run_id: str) -> set[str]:
@@ -304,7 +291,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hpc.index import resolve   # here: `hpc --help` imports this module for add_parser only
+    from hpc.contract.index import resolve   # here: `hpc --help` imports this module for add_parser only
 
     path = Path(args.job).expanduser()
     if path.is_dir() and jobdir.is_job_dir(path):

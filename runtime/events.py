@@ -6,7 +6,7 @@ rounds and worker starts, the signals it forwarded, ``alloc_end`` with the same 
 ``outcomes.jsonl``); rank 0's :class:`~runtime.session.Session` writes what the training does
 (``session_start``, ``rendezvous``, ``restore_begin/end``, ``loop_start``, ``first_step``, a
 ``steps`` summary every few seconds, ``ckpt_save``/``ckpt_commit``, ``stop_begin/end``,
-``crash``, ``session_end``). :mod:`hpc.report.ledger` turns them into a goodput ledger.
+``crash``, ``session_end``). :mod:`hpc.contract.ledger` turns them into a goodput ledger.
 
 Why it is cheap and still durable: the file is opened once with ``O_APPEND`` and every event is
 a single ``os.write`` of one line (lines from several processes never interleave; a crashed
@@ -31,8 +31,8 @@ from typing import Any
 from hpc.contract import jobdir, records
 from hpc.contract.events import EVENTS, read_events
 from hpc.contract.interval import PROBE_AFTER_STEPS, prior_mtbf_s
-from hpc.report import young_daly
-from hpc.report.ledger import build
+from hpc.contract import young_daly
+from hpc.contract.ledger import build
 from runtime.liveness import proc
 
 log = logging.getLogger("hpc.events")
@@ -375,7 +375,7 @@ class LauncherRecorder:
 
     def ready(self, spare_nodes: int) -> None:
         """The node passed its health check and joins the rendezvous (as a hot spare, when the
-        job has them and the group is full: :mod:`hpc.report.spares` reads it so)."""
+        job has them and the group is full: :mod:`hpc.contract.spare_waits` reads it so)."""
         self.events.emit("node_ready", spare_nodes=spare_nodes)
 
     def end(self, code: int, signals: list[tuple[float, str]]) -> None:

@@ -1,6 +1,6 @@
 """Read W&B offline run files back, for tests.
 
-wandb has no public reader for its offline `.wandb` files; `hpc.wandb_records.iter_records` is
+wandb has no public reader for its offline `.wandb` files; `hpc.contract.wandb_records.iter_records` is
 ours (the format is described there), shared with `hpc sync`'s story of the job.
 
 Each restart of a run with the same id makes a new `offline-run-*` folder, so `read_run` gathers all
@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hpc.wandb_records import iter_records
+from hpc.contract.wandb_records import iter_records
 
 
 @dataclasses.dataclass

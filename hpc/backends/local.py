@@ -46,7 +46,7 @@ from hpc.contract import environment as job_env
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.records import JobRecord
-from hpc.index import record_job
+from hpc.contract.index import record_job
 from hpc.prechecks import checkpoint_warning
 from hpc.secrets import check_no_secrets
 
@@ -156,7 +156,7 @@ def resume_command(argv: Sequence[str] | None, job_dir: Path) -> str:
 
 def run(spec: JobSpec, *, verbose: bool = False, argv: Sequence[str] | None = None) -> int:
     """Runs ``spec`` locally; returns the job's exit status. The run is recorded in the job
-    index (:mod:`hpc.index`), so ``hpc status`` lists it with the submitted jobs.
+    index (:mod:`hpc.contract.index`), so ``hpc status`` lists it with the submitted jobs.
 
     Args:
         spec: The job.

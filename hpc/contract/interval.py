@@ -1,6 +1,6 @@
 """The ``--checkpoint-interval`` value: ``auto``, ``auto:MTBF`` or ``fixed`` (pure, torch-free).
 
-``auto`` (the default) saves at the Young/Daly interval (:mod:`hpc.report.young_daly`: between
+``auto`` (the default) saves at the Young/Daly interval (:mod:`hpc.contract.young_daly`: between
 5 and 30 minutes) recomputed at every allocation from the measured save cost and the job's own
 interruptions, starting from a prior mean time between interruptions for the cluster: 6 hours,
 or the one after the colon (``auto:2h``, ``auto:90m``, ``auto:1d``, ``auto:3600``, seconds when

@@ -225,7 +225,7 @@ class Link:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """``$HPC_HOME/jobs.jsonl``: a submitted job and where its directory is (see hpc.index)."""
+    """``$HPC_HOME/jobs.jsonl``: a submitted job and where its directory is (see hpc.contract.index)."""
 
     job_id: str
     job_dir: str

@@ -1,8 +1,8 @@
 """``hpc report``: where a job's allocated node-time went (the goodput ledger) and a picture.
 
-- :mod:`hpc.report.ledger`: events in, ledger out (pure; unit-tested on recorded streams);
-- :mod:`hpc.report.young_daly`: the checkpoint interval rule (pure);
-- :mod:`hpc.report.spares`: which node waited as a hot spare, and when it joined (pure);
+- :mod:`hpc.contract.ledger`: events in, ledger out (pure; unit-tested on recorded streams);
+- :mod:`hpc.contract.young_daly`: the checkpoint interval rule (pure);
+- :mod:`hpc.contract.spare_waits`: which node waited as a hot spare, and when it joined (pure);
 - :mod:`hpc.report.load`: reads a job directory (and Slurm's accounting, when there is a job id);
 - :mod:`hpc.report.table`: the terminal table and the JSON;
 - :mod:`hpc.report.plot`: the timeline PNG (matplotlib, imported only there);

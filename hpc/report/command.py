@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: `hpc --help` imports this module for add_parser only.
-    from hpc.index import resolve
+    from hpc.contract.index import resolve
     from hpc.contract.events import read_events
     from hpc.report import inproc, plot
     from hpc.report.load import load

@@ -20,8 +20,8 @@ from hpc.contract.jobpaths import JobPaths
 from hpc.contract.records import HangEvent
 from hpc.contract.slurm import SlurmClient, SlurmError
 from hpc.contract.slurm_parse import AccountingRecord
-from hpc.report import young_daly
-from hpc.report.ledger import Ledger, build
+from hpc.contract import young_daly
+from hpc.contract.ledger import Ledger, build
 
 log = logging.getLogger("hpc.report")
 

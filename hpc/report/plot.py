@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpc.report.ledger import CATEGORIES, Ledger
+from hpc.contract.ledger import CATEGORIES, Ledger
 from hpc.report.table import LABELS, to_json
 
 COLORS = {

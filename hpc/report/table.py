@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hpc.report.ledger import CATEGORIES, Ledger
+from hpc.contract.ledger import CATEGORIES, Ledger
 
 LABELS = {
     "productive": "productive steps", "startup": "start-up", "rendezvous": "rendezvous / re-form",

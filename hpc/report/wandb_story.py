@@ -40,9 +40,9 @@ from hpc.contract import jobdir
 from hpc.contract.errors import HpcError
 from hpc.contract.jobpaths import JobPaths
 from hpc.report import plot
-from hpc.report.ledger import CATEGORIES, Ledger
+from hpc.contract.ledger import CATEGORIES, Ledger
 from hpc.report.load import load
-from hpc.wandb_records import run_project
+from hpc.contract.wandb_records import run_project
 
 EVENT_KINDS = ("signal", "stop", "failure", "hang", "restart")
 EVENT_COLUMNS = ["allocation", "kind", "label", "time_s", "step"]

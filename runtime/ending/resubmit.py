@@ -27,7 +27,7 @@ from pathlib import Path
 from hpc.contract import jobdir, resubmissions
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmClient, SlurmError
-from hpc.index import JobRecord, current_cluster, record_job
+from hpc.contract.index import JobRecord, current_cluster, record_job
 from runtime.ending.requeue import claim
 
 log = logging.getLogger("hpc.resubmit")

@@ -11,7 +11,7 @@ wait list, and the next round takes it in: the group re-forms at the same world 
 resumes from the last checkpoint (verified on torch 2.13: ``MIN:MAX = 2:2`` with three agents,
 the third waits without a worker; SIGKILL of a member's agent and worker, and the third
 starts as rank 1 of world 2). Every launcher runs the same code; which nodes wait is torch's
-choice, read back from the events (:mod:`hpc.report.spares`).
+choice, read back from the events (:mod:`hpc.contract.spare_waits`).
 
 What is left here: when the job ends while a spare still waits, the members close the
 rendezvous and torch ends the spare's agent with ``RendezvousGracefulExitError``, which its

@@ -45,8 +45,8 @@ from hpc.contract import components, jobdir, jobpaths
 from hpc.contract.components import WandbConfig
 from hpc.contract.events import read_events
 from hpc.contract.jobspec import WANDB_MODES
-from hpc.sync import offline_folders
-from hpc.wandb_records import iter_records
+from hpc.contract.wandb_records import offline_folders
+from hpc.contract.wandb_records import iter_records
 from runtime.wandb_env import RUN_ID_FILE, load_or_create_run_id  # noqa: F401 - re-exported
 from runtime.worker.metrics import JsonlSink, MetricsSink, NullSink, StepFilter
 

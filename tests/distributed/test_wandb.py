@@ -192,7 +192,7 @@ def test_steps_a_sigkilled_rank0_never_wrote_are_logged_by_the_rerun(tmp_path: P
 def test_the_last_blocks_of_a_long_offline_file_give_its_newest_records(tmp_path: Path) -> None:
     """A resume after a lost rank 0 reads only the file's last 128 KiB for its highest step
     (50,000 rows, 20 MB: 4 ms instead of 0.6 s for the whole file)."""
-    from hpc.wandb_records import iter_records
+    from hpc.contract.wandb_records import iter_records
     from runtime.worker.wandb_sink import TAIL_BLOCKS, WandbSink, _last_step
 
     sink = WandbSink(tmp_path)

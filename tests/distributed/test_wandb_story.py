@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.report.ledger import CATEGORIES
+from hpc.contract.ledger import CATEGORIES
 from tests.conftest import REPO
 from tests.distributed.support import real_sync_env
 from tests.wandb_offline import offline_env

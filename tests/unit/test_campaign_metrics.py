@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import campaign_metrics as cm  # noqa: E402
-from hpc.report.ledger import build  # noqa: E402
+from hpc.contract.ledger import build  # noqa: E402
 
 
 def test_schedule_is_seeded_spaced_and_has_every_kind_once():

@@ -32,7 +32,7 @@ ALLOWED: dict[str, str] = {
                                  "index (tenacity, subprocess, ~30 modules): only `hpc submit` does",
     "hpc.report.command": "`hpc --help` imports it for its add_parser; main() loads the report "
                           "(ledger, loader, job index with the Slurm client: tenacity)",
-    "hpc.sync -> hpc.index": "`hpc --help` imports hpc.sync for its add_parser; the job index "
+    "hpc.sync -> hpc.contract.index": "`hpc --help` imports hpc.sync for its add_parser; the job index "
                              "loads the Slurm client (tenacity)",
     "hpc.sync -> hpc.report.wandb_story": "`hpc --help` imports hpc.sync for its add_parser; the "
                                           "story loads the ledger and its loader (Slurm client, "
@@ -131,7 +131,7 @@ def test_hpc_help_loads_no_command_body() -> None:
 
     code = ("import sys\nfrom hpc.cli import build_parser\nbuild_parser().format_help()\n"
             "print(sorted(m for m in sys.modules if m in BODY))")
-    body = ("tenacity", "hpc.contract.slurm", "hpc.index", "hpc.report.load", "hpc.report.ledger",
+    body = ("tenacity", "hpc.contract.slurm", "hpc.contract.index", "hpc.report.load", "hpc.contract.ledger",
             "hpc.status", "hpc.logs", "hpc.api")
     r = subprocess.run([sys.executable, "-c", f"BODY = {body!r}\n" + code], capture_output=True,
                        text=True, cwd=ROOT)

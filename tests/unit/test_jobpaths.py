@@ -23,7 +23,7 @@ DECLARED_IN = REPO / "hpc" / "contract" / "jobpaths.py"
 # a checkpoint's metadata): (module, literal) -> why it is not the job directory's name.
 OTHER_MEANINGS = {
     ("hpc/cli.py", "logs"): "the `hpc logs` command",
-    ("hpc/report/ledger.py", "checkpoints"): "a key of the ledger's JSON",
+    ("hpc/contract/ledger.py", "checkpoints"): "a key of the ledger's JSON",
     ("runtime/checkpoint/manifest.py", "wandb_run_id"): "a key of the checkpoint's metadata",
     ("runtime/session.py", "wandb_run_id"): "a key of the checkpoint's metadata",
     ("runtime/session.py", "slurm_job_id"): "a key of the checkpoint's metadata",

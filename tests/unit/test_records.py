@@ -117,7 +117,7 @@ def test_garbled_outcomes_read(tmp_path: Path) -> None:
 
 
 def test_exclusions_stragglers_links_and_index_with_damage(tmp_path: Path) -> None:
-    from hpc import index
+    from hpc.contract import index
     from hpc.contract import resubmissions
     from runtime import exclusions
     from runtime.liveness import stragglers

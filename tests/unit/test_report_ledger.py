@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpc.contract.events import read_events
-from hpc.report.ledger import CATEGORIES, build
+from hpc.contract.ledger import CATEGORIES, build
 from hpc.report.table import format_table, to_json
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ import pytest
 from hpc.contract import jobdir, resubmissions
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.slurm import SlurmError
-from hpc.index import JobRecord, read_index
+from hpc.contract.index import JobRecord, read_index
 from hpc.status import build_views, read_outcomes, _with_chain
 from runtime.ending.resubmit import continue_as_new_job, submission_args, submission_env, tag
 

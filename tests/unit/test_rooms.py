@@ -207,3 +207,14 @@ def test_no_function_in_runtime_is_over_100_lines() -> None:
                   for f in (root / "runtime").rglob("*.py") for n in ast.walk(ast.parse(f.read_text()))
                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= 100)
     assert long == []
+
+
+def test_the_job_imports_from_the_login_side_only_its_contract() -> None:
+    """``runtime/`` reaches ``hpc/`` only through ``hpc.contract``: what both sides read (the
+    job spec, the records, the goodput ledger and its interval rule, the job index, W&B's
+    offline records) lives there; the login side's commands stay out of the job's processes."""
+    edges, _ = imports(modules())
+    outside = sorted(f"{e.module}:{e.line} -> {e.target}" for e in edges
+                     if e.module.split(".")[0] == "runtime" and e.target.split(".")[0] == "hpc"
+                     and e.target.split(".")[:2] != ["hpc", "contract"])
+    assert outside == []

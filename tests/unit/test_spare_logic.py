@@ -13,8 +13,8 @@ from hpc import backends
 from hpc.backends import slurm_options
 from hpc.contract.errors import SpecError
 from hpc.contract.jobspec import JobSpec
-from hpc.report.ledger import CATEGORIES, build
-from hpc.report.spares import describe, spare_waits
+from hpc.contract.ledger import CATEGORIES, build
+from hpc.contract.spare_waits import describe, spare_waits
 from hpc.report.table import format_table
 
 pytestmark = pytest.mark.unit
@@ -174,7 +174,7 @@ def test_the_rendezvous_layer_of_a_2048_node_allocation_is_linear_in_its_events(
     without spares computes none, and a label is one Counter lookup."""
     import time
 
-    from hpc.report.spares import _labels, in_wait
+    from hpc.contract.spare_waits import _labels, in_wait
 
     n = 2048
     aevs = [{"ev": "alloc_start", "t": 1.0, "node": f"node{r:05d}", "node_rank": r} for r in range(n)]

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc import index, status
+from hpc import status
+from hpc.contract import index
 from hpc.cli import main
 from hpc.contract import jobdir
 from hpc.contract.errors import SpecError, UsageError
 from hpc.contract.slurm_parse import parse_cluster_name, parse_sacct
-from hpc.index import JobRecord, read_index, record_job, resolve
+from hpc.contract.index import JobRecord, read_index, record_job, resolve
 from hpc.status import build_views, format_table
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from hpc.contract import jobdir
 from hpc.logs import Follower, follow, log_files, rank_logs
 from hpc.contract.slurm_parse import parse_sacct, parse_squeue
 from hpc.status import Poller, build_views, format_table, to_json
-from hpc.index import JobRecord
+from hpc.contract.index import JobRecord
 from hpc.submission import check_partition, explain_rejection
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.errors import SpecError

@@ -10,7 +10,7 @@ import pytest
 from hpc import status
 from hpc.contract.jobdir import Outcome
 from hpc.contract.records import JobRecord
-from hpc.index import record_job
+from hpc.contract.index import record_job
 from hpc.local_clock import LocalClock, Span, local_clock
 from hpc.status import build_views, format_table
 

@@ -93,7 +93,7 @@ def test_cli_dry_run_prints_tasks_and_array_and_creates_nothing(tmp_path: Path) 
 
 
 def test_task_records_and_resolving_a_task_id(tmp_path: Path) -> None:
-    from hpc.index import JobRecord, record_job, resolve
+    from hpc.contract.index import JobRecord, record_job, resolve
 
     root = tmp_path / "sw"
     for i in range(2):

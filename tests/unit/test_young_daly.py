@@ -10,7 +10,7 @@ import pytest
 from hpc.contract.errors import SpecError
 from hpc.contract.interval import check_checkpoint_interval, parse_checkpoint_interval, prior_mtbf_s
 from hpc.contract.jobspec import JobSpec
-from hpc.report import young_daly as yd
+from hpc.contract import young_daly as yd
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit

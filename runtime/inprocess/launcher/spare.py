@@ -10,7 +10,7 @@ build nothing yet and wait in the store (``join/N``, :mod:`runtime.inprocess.pro
 member node is lost, the survivors' re-form takes them in (up to the job's largest world), the
 member holding the newest step broadcasts the state, and the world has its size again with no
 checkpoint read. The launcher then records ``workers_started`` (the spare's join in the
-goodput ledger, :mod:`hpc.report.spares`), announces its workers' deaths as a member node's
+goodput ledger, :mod:`hpc.contract.spare_waits`), announces its workers' deaths as a member node's
 launcher does, kills a worker stopped (SIGSTOP) for
 :data:`~runtime.inprocess.launcher.silent.STOPPED_S` as a member node's launcher does (then it is
 announced dead: without that, a frozen taken-in worker held its peers in the step boundary's

@@ -16,7 +16,7 @@ where two claims overlap the more specific wins, in the order of :data:`PAINT_OR
 - ``checkpoint``: the time saves blocked training; ``preemption``: from the agreed stop to the
   end of its save;
 - ``spare``: a hot spare's node-time while it waited, holding no rank (``--spare-nodes``,
-  :mod:`hpc.report.spares`), until it joined in a lost node's place or the allocation ended;
+  :mod:`hpc.contract.spare_waits`), until it joined in a lost node's place or the allocation ended;
 - ``unaccounted``: whatever no event explains; it is shown, never spread over the others.
 
 A script without the Session records no events of its own: its allocation has only the
@@ -39,8 +39,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hpc.report import young_daly
-from hpc.report.spares import in_wait, spare_waits
+from hpc.contract import young_daly
+from hpc.contract.spare_waits import in_wait, spare_waits
 
 CATEGORIES = ("productive", "startup", "rendezvous", "restore", "checkpoint", "lost",
               "preemption", "hang", "teardown", "spare", "unaccounted")

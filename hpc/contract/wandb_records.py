@@ -10,6 +10,7 @@ and a 1-byte type FULL/FIRST/MIDDLE/LAST) of serialized
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +73,17 @@ def run_project(path: Path) -> tuple[str, str]:
         if record.WhichOneof("record_type") == "run":
             return record.run.project, record.run.entity
     return "", ""
+
+
+def offline_folders(wandb_dir: Path, run_id: str) -> list[Path]:
+    """The ``offline-run-<YYYYmmdd_HHMMSS>-<id>[-N]`` folders of ``run_id``, oldest first.
+
+    A start within the same second as the previous one gets a ``-1``, ``-2``... suffix.
+    """
+    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for folder in Path(wandb_dir).glob("offline-run-*"):
+        match = pattern.fullmatch(folder.name)
+        if match and (folder / f"run-{run_id}.wandb").is_file():
+            found.append(((match[1], int(match[2] or 0)), folder))
+    return [folder for _, folder in sorted(found)]
