@@ -4,7 +4,9 @@ Slurm starts one task per node; each runs this launcher, which prepares the node
 interfaces, CPU binding, health check), plans torch's elastic agent (:mod:`.plan`, a frozen
 :class:`~runtime.launch.plan.LaunchPlan`), runs it and forwards the stop signals to its workers
 (:mod:`.main`, :mod:`.forwarding`, :mod:`.parent_watch`), with hot spares waiting in the
-rendezvous (:mod:`.spares`). What happens when the agent returns, the
+rendezvous (:mod:`.spares`). torch's agent is one class per run (:mod:`.agent`); how the job
+recovers from a lost worker is asked of one object (:mod:`.recovery`: in-process recovery's
+launcher side is :mod:`runtime.inprocess.launcher`). What happens when the agent returns, the
 end of an allocation, is :mod:`runtime.ending`. ``hpc doctor`` runs the launcher's checks ahead
 of a job (:mod:`.doctor`).
 
