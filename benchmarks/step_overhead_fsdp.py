@@ -245,7 +245,7 @@ def worker(rank: int, world: int, port: int, store_port: int, args: argparse.Nam
     advice = Advice()
     logging.getLogger("hpc.inprocess").addHandler(advice)
     with Session(seed=0, job_dir=Path(tmp) / "job", log_every=args.log_every) as s:
-        assert s._inproc is not None, "the Session did not start in-process recovery"
+        assert getattr(s._recovery, "inproc", None) is not None, "the Session did not start in-process recovery"
         bare_model = net(args.hidden)
         for i in (0, 2, 4):
             fully_shard(bare_model[i])
@@ -258,7 +258,7 @@ def worker(rank: int, world: int, port: int, store_port: int, args: argparse.Nam
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         sampler = ResumableSampler(10**7, global_batch=64, seed=0)
         s.restore(model=model, optim=opt, sampler=sampler)   # attaches the in-process recovery
-        copies = s._inproc.copies
+        copies = s._recovery.inproc.copies
         assert copies is not None, "no peer copies: the model was not taken as sharded"
         work.session = Work(model, opt, args.work)
         work.session.x = x

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc import backends, prechecks
+from hpc import backends, node_history, prechecks
 from hpc.contract import joblock, jobdir
 from hpc.contract.errors import UsageError
 from hpc.contract.jobspec import JobSpec
@@ -37,6 +37,9 @@ from hpc.contract.index import JobRecord, current_cluster, record_job, resolve
 def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
            on_notes: Callable[[Sequence[str]], None] | None = None) -> Job:
     """Checks ``spec`` against the cluster, creates the job directory and submits it.
+
+    Unless ``spec.avoid_bad_nodes`` is False, the nodes that faulted in the user's recent jobs
+    (:mod:`hpc.node_history`) are added to ``spec.exclude``; ``jobspec.json`` records the result.
 
     Args:
         spec: The job (its ``job_dir`` absolute).
@@ -54,9 +57,16 @@ def submit(spec: JobSpec, backend: str = backends.DEFAULT, *,
             use by another job; nothing was submitted.
     """
     chosen = backends.get(backend)
-    plan = chosen.plan(spec)  # renders and refuses secrets before anything is created
+    chosen.plan(spec)  # renders and refuses secrets before anything is created
     client = SlurmClient()
-    advice = prechecks.notes(spec, prechecks.check_partition(spec, client.partitions()))
+    partition = prechecks.check_partition(spec, client.partitions())
+    advice = prechecks.notes(spec, partition)
+    # The nodes that faulted in the user's recent jobs on this cluster stay out (its --exclude).
+    plan, avoiding = node_history.plan_avoiding(chosen, spec, partition=partition,
+                                                cluster=current_cluster(client))
+    spec = plan.spec
+    if avoiding:
+        advice.append(avoiding)
     if advice and on_notes is not None:
         on_notes(advice)
     job_dir = Path(spec.job_dir)
@@ -91,16 +101,25 @@ def sweep(spec: JobSpec, arg_sets: Sequence[Sequence[str]], *, throttle: int = 0
         arg_sets: Script arguments per task, after ``spec.script_args``
             (``hpc.sweeps.expand_grid([("lr", ["1e-3", "3e-4"])])``).
         throttle: At most this many tasks at once (0: no limit).
-        on_notes: Called with advice about the request, as for :func:`submit`.
+        on_notes: Called with advice about the request, as for :func:`submit` (the nodes
+            avoided among them: those that faulted in recent jobs, as for :func:`submit`).
 
     Raises:
         SpecError, UsageError: as :func:`submit`; nothing is submitted.
     """
     from hpc import sweeps
 
-    plan = sweeps.plan(spec, arg_sets, throttle=throttle)
+    plan = sweeps.plan(spec, arg_sets, throttle=throttle)   # its own errors first
     client = SlurmClient()
-    advice = prechecks.notes(spec, prechecks.check_partition(spec, client.partitions()))
+    partition = prechecks.check_partition(spec, client.partitions())
+    advice = prechecks.notes(spec, partition)
+    # The nodes that faulted in the user's recent jobs stay out of every task, as for submit().
+    avoided = node_history.avoid(spec, partition=partition, cluster=current_cluster(client))
+    if avoided.spec is not spec:
+        spec = avoided.spec
+        plan = sweeps.plan(spec, arg_sets, throttle=throttle)
+    if avoided.line:
+        advice.append(avoided.line)
     if advice and on_notes is not None:
         on_notes(advice)
     fresh = not Path(spec.job_dir).exists()

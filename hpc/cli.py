@@ -27,7 +27,8 @@ _SLURM_ONLY = {"partition", "account", "qos", "constraint", "exclude", "mem", "c
                "gpus_per_node", "time_limit_s", "signal", "signal_lead_s", "requeue",
                "max_requeues", "python", "gpu_type", "exclusive", "reservation", "nodelist",
                "mail_type", "mail_user", "sbatch", "setup", "container_image", "container_mounts",
-               "container_runtime", "after"}
+               "container_runtime", "after", "avoid_bad_nodes", "bad_node_faults",
+               "bad_node_jobs"}
 
 
 # Repeatable options whose command-line values are added to the profile's instead of replacing them.
@@ -107,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("job", help="job id or job directory")
     lg.add_argument("-f", "--follow", action="store_true", help="keep following until the job ends")
     lg.add_argument("--rank", type=int, default=0, help="which global rank [default: 0]")
+
+    nd = sub.add_parser("nodes", help="each node's faults across your jobs, and which nodes the "
+                                      "next submission avoids")
+    nd.add_argument("--json", action="store_true", help="machine-readable output")
+    defaults = {f.name: f for f in option_fields()}
+    for name, metavar in (("bad_node_faults", "N"), ("bad_node_jobs", "M")):
+        f = defaults[name]
+        nd.add_argument(flag_name(name), default=str(f.default), metavar=metavar,
+                        help=f"{f.metadata['help']} [default: {f.default}]")
 
     cn = sub.add_parser("cancel", help="cancel a job")
     cn.add_argument("job", nargs="+", help="job ids or job directories")
@@ -204,6 +214,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "logs":
         from hpc import logs
         return logs.main(args)
+    if args.command == "nodes":
+        from hpc import nodes
+        return nodes.main(args)
     if args.command == "cancel":
         from hpc import status
         return status.cancel(args)

@@ -4,6 +4,8 @@ The order matters and is the point of this module:
 
 1. plan (pure): the backend turns the spec into the exact command and script;
    ``hpc render`` / ``--dry-run`` print that plan and stop: no job directory, no Slurm call;
+   the nodes that faulted in the user's recent jobs are excluded (:mod:`hpc.node_history`,
+   ``--no-avoid-bad-nodes`` keeps them), and one line says which and why;
 2. check (reads Slurm, changes nothing; :mod:`hpc.prechecks`): the partition exists and is up,
    the node count and the time limit fit it; a problem exits with status 2 and a message that
    names it;
@@ -21,7 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from hpc import backends
+from hpc import backends, node_history
 from hpc.contract.jobspec import JobSpec
 from hpc.prechecks import check_partition, explain_rejection, node_limit, notes  # noqa: F401 - re-exported
 
@@ -30,9 +32,15 @@ from hpc.prechecks import check_partition, explain_rejection, node_limit, notes 
 
 
 def dry_run(spec: JobSpec, backend: str = backends.DEFAULT) -> int:
-    """Prints exactly what :func:`submit` would run; contacts nothing, creates nothing."""
-    print(backends.get(backend).plan(spec).describe(), end="")
-    _print_notes(notes(spec))
+    """Prints exactly what :func:`submit` would run; contacts nothing, creates nothing.
+
+    The nodes the user's recent jobs found bad are excluded as :func:`submit` would, but
+    without the partition and the cluster (Slurm is not asked): the jobs of every cluster of
+    the job index count, and no cap keeps the job room in its partition.
+    """
+    plan, avoiding = node_history.plan_avoiding(backends.get(backend), spec)
+    print(plan.describe(), end="")
+    _print_notes(notes(spec) + ([avoiding] if avoiding else []))
     return 0
 
 

@@ -30,8 +30,6 @@ from typing import Any
 
 from hpc.contract import jobdir, records
 from hpc.contract.events import EVENTS, read_events
-from hpc.contract.interval import PROBE_AFTER_STEPS, prior_mtbf_s
-from hpc.contract import young_daly
 from hpc.contract.ledger import build
 from runtime.liveness import proc
 
@@ -215,12 +213,11 @@ class AgentEvents(logging.Handler):
 
 
 class SessionRecorder:
-    """What rank 0's :class:`~runtime.session.Session` records; every rank runs the interval.
+    """What rank 0's :class:`~runtime.session.Session` records.
 
     The Session calls one method per moment of a worker's life; on other ranks the events go
-    to a :class:`NullEventLog`. ``--checkpoint-interval auto`` is tuned here too (all ranks
-    set a minute interval so the checkpointer's collective decision runs everywhere; rank 0's
-    value decides).
+    to a :class:`NullEventLog`. (``--checkpoint-interval auto`` is the Session's, decided by
+    :class:`~runtime.checkpoint.auto_interval.AutoInterval`; :meth:`saved` tells it of a commit.)
     """
 
     def __init__(self, job_dir: Path, *, rank: int, allocation: int, restart: int,
@@ -233,7 +230,6 @@ class SessionRecorder:
         self.events.emit("session_start", t_proc=process_start_time(), world_size=world_size)
         self._steps: StepSummary | None = None
         self._committed: int | None = None
-        self._estimated_prior: float | None = None
         self._first = False
         self._pending: list[int] = []
 
@@ -260,59 +256,29 @@ class SessionRecorder:
             self._steps.flush()
 
     # --- checkpoints ----------------------------------------------------------------------
-    def saved(self, ckpt: Any, step: int) -> None:
-        """After ``Checkpointer.save``: what it blocked, and any commit it completed."""
+    def saved(self, ckpt: Any, step: int) -> bool:
+        """After ``Checkpointer.save``: what it blocked, and any commit it completed (True then)."""
         self.events.emit("ckpt_save", step=step, block_s=round(ckpt.last_block_s or 0.0, 4))
         self._pending.append(step)
-        self.check_commit(ckpt)
+        return self.check_commit(ckpt)
 
-    def check_commit(self, ckpt: Any) -> None:
-        """Records the saves committed since the last look (the newest with its duration)."""
+    def check_commit(self, ckpt: Any) -> bool:
+        """Records the saves committed since the last look (the newest with its duration);
+        whether there was one."""
         latest = ckpt.latest_step() if ckpt is not None else None
-        if latest is not None and latest != self._committed:
+        committed = latest is not None and latest != self._committed
+        if committed:
             self._committed = latest
             for step in [s for s in self._pending if s < latest]:   # committed inside a later save
                 self.events.emit("ckpt_commit", step=step)
             self._pending = [s for s in self._pending if s > latest]
             self.events.emit("ckpt_commit", step=latest, save_s=round(ckpt.last_save_s or 0.0, 4))
-            if self._estimated_prior is not None:   # the first measured save: tune again
-                prior, self._estimated_prior = self._estimated_prior, None
-                self._tune(ckpt, prior)
+        return committed
 
-    def restored(self, ckpt: Any, step: int, from_checkpoint: bool, mode: str) -> None:
-        """After the restore; ``--checkpoint-interval auto[:MTBF]`` is tuned here (all ranks)."""
+    def restored(self, ckpt: Any, step: int, from_checkpoint: bool) -> None:
+        """After the restore."""
         self.events.emit("restore_end", step=step, from_checkpoint=from_checkpoint)
         self._committed = ckpt.latest_step() if ckpt is not None else None
-        prior = prior_mtbf_s(mode)
-        if prior is not None and ckpt is not None:
-            self._tune(ckpt, prior, probe_from=step)
-
-    def _tune(self, ckpt: Any, prior: float, probe_from: int | None = None) -> None:
-        """Sets the auto interval; with no measured save yet and ``probe_from`` given, also a
-        first save :data:`~hpc.contract.interval.PROBE_AFTER_STEPS` steps after it (its cost
-        is then measured and the interval tuned again, :meth:`check_commit`)."""
-        import dataclasses
-
-        hist = young_daly.history(read_events(self.job_dir) if self.rank == 0 else [], current=self.key)
-        cost, total, source = hist.save_cost_s, hist.save_total_s, "measured"
-        probe = None
-        if cost is None:
-            cost = total = float(ckpt.estimated_save_s())
-            source, self._estimated_prior = "estimated", prior
-            probe = probe_from + PROBE_AFTER_STEPS if probe_from is not None else None
-        choice = young_daly.choose(save_cost_s=cost, save_total_s=total or cost, prior_mtbf_s=prior,
-                                   observed_s=hist.observed_s, interruptions=hist.interruptions,
-                                   source=source)
-        ckpt.schedule = dataclasses.replace(ckpt.schedule, every_min=choice.every_s / 60.0,
-                                            probe_step=probe or ckpt.schedule.probe_step)
-        self.events.emit("ckpt_interval", **choice.to_dict(), probe_step=probe)
-        if self.rank == 0:
-            log.info("checkpoint interval auto: every %.0fs (sqrt(2 x save %.3fs (%s) x MTBF %.0fs) = "
-                     "%.0fs, kept within %.0f-%.0fs; %d interruption(s) in %.0fs + prior %.0fs)%s",
-                     choice.every_s, cost, source, choice.mtbf_s, choice.optimum_s,
-                     young_daly.MIN_INTERVAL_S, young_daly.MAX_INTERVAL_S, hist.interruptions,
-                     hist.observed_s, prior, f"; a first save at step {probe} measures its cost"
-                     if probe is not None else "")
 
     # --- stops and the end ----------------------------------------------------------------
     def stop_begin(self, kind: str, signal: str) -> None:

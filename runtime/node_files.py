@@ -3,8 +3,9 @@
 A warm process (a fork of the node's fork server, a warm standby) becomes a worker by taking on
 an :class:`Order`: the command, environment, directory and log files a cold start would get.
 ``/proc`` shows the warm process's own command line and environment, so the order is kept in
-:func:`order_file` for the readers of a worker's launch. Such files hold a worker's whole
-environment (a W&B key among it): they live in the user's own 0700 directory,
+:func:`order_file` for the readers of a worker's launch. Such a file holds the worker's
+environment less its secret values (:func:`secret`: a W&B key, a token; a launcher that
+needs them takes its own, :func:`with_secrets`), in the user's own 0700 directory,
 :func:`private_dir`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -20,6 +22,19 @@ from dataclasses import asdict, dataclass
 
 STANDBY_MODULE = "runtime.inprocess.worker.standby"   # a warm standby's ``python -m`` module (its command line)
 FORK_MODULE = "runtime.worker.forkserver"   # the node's fork server's (its forked workers show it too)
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def secret(name: str) -> bool:
+    """Whether an environment variable's value is kept out of node-local files (its name says
+    key, token, secret, password, credential or auth: ``WANDB_API_KEY``, ``HF_TOKEN``)."""
+    return bool(_SECRET.search(name))
+
+
+def with_secrets(env: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
+    """``env`` (a worker's, read from its order file) with the secret variables of ``own`` (the
+    reading launcher's environment, which its workers inherit) put back."""
+    return {**{k: v for k, v in own.items() if secret(k)}, **env}
 
 
 @dataclass(frozen=True)
@@ -48,7 +63,13 @@ class Order:
     stderr: str = ""
 
     def encode(self) -> str:
+        """The whole order (for the warm process itself, over its pipe or socket)."""
         return json.dumps({**asdict(self), "env": dict(self.env)}, sort_keys=True)
+
+    def record(self) -> str:
+        """The order for :func:`order_file`: its secret values left out (:func:`secret`)."""
+        return json.dumps({**asdict(self), "env": {k: v for k, v in self.env.items() if not secret(k)}},
+                          sort_keys=True)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Order:
@@ -62,8 +83,9 @@ def order_file(pid: int) -> str:
     memory-backed (``/dev/shm``, else the temporary directory), outside the launcher's heartbeat
     directory (removed when its agent ends, while a worker kept through a host's loss lives on).
 
-    The order holds the worker's whole environment (a W&B key among it): it lies in the user's
-    own directory there (:func:`private_dir`), written 0600 (:func:`hpc.contract.jobdir.write_atomic`)."""
+    The record (:meth:`Order.record`) holds the worker's environment less its secret values: it
+    lies in the user's own directory there (:func:`private_dir`), written 0600
+    (:func:`hpc.contract.jobdir.write_atomic`)."""
     return os.path.join(private_dir(), f"standby-{pid}.json")
 
 

@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,24 +37,23 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpc.contract import components, interval, jobdir
-from hpc.contract import recovery_settings
 from hpc.contract.components import CheckpointConfig, WandbConfig
 from hpc.contract.jobspec import JobSpec
 from hpc.contract.parallel import MeshError, ParallelDims, resolve
 from runtime.console import NOTE
 from runtime.env import WorkerEnv
+from runtime.checkpoint.auto_interval import AutoInterval
 from runtime.events import NULL_RECORDER, SessionRecorder
-from runtime.liveness import events, posted, stragglers
-from runtime.liveness.deadline import (USER_PHASE_S, StallPolicy, collective_timeout_s, p99,
-                                       policy_for, step_deadline_s)
+from runtime.liveness import hang_log, posted, stragglers
+from runtime.liveness.deadline import USER_PHASE_S, collective_timeout_s, policy_for
 from runtime.liveness.heartbeat import NullHeartbeat, writer_for
 from runtime.liveness.stragglers import StragglerWatch
 from runtime.parallel import mesh as device_mesh
-from runtime.worker.metrics import BackgroundSink, NullSink, PendingReduction, start_reduce
+from runtime.worker import recovery
+from runtime.worker.metric_rows import Row, Schema
+from runtime.worker.metrics import LAST_LOSS, BackgroundSink, NullSink
 from runtime import stop_deadline
 from runtime.preemption import DEFAULT_GRACE_S, Decision, PreemptionWatcher, StopRequest, decide
-from runtime.inprocess.worker.membership import Excluded
-from runtime.inprocess.worker.peers import ShardedFallback
 from runtime.worker.progress import ProgressMeter
 from runtime.stopping import STOP_KINDS
 from runtime.worker.wandb_sink import make_sink, run_metadata
@@ -64,14 +62,9 @@ log = logging.getLogger("hpc.session")
 CALIBRATE_AFTER_STEPS = 20      # measure step time over these, then fix the poll interval
 POLL_TARGET_S = 0.1             # agree on warnings about this often (in wall time)
 MAX_POLL_EVERY = 50
-JOIN_WAIT_S = 30 * 86400.0      # a joiner (a hot spare's worker) may wait the job's whole life
 PROGRESS_EVERY_S = 2.0          # rank 0 writes progress.json this often (HPC_PROGRESS_EVERY_S)
 LINE_MIN_S = 1.0                # console progress: a line per log step, at most one a second,
 LINE_MAX_S = 30.0               # and at least one this often (a slow loop, a large log_every)
-# In-process recovery: every rank holds its last reduced metric rows, so the rank that becomes
-# rank 0 when rank 0 is lost logs again the rows rank 0's W&B service had not written yet.
-ROWS_HELD = 256
-LAST_LOSS = "_last/loss"        # the last step's loss, reduced with a row for the progress line
 
 
 def progress_interval(configured: float | None) -> float:
@@ -113,8 +106,8 @@ class Session:
         self.stopped: StopRequest | None = None
         self.step = 0
         self._pending_metrics: dict[str, list[float]] = {}
-        self._row_in_flight: tuple[int, PendingReduction] | None = None   # (step, its reduction)
-        self._rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=ROWS_HELD)   # in-process: every rank's
+        self._row_in_flight: tuple[int, Row] | None = None   # (step, its reduction)
+        self._metrics = Schema()             # the metric names every rank reduces (agreed)
         self._row_logged: int | None = None  # the last row's step this process gave its sink
         self._metric_ops: dict[str, str] = {}
         self._app_state: dict[str, Any] = {}
@@ -129,16 +122,15 @@ class Session:
         self._start_step = 0
         self._owns_group = False
         self._rec: Any = NULL_RECORDER      # events.jsonl (runtime.events), from start() on
+        self._interval: AutoInterval | None = None   # --checkpoint-interval auto, with the recorder
         self._beat: Any = NullHeartbeat()
         self._timeout_note = ""
         self._pace: Any = None               # runtime.worker.ddp.PaceProbe of the wrapped DDP model
         self._stragglers: Any = None         # rank 0: runtime.liveness.stragglers.StragglerWatch
         self._slow_s = _test_slowdown(os.environ)
-        self._inproc: Any = None             # runtime.inprocess.worker.recovery.InProcess (--recovery inprocess)
-        self._recent: list[float] = []       # recent step times: the bound of a training all-reduce
+        self._recovery: Any = recovery.Restart()   # how a lost peer is recovered from (runtime.worker.recovery)
         self._origin: int | None = None      # the loop's first step (a joiner takes the members')
-        self._grow_due = False               # in-process: the agreement said a joiner waits
-        self._joined_at: tuple[float, float] | None = None   # a joiner: (asked, taken in), wall times
+        self._grow_due = False               # the agreement said a joiner waits (in-process recovery)
         self._progress_total = 0
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -190,10 +182,6 @@ class Session:
 
         import numpy as np
 
-        # A joiner holds no rank yet: it records from its join on, as the rank it is given.
-        if not recovery_settings.InProcessEnvironment.from_env(os.environ).join:
-            self._rec = SessionRecorder(self.job_dir, rank=self.rank, allocation=self.env.allocation,
-                                        restart=self.restart_count, world_size=self.world_size)
         # The node's stall watchdog reads this from now on (phase start-up, a long budget).
         self._beat = writer_for(self.env.job.heartbeat_dir, rank=self.rank,
                                 local_rank=self.env.local_rank, restart=self.restart_count)
@@ -202,24 +190,19 @@ class Session:
             self.device = torch.device("cuda", self.env.local_rank)
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if not dist.is_initialized():
+        fresh = not dist.is_initialized()   # a script's own group: the restart path
+        if fresh:
             if "MASTER_ADDR" not in os.environ:   # plain `python script.py`: a world of one
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            self._inproc = self._in_process(backend)
-            if self._inproc is not None and self._inproc.joining:
-                self._join()
-            elif self._inproc is not None:
-                self._inproc.init_group()
-            else:
-                dist.init_process_group(backend, timeout=self.timeout,
-                                        device_id=self.device if backend == "nccl" else None)
+            self._recovery = recovery.for_session(self, backend)
+        # A joiner holds no rank yet: it records from its join on, as the rank it is given.
+        if not self._recovery.joining:
+            self._record_as(self.rank, self.world_size)
+        if fresh:
+            self._recovery.init_group(self, backend)
             self._owns_group = True
-        if self._inproc is not None:   # its generation's group for CPU tensors (NCCL: made with it)
-            self.cpu_group = self._inproc.cpu_group
-        else:
-            self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" \
-                else dist.group.WORLD
+        self.cpu_group = self._recovery.cpu_group(backend, self.timeout)
         self._rec.emit("rendezvous", world_size=self.world_size)
         _show_hpc_logs(self.is_rank0)
         self._build_mesh()
@@ -235,8 +218,7 @@ class Session:
             self.spec.preemption if self.spec else components.PREEMPTION, control,
             job_end_time=end, grace_s=grace, under_slurm=self.env.slurm.active)
         self._watcher.install()
-        if self._inproc is not None:   # rank 0's fault watch saw a joiner: agreed with the signals
-            self._watcher.flag = lambda: self._inproc.guard.joiners
+        self._watcher.flag = self._recovery.joiner_flag()   # agreed with the signals
         if self.is_rank0:
             log.info("session: rank 0 of %d, backend %s, device %s, restart %d, allocation %d",
                      self.world_size, backend, self.device, self.restart_count, self.env.allocation)
@@ -295,8 +277,7 @@ class Session:
                 if error is None:
                     dist.barrier(group=self.cpu_group)
                 dist.destroy_process_group()
-            if self._inproc is not None:
-                self._inproc.close(finished=error is None)
+            self._recovery.close(finished=error is None)
             self._rec.close(self._checkpointer, error, self.step)
             self._beat.close()
 
@@ -325,21 +306,19 @@ class Session:
             budget_s: Seconds this phase may take on this rank.
         """
         self._beat.enter(name, budget_s)
-        if self._inproc is not None:   # a re-form waits for this rank instead of leaving it out
-            self._inproc.membership.set_busy(time.time() + (budget_s or USER_PHASE_S))
+        self._recovery.busy(time.time() + (budget_s or USER_PHASE_S))
         try:
             yield
         finally:
             self._beat.leave()
-            if self._inproc is not None:
-                self._inproc.membership.set_busy(None)
+            self._recovery.busy(None)
 
     def _report_stalls(self) -> None:
         """Rank 0 logs the stalls the node watchdogs acted on (``hangs.jsonl``) as run events."""
         if not self.is_rank0:
             return
 
-        for h in events.take_unreported(self.job_dir):
+        for h in hang_log.take_unreported(self.job_dir):
             fields = {"node": h.node, "suspect_rank": h.suspect_rank, "suspect_node": h.suspect_node,
                       "reason": h.reason, "stacks": h.stacks, "allocation": h.allocation,
                       "stalled_at_step": h.step}
@@ -377,161 +356,12 @@ class Session:
             return wanted
         return self.timeout
 
-    # --- in-process recovery (--recovery inprocess) ----------------------------------------
-    def _in_process(self, backend: str) -> Any:
-        """The in-process recovery this worker was started for, or None (restart path).
-        On NCCL its communicators are aborted at a fault (:mod:`runtime.inprocess.worker.nccl`)."""
-        if not recovery_settings.InProcessEnvironment.from_env(os.environ).inprocess:
-            return None
-        from runtime.inprocess.worker.recovery import InProcess
-
-        made = InProcess.from_env(os.environ, rank=self.rank, world_size=self.world_size,
-                                  timeout=self.timeout, step_bound_s=self._step_bound_s,
-                                  backend=backend, device=self.device if backend == "nccl" else None)
-        if made is not None:
-            made.session_state = self._session_state
-        return made
-
-    def _join(self) -> None:
-        """A joiner (a restarted worker, a hot spare's): waits until the running members take
-        it in, then forms their group; its rank and world are theirs. A joiner the job did not
-        need (it finished first) ends here, cleanly."""
-        assert self._inproc is not None
-        # DDP's construction imports torch._dynamo (seconds): here, while nobody waits for this
-        # process, not once taken in, when the members wait for its wrap (a hot spare waits long).
-        import torch._dynamo  # noqa: F401
-        t0 = time.time()
-        self._beat.enter("join", JOIN_WAIT_S)
-        try:
-            members = self._inproc.join_group(JOIN_WAIT_S)
-        finally:
-            self._beat.leave()
-        if members is None:
-            log.info("session: the job finished while this worker waited to join: not needed")
-            self._rec.emit("inproc_join", needed=False, waited_s=round(time.time() - t0, 3))
-            self._beat.close()
-            raise SystemExit(0)
-        rank, world = self._inproc.rank, self._inproc.world_size
-        self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # --- records ----------------------------------------------------------------------
+    def _record_as(self, rank: int, world: int) -> None:
+        """Records (events.jsonl, rank 0) and decides the auto interval (every rank) as ``rank``."""
         self._rec = SessionRecorder(self.job_dir, rank=rank, allocation=self.env.allocation,
                                     restart=self.restart_count, world_size=world)
-        self._joined_at = (t0, time.time())
-        log.warning("in-process join: taken in as rank %d of %d in generation %d after %.2f s",
-                    rank, world, members.gen, time.time() - t0)
-
-    def _session_state(self) -> dict[str, Any]:
-        """What a joiner needs of the loop to run its step-boundary collectives at the same
-        steps as the members (sent with the state)."""
-        ckpt = self._checkpointer
-        return {"origin": self._origin, "poll_every": self._poll_every,
-                "last_save_step": ckpt._last_save_step if ckpt is not None else None,
-                "schedule": ckpt.schedule if ckpt is not None else None}
-
-    def _leave_in_process(self, what: str) -> None:
-        """Falls back to the restart path for state in-process recovery cannot carry yet
-        (a mesh of its own: HSDP, TP, PP), and says so in the log."""
-        assert self._inproc is not None
-        if self._inproc.joining:
-            raise RuntimeError(f"this worker joins an in-process job, but the job has {what}, which "
-                               "in-process recovery does not carry yet; use --recovery restart")
-        if self.is_rank0:
-            log.warning("in-process recovery of %s is not built yet (its sub-groups are not made "
-                        "again in-process, issue 26): this job recovers by restart (--recovery "
-                        "restart behaviour)", what)
-        self._inproc.close()
-        self._inproc = None
-        if self._watcher is not None:
-            self._watcher.flag = None   # no joiner is admitted without in-process recovery
-
-    def _step_bound_s(self) -> float:
-        """The bound of one training all-reduce now: the stall watch's deadline of a step."""
-        policy = (policy_for(self.spec.liveness) if self.spec is not None else None) or StallPolicy()
-        if len(self._recent) < policy.first_steps:
-            return policy.first_steps_s
-        return step_deadline_s(policy, p99(self._recent), len(self._recent))
-
-    def _regroup(self) -> None:
-        """The new generation's groups besides the default one, in the order a joiner's
-        start, ``wrap`` and ``restore`` form them (the preemption agreement's, DDP's bucket
-        layout, the checkpointer's)."""
-        assert self._inproc is not None
-        world = self._inproc.world_size
-        if self._watcher is not None:
-            self._watcher.group = dist.new_group(backend="gloo", timeout=self.timeout) if world > 1 else None
-            self._watcher._pending = None
-        self._inproc.rewrap()
-        if self._checkpointer is not None:
-            self._checkpointer.rebind()
-            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
-
-    def _grow(self) -> int:
-        """Every member at the same step boundary (the agreement said a joiner waits): opens
-        the next generation with the joiner; returns the step to go on from (unchanged)."""
-        if self._watcher is not None:
-            self._watcher.drain()
-        self._log_row_in_flight()
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-        return self._recover(self.step, "a joiner waits", dirty=False, planned=True)
-
-    def _own_groups(self) -> list[Any]:
-        """The Session's own groups of the generation being left (the recovery keeps them)."""
-        extra = [self.cpu_group, getattr(self._watcher, "group", None)]
-        if self._checkpointer is not None:
-            extra += self._checkpointer.release_groups()
-        return [g for g in extra if g is not None]
-
-    def _recover(self, held: int, why: str, *, dirty: bool, planned: bool = False) -> int:
-        """Leaves the failed generation, goes on in a new one; returns the step to go on from."""
-        assert self._inproc is not None
-        if self._pace is not None:
-            self._pace.take()
-        self._beat.enter("recover", 300.0)
-        old_rank, old_world = self.rank, self.world_size
-        self._keep_row_in_flight()
-        try:
-            rec = self._inproc.recover(held, why, dirty=dirty, groups=self._own_groups(),
-                                       regroup=self._regroup, planned=planned, release=self._own_groups)
-        except Excluded as e:   # its peers went on without it (it was cut off, or frozen): done here
-            self._beat.leave()
-            log.warning("in-process recovery: %s; this worker ends, the job goes on without it", e)
-            self._rec.emit("inproc_left_out", reason=str(e)[:300])
-            self._beat.close()
-            raise SystemExit(0) from None
-        except ShardedFallback as e:   # the disk checkpoint is the fallback: the restart path
-            self._beat.leave()
-            log.error("in-process recovery: %s", e)
-            self._rec.emit("inproc_fallback", reason=str(e)[:600], step=held)
-            raise
-        except BaseException:
-            self._beat.leave()
-            raise
-        self._beat.leave()
-        rank, world = rec.rank, rec.members.world_size
-        self.env = dataclasses.replace(self.env, rank=rank, world_size=world)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        self.cpu_group = self._inproc.cpu_group
-        self._pending_metrics.clear()
-        self._row_in_flight = None
-        self._recent = []
-        self.step = rec.members.step
-        self._hand_over_sink(old_rank)
-        # A new rank 0, or a sharded recovery that went back to its peer copies' step.
-        if self.is_rank0 and (self._progress is None or self._progress.step > self.step):
-            self._progress = ProgressMeter(total_steps=self._progress_total, start_step=self.step,
-                                           every_s=LINE_MAX_S)
-        phases = {"detect_t": rec.t_detect, "abort_s": rec.t_abort - rec.t_detect,
-                  "reform_s": rec.t_reform - rec.t_abort, "group_s": rec.t_group - rec.t_reform,
-                  "transfer_s": rec.t_transfer - rec.t_group}
-        self._inproc.record(self.job_dir, self.env.allocation, rec, old_rank=old_rank,
-                            old_world=old_world, held=held, dirty=dirty)
-        log.warning("in-process recovery: generation %d, rank %d -> %d of %d (was %d), going on "
-                    "from step %d (this rank held %d); %s", rec.members.gen, old_rank, rank, world,
-                    old_world, self.step, held, ", ".join(f"{k} {v:.3f}" for k, v in phases.items()
-                                                          if k.endswith("_s")))
-        self._write_progress(force=True)
-        return self.step
+        self._interval = AutoInterval(self.job_dir, rank=rank, key=self._rec.key, emit=self._rec.emit)
 
     # --- model ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, *, fsdp: bool = False, blocks: Any = None,
@@ -570,10 +400,7 @@ class Session:
         if fsdp or self.mesh is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            if self._inproc is not None and self.mesh is not None:
-                self._leave_in_process("a mesh (Session(parallel=...))")
-            elif self._inproc is not None and self._inproc.plan.backend != "gloo":
-                self._leave_in_process(f"an FSDP2 model on {self._inproc.plan.backend}")
+            self._recovery = self._recovery.sharded(mesh=self.mesh is not None)
 
             mp = mixed_precision if mixed_precision is not None else self.device.type == "cuda"
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -591,15 +418,10 @@ class Session:
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
             return model
-        # In-process recovery: no collective in the forward pass (buffers are not broadcast;
-        # a step's only collectives are the guarded gradient all-reduces).
-        joining = self._inproc is not None and self._inproc.joining
         ddp = ddp_build.SessionDDP(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters,
-            **(ddp_build.no_forward_buffer_sync() if self._inproc is not None else {}),
-            **({"init_sync": False} if joining else {}))   # the state comes in restore()
-        if (reproducible_resume or self._inproc is not None) and not ddp_build.fix_bucket_layout(ddp) \
+            find_unused_parameters=find_unused_parameters, **self._recovery.ddp_options())
+        if (reproducible_resume or self._recovery.fixes_buckets) and not ddp_build.fix_bucket_layout(ddp) \
                 and not find_unused_parameters and self.is_rank0:
             log.warning("DDP: this torch cannot fix the gradient-bucket layout; a resumed run may "
                         "differ from an uninterrupted one in the last bits")
@@ -661,22 +483,23 @@ class Session:
 
         spec = self.spec
         self._app_state = _app_state(state)
-        if self._inproc is not None:
-            self._inproc.attach(self._app_state)
+        self._recovery.attach(self._app_state)
         self._checkpointer = Checkpointer.from_config(
             spec.checkpoint if spec
             else CheckpointConfig(directory=str(self.job_dir / jobdir.CHECKPOINTS)), seed=self.seed)
-        if self._inproc is not None:   # its step-boundary decision: a wait a lost peer ends
-            self._checkpointer.wait_work = lambda work: self._inproc.guard.settle([work])
-        if self._inproc is not None and self._inproc.joining:
-            return self._receive()
+        self._recovery.bind(self._checkpointer)
+        received = self._recovery.receive()   # a joiner: the state from the members' memory
+        if received is not None:
+            return received
         self._rec.emit("restore_begin")
         with self.phase("restore"):
             manifest = self._checkpointer.load_latest(self._app_state)
         self.step = manifest.step if manifest else 0
-        self._rec.restored(self._checkpointer, self.step, manifest is not None,
-                           interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
-                           if spec else interval.AUTO)
+        self._rec.restored(self._checkpointer, self.step, manifest is not None)
+        if self._interval is not None:   # --checkpoint-interval auto[:MTBF]: decided now (all ranks)
+            self._interval.restored(self._checkpointer, self.step,
+                                    interval.effective(spec.checkpoint_interval, spec.checkpoint_every_min)
+                                    if spec else interval.AUTO)
         self._checkpointer.agree_schedule()   # tuned from rank 0's reading of the history
         meta = dict(manifest.metadata) if manifest else {}
         self._ensure_sink(resume_step=self.step if manifest else None, run_id=meta.get("wandb_run_id"),
@@ -688,39 +511,14 @@ class Session:
         self._report_stalls()
         return self.step
 
-    def _receive(self) -> int:
-        """A joiner's restore: the state from the members' memory (no file is read)."""
-        assert self._inproc is not None and self._joined_at is not None
-        t0 = time.time()
-        try:
-            self.step, moved = self._inproc.receive()
-        except ShardedFallback as e:
-            log.error("in-process join: %s", e)
-            self._rec.emit("inproc_fallback", reason=str(e)[:600])
-            raise
-        got = self._inproc.received_session
-        self._origin = got.get("origin")
-        self._poll_every = int(got.get("poll_every") or 1)
-        if self._checkpointer is not None:   # the same save rules (a timed save is a collective)
-            self._checkpointer._last_save_step = got.get("last_save_step")
-            if got.get("schedule") is not None:
-                self._checkpointer.schedule = got["schedule"]
-        self._ensure_sink(resume_step=self.step, run_id=None)
-        asked, taken = self._joined_at
-        self._inproc.record_join(self.job_dir, self.env.allocation, t_asked=asked, t_taken=taken,
-                                 t_received=time.time(), bytes_moved=moved)
-        log.warning("in-process join: received step %d from rank %d (%d bytes, %.3f s); no "
-                    "checkpoint read", self.step, self._inproc.joined.source, moved, time.time() - t0)
-        return self.step
-
     def save(self, *, blocking: bool = True) -> None:
         """Saves a checkpoint of the registered state at the current step (all ranks)."""
         assert self._checkpointer is not None, "call restore() before save()"
         with self.phase("save"):
-            if self._inproc is not None:
-                self._inproc.guard.inject_at_save(self.step)
+            self._recovery.at_save(self.step)
             self._checkpointer.save(self.step, self._app_state, metadata=self._metadata(), blocking=blocking)
-        self._rec.saved(self._checkpointer, self.step)
+        if self._rec.saved(self._checkpointer, self.step) and self._interval is not None:
+            self._interval.committed(self._checkpointer)   # the first measured save decides again
 
     def _metadata(self) -> dict[str, Any]:
         return {"wandb_run_id": getattr(self._sink, "run_id", None), "world_size": self.world_size,
@@ -743,7 +541,7 @@ class Session:
         self._rec.loop_start(start)
         self._progress_total = stop
         if self.is_rank0:
-            self._progress = ProgressMeter(total_steps=stop, start_step=start, every_s=LINE_MAX_S)
+            self._progress = self._meter(stop, start)
             self._line_at = time.monotonic()
         step_times: list[float] = []
         self._beat.set_base("step")
@@ -755,24 +553,17 @@ class Session:
             timed = self._pace is not None and self._pace.arm(tick)
             if self._slow_s:
                 time.sleep(self._slow_s)   # HPC_TEST_SLOW_NODE: a slow node, for the tests
-            if self._inproc is not None:
-                self._inproc.guard.begin(step)
+            self._recovery.begin(step)
             yield step
-            guard = self._inproc.guard if self._inproc is not None else None
-            if guard is not None and guard.failed:
-                # A peer was lost. Before the optimizer step: it did not run, the state is the
-                # step's start (dirty: the small state goes back). After it: the step is whole.
-                step = self._recover(step + 1 if guard.stepped else step, guard.error or "",
-                                     dirty=not guard.stepped)
-                tick = time.perf_counter()
+            now = time.perf_counter()
+            recovered = self._recovery.after_body(step, now - tick)   # a peer lost in the step
+            if recovered is not None:
+                step, tick = recovered, time.perf_counter()
                 continue
             self.step = step + 1
-            now = time.perf_counter()
             done = self.step - origin
             if done <= CALIBRATE_AFTER_STEPS:    # kept only until the interval is fixed
                 step_times.append(now - tick)
-            if self._inproc is not None:
-                self._recent = (self._recent + [now - tick])[-50:]
             # The first step (compilation, warm-up) is no sample of an ordinary one. Work
             # before DDP's reduction waits on the others (its backward pass, on sampled steps;
             # without DDP the whole body) tells a straggler (runtime.liveness.stragglers).
@@ -785,19 +576,18 @@ class Session:
             self._beat.step_done(self.step, now - tick if done > 1 else None, compute)
             tick = now
             try:
-                if self._inproc is not None:   # FSDP2: the peer copy of the shards, when due
-                    self._inproc.after_step(self.step, self._recent[-1] if self._recent else None)
+                self._recovery.after_step(self.step)
                 if self._boundary(start, stop, done, step_times):
                     return
                 if self._grow_due and self.step < stop:
                     self._grow_due = False
-                    step = self._grow()
+                    step = self._recovery.grow()
                     tick = time.perf_counter()
                     continue
             except (RuntimeError, CheckpointException) as e:   # DCP's is a BaseException
-                if self._inproc is None or not _collective_error(e):
+                if not self._recovery.survives(e):
                     raise
-                step = self._recover(self.step, f"at the step boundary: {_first_line(e)}", dirty=False)
+                step = self._recovery.recover_at_boundary(e)
                 tick = time.perf_counter()
                 continue
             step += 1
@@ -810,10 +600,7 @@ class Session:
     def _boundary(self, start: int, stop: int, done: int, step_times: list[float]) -> bool:
         """The step boundary's bookkeeping and agreements after ``self.step`` steps; True:
         a stop was agreed (the loop ends)."""
-        if self._inproc is not None:   # posted waits this rank can leave when a peer is lost
-            works = list(self._row_in_flight[1].works) if self._row_in_flight else []
-            pending = getattr(self._watcher, "_pending", None)
-            self._inproc.guard.settle(works + ([pending] if pending is not None else []))
+        self._recovery.settle(self._posted_waits())   # waits this rank can leave when a peer is lost
         if self._stragglers is not None and self._stragglers.due():
             self._report_stragglers()
         self._rec.step_done(self.step)
@@ -823,7 +610,7 @@ class Session:
         request = None
         if self._watcher is not None and done % self._poll_every == 0:
             request = self._watcher.poll()
-            self._grow_due = self._watcher.flagged and self._inproc is not None
+            self._grow_due = self._watcher.flagged   # a joiner waits (only in-process recovery flags)
         if request is not None and self.step < stop:
             self._stop(request)
             return True
@@ -834,6 +621,17 @@ class Session:
                 and self._checkpointer.should_save(self.step, timed=done % self._poll_every == 0):
             self.save(blocking=False)
         return False
+
+    def _posted_waits(self) -> list[Any]:
+        """The collectives this rank posted and waits for at a step boundary (the metric row's
+        reduction, the preemption agreement's)."""
+        works = list(self._row_in_flight[1].works) if self._row_in_flight else []
+        pending = getattr(self._watcher, "_pending", None)
+        return works + ([pending] if pending is not None else [])
+
+    def _meter(self, total: int, start: int) -> ProgressMeter:
+        """Rank 0's progress meter from ``start`` to ``total`` steps."""
+        return ProgressMeter(total_steps=total, start_step=start, every_s=LINE_MAX_S)
 
     def _agree_poll_interval(self, step_times: list[float]) -> int:
         """How many steps between preemption agreements, the same on every rank.
@@ -849,8 +647,7 @@ class Session:
         if self.world_size > 1:
             t = torch.tensor([every], dtype=torch.int64)
             work = dist.broadcast(t, src=0, group=self.cpu_group, async_op=True)
-            if self._inproc is not None:
-                self._inproc.guard.settle([work])
+            self._recovery.settle([work])
             posted.wait(work)
             every = int(t.item())
         if self.is_rank0 and every > 1:
@@ -917,6 +714,9 @@ class Session:
     def log(self, ops: Mapping[str, str] | None = None, **metrics: float) -> None:
         """Records metrics for the current step; reduced across ranks at log steps.
 
+        Ranks may log different metrics (rank 0's evaluation, a metric of some steps): each is
+        reduced over the ranks that logged it in that row (:mod:`runtime.worker.metric_rows`).
+
         Args:
             ops: Reduction per metric (``mean`` default, ``sum``, ``max``, ``min``).
             **metrics: Values (floats or 0-d tensors).
@@ -960,7 +760,7 @@ class Session:
             local[LAST_LOSS], ops[LAST_LOSS] = self._pending_metrics["loss"][-1], "mean"
         # Posted, not waited for: the row is logged at the next step (or below, at the last),
         # so no step waits for a metric all-reduce (~2 ms on gloo every log_every steps).
-        self._row_in_flight = (self.step, start_reduce(local, ops, group=self.cpu_group))
+        self._row_in_flight = (self.step, self._metrics.post(local, ops, group=self.cpu_group))
         self._pending_metrics.clear()
         if last:
             self._log_row_in_flight()
@@ -973,8 +773,7 @@ class Session:
             self._row_in_flight = None
             row = dict(pending.result())
             loss = row.pop(LAST_LOSS, None)
-            if self._inproc is not None:
-                self._rows.append((step, row))
+            self._recovery.keep_row(step, row)
             self._ensure_sink().log(row, step=step)
             self._row_logged = step
             if self._progress is not None:
@@ -1006,40 +805,6 @@ class Session:
             self._sink = NullSink() if not self.is_rank0 else \
                 BackgroundSink(make) if background else BackgroundSink(make())
         return self._sink
-
-    def _hand_over_sink(self, old_rank: int) -> None:
-        """After an in-process re-form the W&B run goes with rank 0: a process that was rank 0
-        and is no longer finishes its run (it logs nothing more); one that became rank 0 (its
-        rank 0 was lost) resumes the job's one run (``JOB_DIR/wandb_run_id``, first write wins
-        for steps already logged). Its ``wandb.init`` runs on the sink's thread: training goes
-        on meanwhile, the rows wait in its queue."""
-        if self._sink is not None and (old_rank == 0) != self.is_rank0:
-            old, self._sink = self._sink, None
-            old.close()
-            self._ensure_sink(resume_step=self.step, background=True, check_written=True)
-            self._row_logged = None
-        if self.is_rank0:   # rows not logged yet: the kept one, the lost rank 0's unwritten ones
-            for step, row in self._rows:
-                if (self._row_logged is None or step > self._row_logged) and step <= self.step:
-                    self._ensure_sink().log(row, step=step)   # (the heir's sink drops written ones)
-                    self._row_logged = step
-
-    def _keep_row_in_flight(self) -> None:
-        """At a recovery: the metric row whose reduction finished before the fault is kept (as
-        every rank has it); one still posted is lost with the failed generation."""
-        if self._row_in_flight is None:
-            return
-        step, pending = self._row_in_flight
-        self._row_in_flight = None
-        try:
-            if pending.works and not all(w.is_completed() for w in pending.works):
-                return
-            row = dict(pending.result())
-        except Exception as e:  # noqa: BLE001 - a failed reduction: the row is lost
-            log.info("in-process recovery: the metric row of step %d is lost (%r)", step, e)
-            return
-        row.pop(LAST_LOSS, None)
-        self._rows.append((step, row))
 
     def finish(self) -> None:
         """Records that the job is done (rank 0); checkpoints are flushed in :meth:`close`."""
@@ -1080,19 +845,6 @@ def _test_slowdown(environ: Mapping[str, str]) -> float:
         return float(seconds) if raw and int(node) == int(environ.get("GROUP_RANK", "-1")) else 0.0
     except ValueError:
         return 0.0
-
-
-def _collective_error(e: BaseException) -> bool:
-    """Whether ``e`` is a failed collective or process group (a peer lost), not a bug."""
-    if isinstance(e, dist.DistError) or type(e).__name__ == "PeerLost":
-        return True
-    text = str(e).lower()
-    return any(w in text for w in ("gloo", "connection", "timed out", "broken pipe", "peer"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _show_hpc_logs(rank0: bool) -> None:

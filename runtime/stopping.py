@@ -6,7 +6,7 @@ SIGKILL ``KillWait`` later. A script built on our Session saves and exits on the
 user's own script may ignore it: its workers then die of the SIGTERM, and torch's elastic agent,
 seeing failed workers, would *restart* them inside the dying allocation: they reload their
 snapshot, are SIGKILLed seconds later, and the launcher, busy restarting, is killed before it
-records why the allocation ended (seen on a real cluster, issue 15).
+records why the allocation ended (seen on a real cluster).
 
 So once the launcher got a warning or SIGTERM (a :class:`StopTracker` records it):
 

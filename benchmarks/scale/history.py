@@ -1,5 +1,11 @@
 """A synthetic job history of N nodes and many allocations, and what reading it costs.
 
+    python -m benchmarks.scale.history --nodes 1024 [--allocations 20] [--runs 5] [--work DIR]
+
+re-times ``hpc status`` and ``hpc report`` alone (the last phase of :mod:`.run`) and records
+the figures in ``benchmarks/scale.json``: in the table's rows for N x 20 allocations, under
+``report_histories`` for any other number of allocations.
+
 The records are written by the real writers, as a real job writes them: every node's
 launcher its allocation frame into ``events.jsonl`` (:class:`runtime.events.EventLog`:
 ``alloc_start``, ``agent_rendezvous``, ``workers_started``, ``alloc_end``), rank 0 its
@@ -12,15 +18,22 @@ memory (``ru_maxrss`` of the child).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.scale.meter import load
 from hpc.contract import jobdir
 from hpc.contract.records import Outcome
 from runtime.events import SUMMARY_EVERY_S, EventLog
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOCATIONS = 20          # the table's histories (docs/scale.md)
 
 ALLOC_S = 3600.0          # each allocation trains an hour
 CKPT_EVERY_S = 600.0
@@ -96,14 +109,41 @@ def _timed(argv: list[str], env: dict) -> tuple[float, float, int, str, float]:
             usage.ru_utime + usage.ru_stime)
 
 
-def measure(nodes: int, *, allocations: int = 20, work: Path) -> dict:
-    """Writes the history for ``nodes`` nodes, times ``hpc status`` and ``hpc report`` on it."""
+def measure(nodes: int, *, allocations: int = ALLOCATIONS, work: Path, runs: int = 1) -> dict:
+    """Writes the history for ``nodes`` nodes (unless ``work`` holds it already), times
+    ``hpc status`` and ``hpc report`` on it ``runs`` times."""
     job_dir = Path(work) / "history"
-    started = time.perf_counter()
-    lines = write(job_dir, nodes, allocations)
-    write_s = time.perf_counter() - started
-    row = {"events_lines": lines, "events_mb": round((job_dir / "events.jsonl").stat().st_size / 2**20, 2),
-           "history_write_s": round(write_s, 2), **time_commands(job_dir, Path(work) / "hpc-home")}
+    row: dict = {}
+    if len(jobdir.read_outcomes(job_dir)) != allocations:   # none, or cut short: written again
+        started = time.perf_counter()
+        write(job_dir, nodes, allocations)
+        row["history_write_s"] = round(time.perf_counter() - started, 2)
+    events = job_dir / "events.jsonl"
+    with open(events, "rb") as f:
+        lines = sum(1 for _ in f)
+    return {"events_lines": lines, "events_mb": round(events.stat().st_size / 2**20, 2), **row,
+            **time_runs(job_dir, Path(work) / "hpc-home", runs)}
+
+
+def time_runs(job_dir: Path, hpc_home: Path, runs: int) -> dict:
+    """:func:`time_commands` ``runs`` times: the median of each figure, the range of the wall
+    and CPU seconds, the largest peak memory, and the 1-minute load before each run."""
+    each, before_all = [], load()
+    for _ in range(runs):
+        before = load()["load1"]
+        each.append({**time_commands(job_dir, hpc_home), "load1": before})
+    row: dict = {"timed_runs": runs, "report_load1_each": [r["load1"] for r in each]}
+    for k in ("status_s", "status_cpu_s", "report_s", "report_cpu_s"):
+        got = [r[k] for r in each if r[k] is not None]
+        row[k] = round(statistics.median(got), 3) if len(got) == runs else None
+        if got:
+            row[k.removesuffix("_s") + "_range_s"] = [min(got), max(got)]
+    for k in ("status_rss_mb", "report_rss_mb"):
+        row[k] = max(r[k] for r in each)
+    notes = {k: v for r in each for k, v in r.get("history_notes", {}).items()}
+    if notes:
+        row["history_notes"] = notes
+    row["report_load"] = before_all
     return row
 
 
@@ -127,3 +167,61 @@ def time_commands(job_dir: Path, hpc_home: Path) -> dict:
     if notes:
         row["history_notes"] = notes
     return row
+
+
+TIMED = ("events_lines", "events_mb", "history_write_s", "timed_runs", "report_load1_each",
+         "status_s", "status_range_s", "status_cpu_s", "status_cpu_range_s", "status_rss_mb",
+         "report_s", "report_range_s", "report_cpu_s", "report_cpu_range_s", "report_rss_mb",
+         "report_load", "history_notes", "report_first_run", "report_timed")
+
+
+def record(out: Path, nodes: int, allocations: int, row: dict) -> None:
+    """Puts ``row`` (:func:`measure`) into ``out``: the table's row for ``nodes`` (its other
+    figures kept; the exponents fitted again) when the history has the table's allocations,
+    else ``report_histories["NxA"]``."""
+    from benchmarks.scale import run   # its summary (the exponents), only here
+
+    summary = json.loads(out.read_text()) if out.exists() else {"figures": {}}
+    if allocations != ALLOCATIONS:
+        summary.setdefault("report_histories", {})[f"{nodes}x{allocations}"] = {
+            "nodes": nodes, "allocations": allocations, **row}
+        out.write_text(json.dumps(summary, indent=1) + "\n")
+        return
+    rows = {int(k): r for k, r in summary["figures"].items()}
+    old = rows.setdefault(nodes, {"nodes": nodes, "ranks": nodes * 8, "notes": {}})
+    for k in TIMED:
+        old.pop(k, None)
+    for k in ("status_s", "report_s"):
+        old.setdefault("notes", {}).pop(k, None)
+    old.update({k: v for k, v in row.items() if k != "history_notes"})
+    old["notes"].update(row.get("history_notes", {}))
+    run.write(out, [rows[n] for n in sorted(rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--nodes", type=int, nargs="+", required=True)
+    p.add_argument("--allocations", type=int, default=ALLOCATIONS)
+    p.add_argument("--runs", type=int, default=5, help="fresh processes of each command")
+    p.add_argument("--work", default="", help="where the histories are (kept; one written there "
+                                              "before is timed again, not written again)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
+    a = p.parse_args(argv)
+    import tempfile
+
+    work = Path(a.work or tempfile.mkdtemp(prefix="hpc-history-"))
+    command = "python -m benchmarks.scale.history " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    for n in a.nodes:
+        row = measure(n, allocations=a.allocations, work=work / f"{n}x{a.allocations}", runs=a.runs)
+        row["report_timed"] = {"command": command, "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                               "bytecode_cached": not os.environ.get("PYTHONDONTWRITEBYTECODE")}
+        print(json.dumps({"nodes": n, **{k: row.get(k) for k in (
+            "events_lines", "report_s", "report_range_s", "report_cpu_s", "status_s", "report_load1_each")}}),
+            flush=True)
+        record(Path(a.out), n, a.allocations, row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,9 @@ node (the last), then, in order:
 5. **elect**: node 0 is declared lost; the others run the succession election on the job
    directory; ``elect_s`` is from the common start to the last survivor's decision.
 6. **report**: :mod:`.history` writes N nodes x 20 allocations of events and times
-   ``hpc status`` and ``hpc report`` on it (``report_s``, ``status_s``, their peak memory).
+   ``hpc status`` and ``hpc report`` on it, ``--report-runs`` fresh processes each
+   (``report_s``, ``status_s``: the medians; their ranges, CPU seconds and peak memory).
+   ``python -m benchmarks.scale.history`` times them again alone.
 
 A figure that could not be measured is null with its reason in ``notes``; nothing is
 estimated in its place.
@@ -81,7 +83,7 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
              join_timeout_s: float = 300.0, history_allocs: int = 20,
              work: Path | None = None, skip_liveness: str = "", skip_join: str = "",
              beacons_per_thread: int = 1, join_only: bool = False, keep_alive_s: float = 0.0,
-             rdzv: str = "launcher") -> dict:
+             rdzv: str = "launcher", history_runs: int = 1) -> dict:
     """Measures one N; returns its row (figures, their context, and notes on any null).
 
     ``skip_liveness``: a reason not to run the join, load and detection phases (then their
@@ -157,8 +159,7 @@ def simulate(n: int, *, procs: int = 2, window_s: float = 10.0, ticks: int = 8,
         server.kill()
         server.wait()
     if history_allocs:
-        row["report_load"] = load()
-        row.update(history.measure(n, allocations=history_allocs, work=tmp))
+        row.update(history.measure(n, allocations=history_allocs, work=tmp, runs=history_runs))
     row["load_after"] = load()
     return row
 
@@ -307,7 +308,7 @@ def summarize(rows: list[dict]) -> dict:
             "exponents": {k: exponent(ns, [r.get(k) for r in rows]) for k in (*FIGURES, *extra)}}
 
 
-def _write(out: Path, rows: list[dict]) -> None:
+def write(out: Path, rows: list[dict]) -> None:
     """Writes the rows' summary to ``out``, keeping its other records (``join_experiments``)."""
     kept = {}
     if out.exists():
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the launcher's rendezvous (listed first round) or torch's c10d alone")
     p.add_argument("--elect-only", action="store_true",
                    help="measure the election again and update those figures in --out")
+    p.add_argument("--report-runs", type=int, default=5,
+                   help="fresh processes of hpc status and hpc report on the history (their median)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale.json"))
     p.add_argument("--merge", action="store_true", help="keep the rows of other N in --out")
     a = p.parse_args(argv)
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "join_rdzv_kb",
                                                       "join_rdzv_mb", "join_client_cpu_s",
                                                       "join_server_cpu_s", "join_load")}), flush=True)
-            _write(out, rows)
+            write(out, rows)
         return 0
     if a.elect_only:    # the election again, into the rows already recorded
         rows = list(json.loads(out.read_text())["figures"].values())
@@ -385,17 +388,18 @@ def main(argv: list[str] | None = None) -> int:
             old["elect_load"] = row["load_before"]
             if "elect_s" in row["notes"]:
                 old["notes"]["elect_s"] = row["notes"]["elect_s"]
-        _write(out, rows)
+        write(out, rows)
         return 0
     for n in a.nodes:
         skip = a.skip_liveness if n >= a.skip_liveness_from else ""
         row = simulate(n, procs=a.procs, window_s=a.window, join_timeout_s=a.join_timeout,
                        skip_liveness=skip, skip_join=a.skip_join if n >= a.skip_join_from else "",
-                       beacons_per_thread=a.beacons_per_thread, rdzv=a.rdzv)
+                       beacons_per_thread=a.beacons_per_thread, rdzv=a.rdzv,
+                       history_runs=a.report_runs)
         print(json.dumps({k: row.get(k) for k in (*FIGURES, "load_window")}), flush=True)
         rows.append(row)
         rows.sort(key=lambda r: r["nodes"])
-        _write(out, rows)
+        write(out, rows)
     return 0
 
 

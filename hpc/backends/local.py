@@ -51,10 +51,26 @@ from hpc.prechecks import checkpoint_warning
 from hpc.secrets import check_no_secrets
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rdzv_listener(port: int = 0) -> socket.socket:
+    """The rendezvous store's listening socket, on loopback (``port`` 0: a free one).
+
+    Bound and listening here, then handed to node 0's launcher, whose store serves on it
+    (``--rdzv-listen-fd``): no other process can take the port between its choice and the
+    store's start (other jobs' connections draw from the same ephemeral ports), launchers that
+    connect early wait in its backlog, and nothing off this machine reaches the job's store.
+
+    Raises:
+        SpecError: ``--rdzv-port`` names a port this machine cannot listen on.
+    """
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen(1024)
+    except OSError as e:
+        s.close()
+        raise SpecError("--rdzv-port", port, "a TCP port free on this machine, or 0 for any free one",
+                        "--rdzv-port 0", f"binding 127.0.0.1:{port} failed: {e.strerror}") from None
+    return s
 
 
 def _refuse_full_disk(job_dir: Path, problem: str) -> SpecError:
@@ -119,9 +135,13 @@ def _say(message: str) -> None:
         pass                            # a signal arrived while the main thread was printing
 
 
-def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_id: str) -> list[str]:
+def launcher_argv(spec: JobSpec, job_dir: Path, node_rank: int, port: int, run_id: str,
+                  listen_fd: int | None = None) -> list[str]:
+    """Node ``node_rank``'s launcher command; ``listen_fd``: node 0's store socket (inherited)."""
+    held = ["--rdzv-listen-fd", str(listen_fd)] if listen_fd is not None else []
     return [spec.python, "-m", "runtime.launch", "--job-dir", str(job_dir), "--node-rank",
-            str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id, "--local"]
+            str(node_rank), "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port), "--run-id", run_id,
+            "--local", *held]
 
 
 def resume_hint(last: jobdir.Outcome, job_dir: Path) -> str:
@@ -201,7 +221,8 @@ def already_finished(spec: JobSpec) -> jobdir.Outcome | None:
 def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = False,
          resume: str = "") -> int:
     nodes = spec.allocated_nodes   # the hot spares' launchers too
-    port = spec.rdzv_port or free_port()
+    listener = rdzv_listener(spec.rdzv_port)
+    port = int(listener.getsockname()[1])
     run_id = uuid.uuid4().hex[:12]
     if (warning := checkpoint_warning(spec)) is not None:
         _say(f"hpc run: warning: {warning}")
@@ -242,12 +263,15 @@ def _run(spec: JobSpec, job_dir: Path, lock: joblock.JobLock, verbose: bool = Fa
            for s in {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2, warning}}
     try:
         for i in range(nodes):
-            procs.append(subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id),
+            held = (listener.fileno(),) if i == 0 else ()   # node 0 hosts the store
+            procs.append(subprocess.Popen(launcher_argv(spec, job_dir, i, port, run_id, *held),
                                           cwd=os.getcwd(), env=env, start_new_session=True,
-                                          preexec_fn=lambda: _die_with_parent(prctl, me)))
+                                          pass_fds=held, preexec_fn=lambda: _die_with_parent(prctl, me)))
+        listener.close()   # node 0's launcher holds it now
         lock.add_processes([p.pid for p in procs])
         codes = [p.wait() for p in procs]
     finally:
+        listener.close()
         for s, h in old.items():
             signal.signal(s, h)
     code = codes[0] if codes[0] != 0 else max(codes, key=abs)

@@ -33,7 +33,9 @@ JSON object per line with at least ``t`` (wall time, seconds), ``ev`` (the name)
                                   (connection closed; ``launcher_gone``) or ``lost_node`` (beacon)
 ``inproc_fallback``    launcher   every local worker is gone: torch's restart path (``reason``);
                                   ``spare: true``: a hot spare's launcher left its joiners (the
-                                  members gave up, or the store's host is lost)
+                                  members gave up, or the store's host is lost); from rank 0: a
+                                  model in-process recovery cannot carry yet (a mesh, FSDP2 on
+                                  NCCL) or a sharded recovery's fallback to the checkpoint
 ``spare_ready``        launcher   an in-process hot spare's ``joiners`` all wait in the store,
                                   ``waited_s`` after they started
 ``inproc_recovery``    new rank 0 an in-process recovery: ``gen``, ``world_size`` (was
@@ -50,6 +52,7 @@ Rank-0 events also carry ``rank`` and ``restart``; every event carries ``node``.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -61,5 +64,5 @@ EVENTS = jobpaths.EVENTS
 def read_events(job_dir: str | Path) -> list[dict[str, Any]]:
     """All events of a job, in time order; a torn or foreign line is skipped (and reported)."""
     out = records.read(jobpaths.JobPaths(Path(job_dir)).events, records.event)
-    out.sort(key=lambda e: e["t"])
+    out.sort(key=itemgetter("t"))
     return out

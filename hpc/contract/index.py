@@ -20,13 +20,9 @@ from pathlib import Path
 
 from hpc.contract import jobdir, jobpaths, records
 from hpc.contract.errors import SpecError
+from hpc.contract.jobpaths import hpc_home
 from hpc.contract.records import JobRecord
 from hpc.contract.slurm import SlurmClient, SlurmError
-
-
-def hpc_home(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """Where the job index lives: ``$HPC_HOME``, else ``~/.hpc``."""
-    return Path(env.get("HPC_HOME") or Path.home() / ".hpc")
 
 
 _CLUSTER: dict[str, str] = {}

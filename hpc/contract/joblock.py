@@ -156,7 +156,7 @@ def slurm_job_active(job_id: str) -> bool | None:
     once it ended or is forgotten, None when Slurm cannot be asked."""
     try:
         entries = SlurmClient(retry_total_s=5, command_timeout_s=10).queue([job_id])
-    except Exception:
+    except Exception:  # noqa: BLE001 - no Slurm here, or it does not answer: the caller says so (None)
         return None
     return any(not e.state.is_terminal for jid, e in entries.items()
                if jid == job_id or jid.startswith(job_id + "_"))

@@ -12,7 +12,9 @@ Names with a ``{field}`` are patterns, filled by the :class:`JobPaths` method of
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +81,18 @@ def parse_alloc(name: str) -> int | None:
     """The allocation of a folder named :data:`ALLOC` (``alloc-3`` -> 3), else None."""
     m = _ALLOC_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def parse_node_log(name: str) -> str | None:
+    """The host of a file named :data:`NODE_LOG` (``node-gpu07.log`` -> ``gpu07``), else None."""
+    prefix, _, suffix = NODE_LOG.partition("{host}")
+    host = name[len(prefix):len(name) - len(suffix)]
+    return host if name.startswith(prefix) and name.endswith(suffix) and host else None
+
+
+def hpc_home(env: Mapping[str, str] = os.environ) -> Path:
+    """Where the user's job index (:data:`JOBS`) lives: ``$HPC_HOME``, else ``~/.hpc``."""
+    return Path(env.get("HPC_HOME") or Path.home() / ".hpc")
 
 
 def parse_restart(name: str) -> tuple[int, int] | None:
@@ -218,6 +232,22 @@ class JobPaths:
 
     def node_log(self, allocation: int, host: str) -> Path:
         return self.alloc_logs(allocation) / NODE_LOG.format(host=host)
+
+    def allocations(self) -> list[int]:
+        """The allocations that have a log folder, in order."""
+        try:
+            names = [p.name for p in self.logs.iterdir()]
+        except OSError:
+            return []
+        return sorted(a for a in map(parse_alloc, names) if a is not None)
+
+    def node_hosts(self, allocation: int) -> list[str]:
+        """The hosts whose launcher logged in ``allocation`` (its node logs), sorted."""
+        try:
+            names = [p.name for p in self.alloc_logs(allocation).iterdir()]
+        except OSError:
+            return []
+        return sorted(h for h in map(parse_node_log, names) if h is not None)
 
     def rank_log(self, allocation: int, restart: int, rank: int, epoch: int = 0) -> Path:
         folder = (EPOCH_RESTART.format(epoch=epoch, restart=restart) if epoch

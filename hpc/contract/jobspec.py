@@ -239,6 +239,7 @@ MAX_SIGNAL_LEAD_S = 65535   # Slurm's --signal takes at most 0xffff seconds
 MAX_RESTARTS = 1000
 MAX_SPARE_NODES = 1024
 MAX_REQUEUES = 10_000
+MAX_BAD_NODE_JOBS = 1000
 MAX_PORT = 65535
 MAX_STEPS = 10**12
 MAX_KEEP = 100_000
@@ -324,6 +325,17 @@ class JobSpec:
     exclude: str = _str_opt("", "Nodes to exclude (Slurm hostlist).",
                             _name("--exclude node[3-4]", "[],", " and [ ] , of a hostlist"),
                             "--exclude node[3-4]")
+    avoid_bad_nodes: bool = _opt(True, "Also exclude the nodes that faulted in --bad-node-faults of "
+                                 "the last --bad-node-jobs of your jobs that ran on them (crashed, "
+                                 "lost, frozen, failed health checks; see hpc nodes); "
+                                 "--no-avoid-bad-nodes keeps them.", values.parse_bool,
+                                 check=values.check_bool, example="--avoid-bad-nodes", flag=True)
+    bad_node_faults: int = _int_opt(2, f"Faulty jobs (1 to {MAX_BAD_NODE_JOBS}, at most --bad-node-jobs) "
+                                    "that make a node avoided.", 1, MAX_BAD_NODE_JOBS,
+                                    "--bad-node-faults 2", metavar="N")
+    bad_node_jobs: int = _int_opt(5, "Of how many of the latest jobs that ran on a node "
+                                  f"--bad-node-faults counts (1 to {MAX_BAD_NODE_JOBS}).", 1,
+                                  MAX_BAD_NODE_JOBS, "--bad-node-jobs 5", metavar="M")
     gpu_type: str = _str_opt("", "GPU type for typed GPUs: Slurm's --gres=gpu:TYPE:N with N from "
                              "--gpus-per-node (needs --gpus-per-node).",
                              _name("--gpu-type a100"), "--gpu-type a100", metavar="TYPE")
@@ -524,6 +536,12 @@ class JobSpec:
                             f"at most {values.MAX_NODES - self.max_nodes} with "
                             f"{name('nodes')} {self.nodes_text} (nodes and spares together at "
                             f"most {values.MAX_NODES})", pick("--spare-nodes 1", "spare_nodes=1"))
+        if self.bad_node_faults > self.bad_node_jobs:
+            raise SpecError(name("bad_node_faults"), self.bad_node_faults,
+                            f"at most {name('bad_node_jobs')} ({self.bad_node_jobs}): a node faults "
+                            "in at most every one of the jobs counted",
+                            pick(f"--bad-node-faults {self.bad_node_jobs}",
+                                 f"bad_node_faults={self.bad_node_jobs}"))
         mesh.check_nodes(self.parallel, nodes=self.nodes, nproc_per_node=self.nproc_per_node,
                          cli=spec_terms.in_cli_terms())
         if self.recovery == recovery_settings.INPROCESS and not self.parallel.trivial:

@@ -35,17 +35,21 @@ reported beside the allocated time, not inside it.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import reduce
+from operator import add, itemgetter
 from typing import Any
 
 from hpc.contract import young_daly
-from hpc.contract.spare_waits import in_wait, spare_waits
+from hpc.contract.spare_waits import in_wait, labels, spare_waits
 
 CATEGORIES = ("productive", "startup", "rendezvous", "restore", "checkpoint", "lost",
               "preemption", "hang", "teardown", "spare", "unaccounted")
 PAINT_ORDER = ("startup", "teardown", "rendezvous", "restore", "productive", "lost", "hang",
                "checkpoint", "preemption")
+_START, _END = itemgetter(0), itemgetter(1)
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,13 @@ class Ledger:
 
 
 class _Timeline:
-    """Non-overlapping labelled segments over ``[t0, t1]``; a later paint wins."""
+    """Non-overlapping labelled segments over ``[t0, t1]``; a later paint wins.
+
+    The segments tile ``[t0, t1]`` in order, and no two neighbours share a label (a paint
+    merges them), so a paint changes only the segments it covers and their two neighbours:
+    it finds them by bisection (a pass over every segment per paint made the N launchers'
+    rendezvous rounds of an allocation O(N x segments)).
+    """
 
     def __init__(self, t0: float, t1: float) -> None:
         self.segs: list[list[Any]] = [[t0, t1, "unaccounted"]]
@@ -140,24 +150,25 @@ class _Timeline:
         a, b = max(a, self.t0), min(b, self.t1)
         if b <= a:
             return
-        out: list[list[Any]] = []
-        for s0, s1, c in self.segs:
-            if s1 <= a or s0 >= b:
-                out.append([s0, s1, c])
-                continue
-            if s0 < a:
-                out.append([s0, a, c])
-            if s1 > b:
-                out.append([b, s1, c])
-        out.append([a, b, cat])
-        out.sort(key=lambda s: s[0])
+        segs = self.segs
+        i = bisect_right(segs, a, key=_END)     # the first segment that ends after a
+        j = bisect_left(segs, b, key=_START)    # the first that starts at or after b
+        first, last = segs[i], segs[j - 1]
+        window: list[list[Any]] = [list(segs[i - 1])] if i else []
+        if first[0] < a:
+            window.append([first[0], a, first[2]])
+        window.append([a, b, cat])
+        if last[1] > b:
+            window.append([b, last[1], last[2]])
+        if j < len(segs):
+            window.append(list(segs[j]))
         merged: list[list[Any]] = []
-        for s in out:
+        for s in window:
             if merged and merged[-1][2] == s[2] and abs(merged[-1][1] - s[0]) < 1e-9:
                 merged[-1][1] = s[1]
             else:
                 merged.append(s)
-        self.segs = merged
+        segs[max(i - 1, 0):j + 1] = merged
 
     def spans(self) -> list[Span]:
         return [Span(round(a, 4), round(b, 4), c) for a, b, c in self.segs if b > a]
@@ -245,7 +256,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
         current: (allocation, restart) of a worker group still running (a ledger "so far"),
             whose missing end is no interruption.
     """
-    evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
+    evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=itemgetter("t"))
     slurm_runs = slurm_runs or {}
     by_alloc: dict[int, list[Mapping[str, Any]]] = {}
     for e in evs:
@@ -254,14 +265,24 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
 
     incs = [_Incarnation(int(key[0] or 0), int(key[1] or 0), group)
             for key, group in young_daly.worker_groups(evs)]
-    # Lost steps: what an incarnation computed beyond the step the next one resumed at.
+    # Lost steps: what an incarnation computed beyond the step the next one resumed at (each
+    # one's next resume found in one pass back: O(groups), not O(groups^2)).
+    resumed_by: dict[int, _Incarnation] = {}   # id(incarnation) -> the next one that resumed
+    later = None
+    for inc in reversed(incs):
+        if later is not None:
+            resumed_by[id(inc)] = later
+        if inc.resume_step is not None:
+            later = inc
+    incs_of: dict[int, list[_Incarnation]] = {}
+    for inc in incs:
+        incs_of.setdefault(inc.alloc, []).append(inc)
     lost_by_inc: dict[int, int] = {}     # id(incarnation) -> steps
-    for i, inc in enumerate(incs):
-        nxt = next((n for n in incs[i + 1:] if n.resume_step is not None), None)
+    for inc in incs:
+        nxt = resumed_by.get(id(inc))
         last = inc.last_step
         o = outcome_of.get(inc.alloc)
-        if o is not None and o.get("last_step") is not None and \
-                inc is [n for n in incs if n.alloc == inc.alloc][-1]:
+        if o is not None and o.get("last_step") is not None and inc is incs_of[inc.alloc][-1]:
             last = max(last or 0, int(o["last_step"]))   # progress.json may be ahead of the events
         if nxt is not None and last is not None:
             lost_by_inc[id(inc)] = max(0, last - nxt.resume_step)
@@ -269,7 +290,7 @@ def build(events: Iterable[Mapping[str, Any]], *, outcomes: Sequence[Mapping[str
     allocations = []
     run_of = _runs_of(by_alloc, slurm_runs)
     for alloc, aevs in sorted(by_alloc.items()):
-        allocations.append(_allocation(alloc, aevs, [i for i in incs if i.alloc == alloc], incs,
+        allocations.append(_allocation(alloc, aevs, incs_of.get(alloc, []), resumed_by,
                                        lost_by_inc, outcome_of.get(alloc), run_of[alloc]))
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for a in allocations:
@@ -351,7 +372,7 @@ def _match_run(runs: Mapping[int, Mapping[str, Any]], aevs: list[Mapping[str, An
 
 
 def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnation],
-                all_incs: list[_Incarnation], lost_by_inc: Mapping[int, int],
+                resumed_by: Mapping[int, _Incarnation], lost_by_inc: Mapping[int, int],
                 outcome: Mapping[str, Any] | None, slurm: Mapping[str, Any] | None
                 ) -> AllocationLedger:
     starts = [e for e in aevs if e["ev"] == "alloc_start"]
@@ -369,6 +390,7 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         if slurm.get("end") is not None and ends:
             t_end = max(t_end, float(slurm["end"]))
     tl = _Timeline(t_start, t_end)
+    times = [e["t"] for e in aevs]
     layers: dict[str, list[tuple[float | None, float | None]]] = {c: [] for c in PAINT_ORDER}
     markers: list[Marker] = []
     curve: list[tuple[float, int]] = []
@@ -387,6 +409,7 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
         if left.get(n) is not None and n not in ended:
             node_ends[n] = min(t_end, max(t_start, float(left[n])))
     waits = spare_waits(aevs, node_ends)   # hot spares: their wait is theirs, not the job's
+    names = labels(aevs) if waits else {}
     for w in waits.values():
         if w.joined:
             markers.append(Marker(w.t1, "spare", f"spare {w.node} joins"))
@@ -406,7 +429,7 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
                      "restores, failures and lost work are not seen)")
     for e in aevs:
         if e["ev"] == "agent_rendezvous":
-            layers["rendezvous"].append(in_wait(waits, aevs, e))
+            layers["rendezvous"].append(in_wait(waits, names, e))
         elif e["ev"] == "signal":
             markers.append(Marker(float(e["t"]), "signal", f"{e.get('signal', '')} on {e.get('node', '')}"))
         elif e["ev"] == "hang":
@@ -444,8 +467,8 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
                 (float(crash["t"]), nxt.start if nxt else t_end))
         elif not inc.ended_cleanly:
             # Vanished (killed, node lost): its last sign of life to the next sign of anyone.
-            later = [float(e["t"]) for e in aevs if e["t"] > inc.last_t]
-            gone = min(later) if later else t_end
+            i = bisect_right(times, inc.last_t)   # the events are in time order
+            gone = float(aevs[i]["t"]) if i < len(aevs) else t_end
             markers.append(Marker(inc.last_t, "failure", "worker group lost (no end recorded)"))
             layers["lost"].append((inc.last_t, gone))
             layers["rendezvous" if nxt else "teardown"].append((gone, nxt.start if nxt else t_end))
@@ -454,12 +477,12 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
             layers["rendezvous" if nxt else "teardown"].append((t(end), nxt.start if nxt else t_end))
         lost = lost_by_inc.get(id(inc), 0)
         if lost:
-            nxt_any = next((n for n in all_incs[all_incs.index(inc) + 1:] if n.resume_step is not None))
-            layers["lost"] += _lost_tail(inc, nxt_any.resume_step or 0)
+            layers["lost"] += _lost_tail(inc, resumed_by[id(inc)].resume_step or 0)
+    windows_t = [w["t"] for w in aevs if w["ev"] == "steps"]
     for e in aevs:
-        if e["ev"] == "hang":
-            before = [float(w["t"]) for w in aevs if w["ev"] == "steps" and w["t"] <= e["t"]]
-            layers["hang"].append((max(before) if before else None, float(e["t"])))
+        if e["ev"] == "hang":   # from the last step window before it
+            i = bisect_right(windows_t, e["t"])
+            layers["hang"].append((float(windows_t[i - 1]) if i else None, float(e["t"])))
     for cat in PAINT_ORDER:
         for a, b in layers[cat]:
             tl.paint(a, b, cat)
@@ -467,28 +490,39 @@ def _allocation(alloc: int, aevs: list[Mapping[str, Any]], incs: list[_Incarnati
     # A node that ended without its launcher's record died: from the first failure after its
     # last own record until Slurm dropped it, its time is lost whatever the others did.
     dead: dict[str, float] = {}
+    silent = [n for n in node_names if n not in ended]
     last_own: dict[str, float] = {}
-    for e in aevs:
+    for e in aevs if silent else ():   # every node's last record (a pass over all events)
         if e.get("t") is not None:
             n = str(e.get("node"))
             last_own[n] = max(last_own.get(n, float("-inf")), float(e["t"]))
-    for n in node_names:
-        if n not in ended:
-            own = last_own.get(n, t_start)
-            fails = [m.t for m in markers if m.kind == "failure" and m.t >= own]
-            if fails and min(fails) < node_ends[n]:
-                dead[n] = min(fails)
-    cats = dict.fromkeys(CATEGORIES, 0.0)
+    failures = sorted(m.t for m in markers if m.kind == "failure")
+    for n in silent:   # its first failure after its last own record
+        i = bisect_left(failures, last_own.get(n, t_start))
+        if i < len(failures) and failures[i] < node_ends[n]:
+            dead[n] = failures[i]
+    # Each node's time by category: the timeline's share of its pieces, summed over the nodes
+    # in their order (the same additions as one node at a time, in C: N x 11 of them).
+    shares: dict[tuple[float, float], dict[str, float]] = {}   # most nodes share their ends
+    pieces_of: list[dict[str, float]] = []
+    spare: list[float] = []   # "spare" and "lost" also add each node's own time after its pieces
+    lost: list[float] = []
     for n, n_end in node_ends.items():
         until = dead.get(n, n_end)
         w = waits.get(n)
         pieces = [(t_start, until)] if w is None else [(t_start, min(w.t0, until)), (w.t1, until)]
         for lo, hi in pieces:
-            for c, v in tl.seconds(lo, hi).items():
-                cats[c] += v
+            share = shares.get((lo, hi))
+            if share is None:
+                share = shares[(lo, hi)] = tl.seconds(lo, hi)
+            pieces_of.append(share)
+            spare.append(share["spare"])
+            lost.append(share["lost"])
         if w is not None:
-            cats["spare"] += max(0.0, min(w.t1, until) - w.t0)
-        cats["lost"] += n_end - until
+            spare.append(max(0.0, min(w.t1, until) - w.t0))
+        lost.append(n_end - until)
+    cats = {c: reduce(add, map(itemgetter(c), pieces_of), 0.0) for c in CATEGORIES}
+    cats["spare"], cats["lost"] = reduce(add, spare, 0.0), reduce(add, lost, 0.0)
     kind = str(outcome["kind"]) if outcome else next((str(e.get("kind")) for e in reversed(ends)), "")
     if outcome and outcome.get("kind") not in (None, "finished"):
         planned = outcome["kind"] in ("preempted", "time_limit", "cancelled")

@@ -16,7 +16,9 @@ hangs.jsonl           HangEvent         each node's watchdog            the outc
                                         (runtime.liveness.watchdog)     events); hpc status/report
 exclusions.jsonl      Exclusion         watchdog (stall), outcome       the batch shell
                                         (lost), launcher (health)       (runtime.exclusions); the
-                                                                        outcome
+                                                                        outcome; across jobs, hpc
+                                                                        submit/render/nodes
+                                                                        (hpc.node_history)
 stragglers.jsonl      Straggler         rank 0                          the outcome; hpc status
                                         (runtime.liveness.stragglers)
 resubmissions.jsonl   Link              the launcher that resubmits     the launchers (allocation base);
@@ -62,10 +64,12 @@ from hpc.contract import diskspace
 
 log = logging.getLogger("hpc.records")
 T = TypeVar("T")
+_DECODER = json.JSONDecoder()   # json.loads's own (its default arguments)
 
 OUTCOME_KINDS = ("finished", "preempted", "time_limit", "node_failure", "app_error", "cancelled",
                  "hang")
-EXCLUSION_KINDS = ("stall", "lost", "health")
+HEALTH_EXCLUSION = "health"   # the exclusion of a node that failed its pre-join health check
+EXCLUSION_KINDS = ("stall", "lost", HEALTH_EXCLUSION)
 
 
 # --------------------------------------------------------------------------- record types
@@ -259,6 +263,12 @@ _MAX_INT = 2**53
 _MAX_T = 1e11     # seconds since 1970: year 5138
 
 
+_EVENT_LIMIT = {**dict.fromkeys(_EVENT_INTS + _EVENT_INTS_OR_NONE, _MAX_INT),
+                **dict.fromkeys(_EVENT_FLOATS + _EVENT_FLOATS_OR_NONE, _MAX_T),
+                **dict.fromkeys(_EVENT_TEXTS, 0)}   # key -> bound of its number (0: text)
+_EVENT_NONE_OK = frozenset(_EVENT_INTS_OR_NONE + _EVENT_FLOATS_OR_NONE + _EVENT_TEXTS)
+
+
 def _number(value: Any, *, whole: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -274,8 +284,31 @@ def event(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"not an object but {type(data).__name__}")
     t = data.get("t")
-    if not _number(t, whole=False) or t < 0 or not isinstance(data.get("ev"), str):
+    if not (type(t) is float and 0 <= t < _MAX_T or _number(t, whole=False) and not t < 0) or \
+            not isinstance(data.get("ev"), str):
         raise ValueError("no time 't' in [0, 1e11) or no name 'ev'")
+    # The fields this line has, by their JSON types (a reader of a long history checks every
+    # line; 25 lookups a line were half its reading). Anything else: _event_fields decides.
+    for key in data.keys() & _EVENT_LIMIT.keys():
+        value, limit = data[key], _EVENT_LIMIT[key]
+        kind = type(value)
+        if kind is int:
+            ok = abs(value) < limit
+        elif kind is float:
+            ok = limit == _MAX_T and abs(value) < limit   # False for inf and nan
+        elif kind is str:
+            ok = limit == 0
+        else:
+            ok = value is None and key in _EVENT_NONE_OK
+        if not ok:
+            _event_fields(data)
+            break
+    return data
+
+
+def _event_fields(data: dict[str, Any]) -> None:
+    """Raises the ``ValueError`` that names an event's first field (in their declared order)
+    of the wrong type, if it has one."""
     for key in _EVENT_INTS + _EVENT_INTS_OR_NONE:
         if key in data and not _number(data[key], whole=True) and \
                 not (data[key] is None and key in _EVENT_INTS_OR_NONE):
@@ -287,7 +320,6 @@ def event(data: Any) -> dict[str, Any]:
     for key in _EVENT_TEXTS:
         if key in data and data[key] is not None and not isinstance(data[key], str):
             raise ValueError(f"{key!r} is not text: {str(data[key])[:40]!r}")
-    return data
 
 
 # --------------------------------------------------------------------------- decoding
@@ -380,13 +412,18 @@ def parse(data: bytes, decode: type[T] | Callable[[Any], T], path: Path = Path("
             bad.append(BadLine(path, n, f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"))
             continue
         try:
-            value = json.loads(text)
+            try:   # json.loads without its wrappers (a third of a long history's reading)
+                value, end = _DECODER.raw_decode(text)
+            except ValueError:
+                end = -1
+            if end != len(text):   # whitespace around it, or no JSON: as json.loads reads it
+                value = json.loads(text)
         except (ValueError, RecursionError):   # RecursionError: nested deeper than the stack
             bad.append(BadLine(path, n, f"not JSON: {text[:80]!r}"))
             continue
         try:
             out.append(convert(value))
-        except (ValueError, TypeError, KeyError, AssertionError) as e:
+        except (ValueError, TypeError, KeyError, AssertionError, OverflowError) as e:   # 1e400 as an int
             bad.append(BadLine(path, n, f"not a {getattr(decode, '__name__', 'record')}: {e}"))
     return out, bad
 

@@ -20,8 +20,8 @@ that trains nothing, the price of keeping the world size when a node is lost.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +54,10 @@ def _launcher(e: Mapping[str, Any]) -> tuple[str, int]:
     return str(e.get("node", "")), int(e.get("node_rank") or 0)
 
 
-def _labels(aevs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], str]:
-    """Each launcher's name: its node, or ``node (node rank R)`` where launchers share a host
-    (``hpc run``: every node is this machine)."""
+def labels(aevs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], str]:
+    """Each launcher's name, by ``(host, node rank)``: its host, or ``host (node rank R)``
+    where launchers share a host (``hpc run``: every node is this machine). Computed once per
+    allocation and given to :func:`in_wait` (once per event was O(N^2) per allocation)."""
     launchers = {_launcher(e) for e in aevs if e.get("ev") in ("alloc_start", "node_ready")}
     hosts = Counter(h for h, _ in launchers)   # list.count per launcher was O(N^2) per allocation
     return {(h, r): h if hosts[h] == 1 else f"{h} (node rank {r})" for h, r in launchers}
@@ -66,30 +67,39 @@ def spare_waits(aevs: Sequence[Mapping[str, Any]], node_ends: Mapping[str, float
                 ) -> dict[str, SpareWait]:
     """The launchers of one allocation that waited as hot spares (node -> its wait).
 
+    O(E log E) in the allocation's E events: another launcher's first start after a node
+    was ready is found by bisection in the starts sorted once (a scan of every start for
+    every ready node was O(N^2) with spares).
+
     Args:
         aevs: The allocation's events, in time order.
         node_ends: Each node's end (its launcher's ``alloc_end``, else when it was lost), by the
             names this returns (the host; ``host (node rank R)`` where hosts are shared).
     """
-    labels = _labels(aevs)
     ready: dict[tuple[str, int], float] = {}
     for e in aevs:
         if e.get("ev") == "node_ready" and int(e.get("spare_nodes") or 0) > 0:
             ready.setdefault(_launcher(e), float(e["t"]))
     if not ready:
         return {}
+    names = labels(aevs)
     starts: dict[tuple[str, int], list[float]] = {}
     for e in aevs:
         if e.get("ev") == "workers_started":
             starts.setdefault(_launcher(e), []).append(float(e["t"]))
+    every = sorted((t, who) for who, ts in starts.items() for t in ts)
+    times = [t for t, _ in every]
+    last_t = max(float(e["t"]) for e in aevs)
     out = {}
     for who, t_ready in ready.items():
-        others = [t for w, ts in starts.items() if w != who for t in ts if t >= t_ready - JOIN_AFTER_S]
-        if not others:
-            continue
-        t0 = max(t_ready, min(others))
-        name = labels.get(who, who[0])
-        end = node_ends.get(name, max(float(e["t"]) for e in aevs))
+        i = bisect_left(times, t_ready - JOIN_AFTER_S)
+        while i < len(every) and every[i][1] == who:   # its own starts: at most its own count
+            i += 1
+        if i == len(every):
+            continue   # no other launcher started workers after it was ready
+        t0 = max(t_ready, every[i][0])
+        name = names.get(who, who[0])
+        end = node_ends.get(name, last_t)
         mine = [t for t in starts.get(who, []) if t >= t0 - JOIN_AFTER_S]
         if mine and min(mine) < t0 + JOIN_AFTER_S:
             continue   # a member of the group that formed: not a spare
@@ -99,15 +109,21 @@ def spare_waits(aevs: Sequence[Mapping[str, Any]], node_ends: Mapping[str, float
     return out
 
 
-def in_wait(waits: Mapping[str, SpareWait], aevs: Sequence[Mapping[str, Any]],
+def in_wait(waits: Mapping[str, SpareWait], names: Mapping[tuple[str, int], str],
             e: Mapping[str, Any]) -> tuple[float | None, float]:
     """The launcher event ``e``'s ``[t0, t]`` with the part its node spent waiting as a spare
-    cut off (a spare's rendezvous round spans its whole wait, which was no re-form)."""
+    cut off (a spare's rendezvous round spans its whole wait, which was no re-form).
+
+    Args:
+        waits: The allocation's :func:`spare_waits`.
+        names: The allocation's :func:`labels` (``{}`` when no spare waited).
+        e: One of its launcher events.
+    """
     t0, t1 = e.get("t0"), float(e["t"])
-    if not waits or t0 is None:   # no spare waited: no labels to compute (once per event)
+    if not waits or t0 is None:
         return t0, t1
-    w = waits.get(_labels(aevs).get(_launcher(e), str(e.get("node", ""))))
-    if w is None or t0 is None:
+    w = waits.get(names.get(_launcher(e), str(e.get("node", ""))))
+    if w is None:
         return t0, t1
     return max(float(t0), w.t1), t1
 
@@ -126,8 +142,8 @@ def describe(events: Sequence[Mapping[str, Any]], spare_nodes: int) -> str:
         by_alloc.setdefault(int(e.get("alloc", 0)), []).append(e)
     parts = []
     for alloc, aevs in sorted(by_alloc.items()):
-        labels = _labels(aevs)
-        ended = {labels.get(_launcher(e), str(e.get("node", ""))): float(e["t"])
+        names = labels(aevs)
+        ended = {names.get(_launcher(e), str(e.get("node", ""))): float(e["t"])
                  for e in aevs if e.get("ev") == "alloc_end"}
         start = min(float(e["t"]) for e in aevs)
         for w in spare_waits(aevs, ended).values():

@@ -30,6 +30,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from operator import itemgetter
 from typing import Any
 
 DEFAULT_MTBF_S = 6 * 3600.0
@@ -114,9 +115,7 @@ def worker_groups(events: Iterable[Mapping[str, Any]]) -> list[tuple[tuple[Any, 
     """
     groups: list[tuple[tuple[Any, Any], list[Mapping[str, Any]]]] = []
     open_group: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
-    for e in sorted(events, key=lambda e: e["t"]):
-        if e.get("rank") != 0:
-            continue
+    for e in sorted((e for e in events if e.get("rank") == 0), key=itemgetter("t")):
         key = (e.get("alloc"), e.get("restart"))
         if e.get("ev") == "session_start" or key not in open_group:
             open_group[key] = []

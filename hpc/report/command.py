@@ -24,7 +24,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: `hpc --help` imports this module for add_parser only.
-    from hpc.contract.index import resolve
     from hpc.contract.events import read_events
     from hpc.report import inproc, plot
     from hpc.report.load import load
@@ -35,6 +34,8 @@ def main(args: argparse.Namespace) -> int:
         job_dir = path
         job_id = jobdir.read_slurm_job_id(path) or ""
     else:
+        from hpc.contract.index import resolve   # the job index, Slurm's client: a job id only
+
         try:
             record = resolve(args.job)
         except SpecError:
@@ -44,12 +45,13 @@ def main(args: argparse.Namespace) -> int:
             raise SpecError("JOB", args.job, "a job submitted from here (its directory is in the "
                             "index) or a job directory", "hpc report jobs/train_gpt-...")
         job_dir, job_id = Path(record.job_dir), record.job_id
-    ledger = load(job_dir, job_id)
+    events = read_events(job_dir)   # once: the ledger and the in-process story read the same
+    ledger = load(job_dir, job_id, events=events)
     if not ledger.allocations:
         print(f"hpc report: no events in {job_dir} yet (events.jsonl appears when the job starts)",
               file=sys.stderr)
         return 1
-    story = inproc.story(read_events(job_dir))
+    story = inproc.story(events)
     table = format_table(ledger, str(job_dir))
     if story:   # recoveries that kept the workers: the ledger's restarts do not show them
         table += "\n  in-process recoveries:\n" + "".join(f"    {line}\n" for line in story)

@@ -82,7 +82,8 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
 
 def story(events: Iterable[Mapping[str, Any]]) -> list[str]:
     """Every in-process event of a job as a line, in time order (``hpc report``)."""
-    evs = sorted((e for e in events if isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
+    evs = sorted((e for e in events if str(e.get("ev", "")).startswith("inproc_")
+                  and isinstance(e.get("t"), (int, float))), key=lambda e: e["t"])
     recs = {r.t: r for r in recoveries(evs)}
     lines = []
     for e in evs:

@@ -11,17 +11,18 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc.contract import jobdir, records
 from hpc.contract.events import read_events
 from hpc.contract.interval import prior_mtbf_s
 from hpc.contract.jobpaths import JobPaths
 from hpc.contract.records import HangEvent
-from hpc.contract.slurm import SlurmClient, SlurmError
-from hpc.contract.slurm_parse import AccountingRecord
 from hpc.contract import young_daly
 from hpc.contract.ledger import Ledger, build
+
+if TYPE_CHECKING:   # Slurm's client and parsers only for a job id (slurm_runs): a directory needs none
+    from hpc.contract.slurm_parse import AccountingRecord
 
 log = logging.getLogger("hpc.report")
 
@@ -75,6 +76,8 @@ def resized_into(before: AccountingRecord, after: AccountingRecord) -> bool:
 def slurm_runs(job_id: str) -> dict[int, dict[str, Any]]:
     """:func:`runs_from_accounting` from sacct; empty when sacct is unavailable (the report then
     goes without queue times)."""
+    from hpc.contract.slurm import SlurmClient, SlurmError
+
     try:
         records = SlurmClient(retry_total_s=10).accounting([job_id])
     except (SlurmError, OSError) as e:
@@ -83,10 +86,16 @@ def slurm_runs(job_id: str) -> dict[int, dict[str, Any]]:
     return runs_from_accounting(records, job_id)
 
 
-def load(job_dir: Path, job_id: str = "") -> Ledger:
-    """The ledger of the job in ``job_dir`` (Slurm's times added when ``job_id`` is given)."""
+def load(job_dir: Path, job_id: str = "", *, events: list[dict[str, Any]] | None = None) -> Ledger:
+    """The ledger of the job in ``job_dir`` (Slurm's times added when ``job_id`` is given).
+
+    Args:
+        job_dir: The job directory.
+        job_id: Its Slurm job id ("" for none: no queue times).
+        events: Its :func:`~hpc.contract.events.read_events`, when the caller has read them.
+    """
     job_dir = Path(job_dir)
-    events = read_events(job_dir) + hang_events(job_dir)
+    events = (read_events(job_dir) if events is None else events) + hang_events(job_dir)
     outcomes = [asdict(o) for o in jobdir.read_outcomes(job_dir)]
     prior = young_daly.DEFAULT_MTBF_S
     spec = jobdir.read_json(job_dir / jobdir.JOBSPEC) or {}

@@ -256,7 +256,7 @@ class Staging(AsyncStager):
         elif warming is not None:
             try:
                 warming.result()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation: the save allocates its own buffers
                 log.warning("checkpoint: staging warm-up failed (%r)", e)
 
     @property

@@ -106,7 +106,7 @@ def classify(result: str, intent: Mapping[str, Any] | None, allocation: int) -> 
 
 
 # What a worker's error says when its filesystem refuses writes for good: a restart redoes the
-# work since the last checkpoint and fails the same way (issue 23's probe: every restart spent).
+# work since the last checkpoint and fails the same way (a probe on the test cluster: every restart spent).
 PERMANENT_ERRORS = (
     "No space left on device",          # ENOSPC: a save larger than the room left (then freed)
     "Disk quota exceeded",              # EDQUOT: the filesystem has room, the user has none

@@ -6,7 +6,7 @@ step to go on from and which member holds it), form a new process group under th
 generation's prefix, receive the state from that member by broadcast and go on. Every key of
 that agreement is declared here, once, with its writer and reader, because three kinds of
 process speak it: the workers (``runtime.inprocess.worker``), the per-node launcher (it announces a
-dead child at once) and a joining process (a restarted worker or a hot spare, issue 27).
+dead child at once) and a joining process (a restarted worker or a hot spare).
 
 All keys live in one store that outlives any worker (the launcher's rendezvous store,
 ``HPC_INPROC_STORE=host:port``), under :func:`namespace` of the workers' rendezvous round

@@ -379,7 +379,9 @@ def _launch_config(plan: LaunchPlan, logs_specs: Any, *, expected: int) -> Any:
                              max_nodes=plan.nnodes[1], spares=spec.spare_nodes,
                              configs=dict(rdzv_conf(plan.nnodes[1], spec.rdzv_timeout_s),
                                           is_host=plan.is_rdzv_host))
-    if rdzv.backend == rendezvous.BACKEND:
+    if plan.rdzv_listen_fd is not None and plan.is_rdzv_host:
+        rdzv = rendezvous.on_socket(rdzv, plan.rdzv_listen_fd)
+    if rdzv.backend != "c10d":
         rendezvous.register()
     log.info("rendezvous: %s", rdzv.reason)
     handled_by_us = {f"SIG{spec.signal}", "SIGTERM"}
@@ -747,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-id", default=None, help="rendezvous id (default: the Slurm job id)")
     p.add_argument("--local", action="store_true",
                    help="all nodes are on this machine (hpc run): loopback rendezvous is fine")
+    p.add_argument("--rdzv-listen-fd", type=int, default=None,
+                   help="an inherited socket, bound and listening on the rendezvous port, for this "
+                        "node's store to serve on (hpc run: node 0)")
     p.add_argument("--lost-host", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--adopt", default=None, help=argparse.SUPPRESS)   # LR:PID,...: workers kept
     args = p.parse_args(argv)
@@ -775,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                            grace_s=float(round(grace)) if grace else None).export(os.environ)
     plan = plan_launch(spec, job_dir, os.environ, rdzv_host=args.rdzv_host, node_rank=node_rank,
                        run_id=run_id, extra_changes=extra)
-    plan = dataclasses.replace(plan, local=args.local)
+    plan = dataclasses.replace(plan, local=args.local, rdzv_listen_fd=args.rdzv_listen_fd)
     verbose = verbose_from_env(os.environ)
     _setup_logging(plan, verbose)
     log.info("node %d of %s on %s, rendezvous %s, run id %s", node_rank, spec.nodes_text,

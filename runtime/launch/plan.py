@@ -22,7 +22,7 @@ from runtime import stopping, wandb_env
 from runtime.launch.cpus import job_cpus, omp_threads
 from runtime.env import SlurmEnv
 from runtime.liveness.deadline import policy_for
-from runtime.liveness.nccl import nccl_defaults
+from runtime.liveness.nccl_watch import nccl_defaults
 from runtime.liveness.watchdog import heartbeat_dir
 from runtime.launch.network import EnvChange
 
@@ -62,6 +62,7 @@ class LaunchPlan:
     argv: tuple[str, ...] = ()
     epoch: int = 0                  # the rendezvous epoch (runtime.succession)
     local: bool = False             # hpc run: one machine, no node is ever excluded
+    rdzv_listen_fd: int | None = None   # hpc run: the store's listening socket, bound by hpc run
 
     @property
     def launchers(self) -> int:

@@ -49,6 +49,8 @@ from typing import Any
 log = logging.getLogger("hpc.launch")
 
 BACKEND = "hpc-static"
+HELD_C10D = "hpc-c10d"   # c10d's own handler, its store on the socket the launcher inherited
+LISTEN_FD = "listen_fd"  # the rendezvous config naming that socket (hpc run's node 0)
 POLL_S = 0.1            # the host's poll of the arrival counter
 WAITING_CACHE_S = 1.0   # num_nodes_waiting asks the store at most this often (as c10d's cache)
 
@@ -83,6 +85,15 @@ def choose(*, node_rank: int, expected: int, min_nodes: int, max_nodes: int, spa
                                        f"this node's rank {node_rank}")
     return Choice(BACKEND, dict(configs, node_rank=node_rank, expected=expected),
                   f"first round from the node list ({expected} nodes, per-node keys), later rounds c10d")
+
+
+def on_socket(choice: Choice, fd: int) -> Choice:
+    """``choice`` with the host's store serving on ``fd``, a listening socket the launcher
+    inherited (``hpc run`` binds it on loopback and hands it to node 0): c10d becomes
+    :data:`HELD_C10D`, its handler unchanged (pure)."""
+    return Choice(HELD_C10D if choice.backend == "c10d" else choice.backend,
+                  dict(choice.configs, **{LISTEN_FD: fd}),
+                  f"{choice.reason}; the store on the inherited socket (fd {fd})")
 
 
 def decide(arrived: int, expected: int, min_nodes: int, *, now: float, min_since: float | None,
@@ -303,18 +314,56 @@ def _fqdn() -> str:
     return socket.getfqdn()
 
 
+_SERVED: set[int] = set()   # inherited sockets a store took: each serves one store
+
+
+def _c10d_backend(params: Any) -> tuple[Any, Any]:
+    """c10d's rendezvous backend and its store: torch's, except that the host's first store
+    serves on the inherited socket :data:`LISTEN_FD` names (nobody can have taken the port)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend, create_backend)
+
+    fd = params.config.get(LISTEN_FD)
+    if fd is None or int(fd) in _SERVED or not params.get_as_bool("is_host", False):
+        return create_backend(params)
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    _SERVED.add(int(fd))
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    store = dist.TCPStore(host, port, is_master=True, multi_tenant=True, master_listen_fd=int(fd),
+                          timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)))
+    log.info("rendezvous: the store serves on the inherited socket %s:%d (fd %d)", host, port, fd)
+    return C10dRendezvousBackend(store, params.run_id), store
+
+
 def create(params: Any) -> ListedFirstRound:
     """torch's handler creator for :data:`BACKEND` (c10d's store and handler inside)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    backend, store = create_backend(params)
+    backend, store = _c10d_backend(params)
     return ListedFirstRound(params, store, create_handler(store, backend, params))
 
 
+def create_held(params: Any) -> Any:
+    """torch's handler creator for :data:`HELD_C10D`: c10d's handler, named so."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class Held(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:   # the handler's name, which torch's registry checks
+            return HELD_C10D
+
+    _, store = _c10d_backend(params)
+    return create_handler(store, Held(store, params.run_id), params)
+
+
 def register() -> None:
-    """Registers :data:`BACKEND` with torch's rendezvous handler registry (idempotent)."""
+    """Registers :data:`BACKEND` and :data:`HELD_C10D` with torch's rendezvous handler
+    registry (idempotent)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BACKEND, create)
+    rendezvous_handler_registry.register(HELD_C10D, create_held)
 

@@ -27,7 +27,7 @@ On a stall it:
    verdict and a table of the ranks, to ``logs/alloc-A/hang-<host>-<n>.txt``;
 2. names the suspect (a stopped process, a rank outside the collective its peers wait in, or
    "a peer on another node" when all local ranks wait in one);
-3. appends a :class:`.events.HangEvent` to ``hangs.jsonl``, and excludes the node from the
+3. appends a :class:`.hang_log.HangEvent` to ``hangs.jsonl``, and excludes the node from the
    job's next allocations only for a hardware-like fault (:data:`.verdict.HARDWARE_KINDS`),
    never under ``hpc run``;
 4. SIGKILLs the node's workers. torch's agent sees a failed worker group and restarts it
@@ -38,7 +38,7 @@ On a stall it:
    with the Session's SIGTERM handler (which only records) would otherwise sit out the
    agent's 30-s grace period.
 
-The same stall twice (same step, suspect and evidence: :func:`.events.repeated`) is a
+The same stall twice (same step, suspect and evidence: :func:`.hang_log.repeated`) is a
 pattern, not a fault that goes away: :meth:`Watchdog.repeated` names it, and the launcher
 then restarts no workers (the allocation ends as ``hang`` with what to do about it).
 
@@ -66,7 +66,7 @@ from hpc.contract import environment as job_env
 from hpc.contract.components import LivenessConfig
 from hpc.contract.jobpaths import JobPaths
 from runtime import exclusions
-from runtime.liveness import events, nccl, proc, stacks
+from runtime.liveness import hang_log, nccl_watch, proc, stacks
 from runtime.liveness.deadline import OUTPUT, StallPolicy, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, read_all
 from runtime.liveness.nodes import NodeBoard
@@ -195,7 +195,7 @@ class Watchdog:
         self.poll_s = poll_s
         self.host = socket.gethostname()
         self.directory = heartbeat_dir(self.agent_pid)
-        self.hangs: list[events.HangEvent] = []
+        self.hangs: list[hang_log.HangEvent] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._acted_on: set[int] = set()
@@ -286,7 +286,7 @@ class Watchdog:
             failed by the watchdog's SIGKILL (restarts spent) ends as ``hang``; one that
             finished, or failed otherwise after a recovered stall, keeps its kind.
         """
-        hangs = events.read(self.job_dir, self.allocation)
+        hangs = hang_log.read(self.job_dir, self.allocation)
         lines = tuple(h.summary() for h in hangs)
         if hangs and kind == "app_error" and f"exited with -{int(signal.SIGKILL)}" in reason:
             pattern = self.repeated()
@@ -299,7 +299,7 @@ class Watchdog:
         """Why restarting the workers again is futile: the same stall seen twice in this
         allocation (from any node's record), or None. The message says what was seen and what
         to do."""
-        twice = events.repeated(events.read(self.job_dir, self.allocation))
+        twice = hang_log.repeated(hang_log.read(self.job_dir, self.allocation))
         return twice.advice() if twice is not None else None
 
     # --- the thread -----------------------------------------------------------------------
@@ -480,7 +480,7 @@ class Watchdog:
         """Dumps (unless ``dumps`` were just taken), records and kills; returns the verdict
         with its suspect named."""
         log.error("stall detected: %s", verdict.reason)
-        if nccl.request_dumps(self.directory):   # NCCL jobs: the flight recorder, into the logs
+        if nccl_watch.request_dumps(self.directory):   # NCCL jobs: the flight recorder, into the logs
             time.sleep(NCCL_DUMP_WAIT_S)
         if dumps is None:
             dumps = stacks.collect(self.directory, {r.beat.pid: r.beat.rank for r in verdict.ranks})
@@ -493,7 +493,7 @@ class Watchdog:
             n += 1
         path = paths.hang_stacks(self.allocation, self.host, n)
         path.write_text(stacks.report(verdict, dumps, host=self.host, node_rank=self.node_rank))
-        event = events.HangEvent(
+        event = hang_log.HangEvent(
             allocation=self.allocation, node=self.host, node_rank=self.node_rank,
             reason=verdict.reason, suspect_rank=verdict.suspect_rank,
             stacks=str(path.relative_to(self.job_dir)), step=min(r.beat.step for r in verdict.ranks),
@@ -501,9 +501,9 @@ class Watchdog:
             suspect_node=verdict.lost_node, kind=verdict.kind)
         self.hangs.append(event)
         try:
-            events.append(self.job_dir, event)
+            hang_log.append(self.job_dir, event)
         except OSError as e:
-            log.error("cannot record the stall in %s: %s", events.HANGS, e)
+            log.error("cannot record the stall in %s: %s", hang_log.HANGS, e)
         # The node that stalled stays out of the job's next allocations (runtime.exclusions):
         # a peer that stopped answering, else this node when one of its ranks is the suspect
         # of a hardware-like fault (never a rank that was alive and running the user's code).
@@ -559,6 +559,6 @@ class Watchdog:
         """A stall another node's watch acted on since the local ranks last progressed (its
         summary), or "" (``hangs.jsonl``, read only for a candidate stall)."""
         since = max((r.beat.time for r in verdict.ranks), default=0.0)
-        theirs = [h for h in events.read(self.job_dir, self.allocation)
+        theirs = [h for h in hang_log.read(self.job_dir, self.allocation)
                   if h.node_rank != self.node_rank and h.time >= since]
         return theirs[-1].summary() if theirs else ""

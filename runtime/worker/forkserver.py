@@ -105,7 +105,7 @@ def _worker(order: node_files.Order, fds: list[int], sock: socket.socket, r: int
             os.close(fd)
         fds.clear()   # (the server's list: its cleanup has nothing left to close here)
         _fresh_state()
-        jobdir.write_atomic(Path(node_files.order_file(os.getpid())), order.encode(), durable=False)
+        jobdir.write_atomic(Path(node_files.order_file(os.getpid())), order.record(), durable=False)
         os.write(w, str(os.getpid()).encode())
         os.close(w)
     except BaseException as e:   # noqa: BLE001 - the server says why, the launcher starts it cold

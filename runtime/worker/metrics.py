@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from hpc.contract.jobdir import write_atomic
 from runtime.liveness import posted
 
+LAST_LOSS = "_last/loss"   # a row's entry for the progress line: the last step's loss, reduced with it
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist

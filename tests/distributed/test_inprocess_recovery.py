@@ -94,3 +94,32 @@ def test_an_fsdp2_model_on_one_node_stays_in_process_and_says_no_peer_copy_is_ke
     assert r.returncode == 0, text
     assert "INPROC=on" in text and "TRAINED" in text, text
     assert "no peer copy of the FSDP2 shards is kept" in text, text
+
+
+def test_a_mesh_falls_back_to_the_restart_path_and_says_why_in_the_log_and_the_events(tmp_path: Path):
+    # In-process recovery does not carry a device mesh yet (its sub-groups): the Session says so
+    # once, in rank 0's log and in events.jsonl (hpc report shows it), and the job trains.
+    import socket
+
+    import torch.distributed as dist
+
+    from hpc.report.inproc import story
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT.parent / "inproc_mesh.py")], env=dict(
+        os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), HPC_RECOVERY="inprocess", HPC_INPROC_STORE=f"127.0.0.1:{store.port}",
+        HPC_JOB_DIR=str(tmp_path / "job"), WANDB_MODE="disabled", PYTHONPATH=str(REPO)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    texts = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], texts
+    assert all("INPROC=off" in t and "TRAINED" in t for t in texts), texts
+    assert "a mesh (Session(parallel=...)) is not carried in-process yet" in texts[0], texts[0]
+    events = [json.loads(x) for x in (tmp_path / "job" / "events.jsonl").read_text().splitlines()]
+    [fallback] = [e for e in events if e["ev"] == "inproc_fallback"]
+    assert "a lost worker restarts every worker" in fallback["reason"] and fallback["rank"] == 0, fallback
+    assert any("fell back to restarting its workers: a mesh" in line for line in story(events)), story(events)

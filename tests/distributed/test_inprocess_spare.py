@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.inprocess]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "scripts" / "inproc_train.py"
-STEPS = 20
+STEPS = 20   # 0.6-s steps: the job still runs when its spare is ready at CI's load (crash_node1 waits for it)
 
 
 def hpc_run(out: Path, job: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
@@ -37,18 +37,27 @@ def hpc_run(out: Path, job: Path, *extra: str, steps: int = STEPS) -> subprocess
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO), HPC_INPROC_WINDOW_S="5")
     return subprocess.Popen([sys.executable, "-m", "hpc", "run", str(SCRIPT), "--nodes", "2", *extra,
                              "--nproc-per-node", "1", "--recovery", "inprocess", "--job-dir", str(job),
-                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.2"],
+                             "--", "--out", str(out), "--steps", str(steps), "--step-sleep", "0.6"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def spare_ready(job: Path) -> bool:
+    """The spare's joiners wait in the store (its launcher's ``spare_ready`` event)."""
+    f = job / "events.jsonl"
+    return f.exists() and any(json.loads(x).get("ev") == "spare_ready" for x in f.read_text().splitlines()
+                              if x.startswith("{") and x.endswith("}"))
+
+
 def crash_node1(run: subprocess.Popen[str], out: Path, job: Path, deadline: float) -> tuple[int, int]:
-    """Once rank 1 has trained 5 steps, node rank 1 crashes (its launcher and worker SIGKILLed);
-    returns (rank 0's worker, rank 1's killed worker)."""
+    """Once rank 1 has trained 5 steps and the spare's joiners wait (at load their start took
+    longer than 5 steps: the survivor then went on alone and grew later, another world's
+    weights), node rank 1 crashes (its launcher and worker SIGKILLed); returns (rank 0's
+    worker, rank 1's killed worker)."""
     while True:
         assert time.time() < deadline and run.poll() is None, run.stdout.read() if run.stdout else ""
         ran = lines(out)
         victim = next((p for p, r in ran.items() if r and r[0]["rank"] == 1 and len(r) >= 5), None)
-        if victim is not None:
+        if victim is not None and spare_ready(job):
             break
         time.sleep(0.05)
     survivor = next(p for p, r in ran.items() if r and r[0]["rank"] == 0)

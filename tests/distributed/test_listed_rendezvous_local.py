@@ -5,13 +5,15 @@ One job checks what a user of a many-node job relies on: the first round forms f
 list with the host as rank 0 (waiting for a node that starts late, as c10d's round does), the
 decision is in the launcher's log, and when a worker dies later, every node meets again in
 torch's c10d round (the listed round's ``waiting`` counter tells the nodes whose workers still
-run) and the job finishes with all three nodes.
+run) and the job finishes with all three nodes. The store serves on the socket ``hpc run`` bound
+and handed to node 0 (no other process can take its port first), on loopback only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.listeners import LOOPBACK, listeners
 
 pytestmark = pytest.mark.distributed
 PROBE = REPO / "tests" / "distributed" / "scripts" / "worker_probe.py"
@@ -39,6 +42,10 @@ def test_three_nodes_form_the_listed_round_then_meet_in_c10d_after_a_worker_dies
         while not (job / "pid-1-0").exists():
             assert p.poll() is None and time.time() < end, "worker 1 never started"
             time.sleep(0.1)
+        nodes = "\n".join(f.read_text() for f in (job / "logs" / "alloc-0").glob("node-*.log"))
+        served = re.search(r"the store serves on the inherited socket 127\.0\.0\.1:(\d+)", nodes)
+        assert served, nodes[-3000:]
+        assert listeners(int(served.group(1))) == {LOOPBACK}, listeners(int(served.group(1)))
         time.sleep(1.5)
         os.kill(int((job / "pid-1-0").read_text()), signal.SIGKILL)
         out, _ = p.communicate(timeout=240)

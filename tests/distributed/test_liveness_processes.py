@@ -217,7 +217,7 @@ def test_the_same_stall_twice_ends_the_job_with_advice(tmp_path: Path) -> None:
 
 def test_watchdog_dumps_records_and_kills_a_stalled_worker(tmp_path: Path) -> None:
     """One watchdog look, on a real child process that registered its stack dump."""
-    from runtime.liveness import events
+    from runtime.liveness import hang_log
     from runtime.liveness.deadline import StallPolicy
     from runtime.liveness.heartbeat import Heartbeat, path_for
     from runtime.liveness.watchdog import Watchdog
@@ -241,7 +241,7 @@ def test_watchdog_dumps_records_and_kills_a_stalled_worker(tmp_path: Path) -> No
     finally:
         if child.poll() is None:
             child.kill()
-    [event] = events.read(tmp_path)
+    [event] = hang_log.read(tmp_path)
     report = (tmp_path / event.stacks).read_text()
     assert "suspect: rank 3" in report and "in stuck_here" in report, report
 

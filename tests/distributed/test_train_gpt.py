@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.listeners import LOOPBACK, listeners, workers_of
 from tests.wandb_offline import read_run
 
 pytestmark = pytest.mark.distributed
@@ -244,6 +245,34 @@ def test_the_console_follows_log_every_and_agrees_with_the_result(baseline: Base
     again = result(lost)
     assert (again["final_step"], again["weights_sha256"], again["sample_order_sha256"]) == \
         (40, final["weights_sha256"], final["sample_order_sha256"]), out
+
+
+def test_no_store_of_a_session_job_listens_beyond_this_machine(tmp_path: Path):
+    """Under `hpc run` the workers' own store (MASTER_PORT, rank 0's) listens on 127.0.0.1 only,
+    as the rendezvous store does: read from /proc/net/tcp while the two workers train. And the
+    forked workers' order files in node memory hold their environment without its secrets."""
+    from runtime import node_files
+
+    job = tmp_path / "job"
+    key = "hpc-test-" + "0" * 31                      # a W&B key's 40 characters
+    p = start(job, 2, "--step-sleep", "0.2", env={**os.environ, "WANDB_API_KEY": key})
+    try:
+        end = time.time() + 120
+        while len(workers := workers_of(job)) < 2 or not (job / "progress.json").exists():
+            assert p.poll() is None and time.time() < end, p.communicate()[0][-3000:]
+            time.sleep(0.2)
+        ports = {int(env["MASTER_PORT"]) for env in workers.values()}
+        assert len(ports) == 1, workers
+        port = ports.pop()
+        assert listeners(port) == {LOOPBACK}, (port, listeners(port))
+        orders = [Path(node_files.order_file(pid)) for pid in workers]
+        assert all(o.exists() for o in orders), orders           # forked from the warm server
+        assert not any(key in o.read_text() for o in orders)
+        assert all("WANDB_API_KEY" not in env and "RANK" in env for env in workers.values())
+    finally:
+        p.send_signal(signal.SIGTERM)    # saves and stops: the job need not go on
+        code, out = finish(p)
+    assert code in (0, 75), out
 
 
 def test_a_usage_error_ends_the_job_without_spending_restarts(tmp_path: Path):

@@ -31,7 +31,7 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
     r = hpc(env, "submit", str(TRAIN), "--nproc-per-node", "2", "--job-dir", str(job),
             "--nodes", "2:3", "--max-restarts", "2", "--partition", "debug",
             "--checkpoint-every-steps", "2", "--checkpoint-interval", "auto:1h",
-            "--", "--preset", "tiny", "--step-sleep", "0.3", *ELASTIC)
+            "--", "--preset", "tiny", "--step-sleep", "1.0", *ELASTIC)
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = (job / "slurm_job_id").read_text().strip()
     wait_until(lambda: latest_step(job) >= 6, 240, "training to checkpoint step 6")
@@ -46,6 +46,13 @@ def test_report_of_a_preempted_then_node_crashed_job(env, slurm_cluster, tmp_pat
                         and latest_step(job) >= saved + 4), 240, "the requeued allocation to train")
     slurm_cluster.crash("node3")
     crashed_at_checkpoint = latest_step(job)
+    # What node3's time is depends on Slurm dropping it while the job still trains: Slurm
+    # marks it down a SlurmdTimeout (10 s) and a ping after the crash; the step sleep keeps
+    # the twenty-odd steps left longer than that on any machine.
+    wait_until(lambda: slurm_cluster.node_states().get("node3", "").startswith("down"), 120,
+               "Slurm to mark the crashed node3 down")
+    assert all(o["kind"] != "finished" for o in outcomes(job)), \
+        f"the job ended before Slurm dropped node3, nothing below could show: {outcomes(job)}"
     wait_done(env, job_id, job, timeout=500)
     assert outcomes(job)[-1]["kind"] == "finished", outcomes(job)
     # The report reads sacct, which slurmdbd fills a moment after the job ended: wait for the

@@ -249,7 +249,9 @@ def test_a_container_job_and_a_job_slurm_will_not_requeue_both_stopped_go_on(env
     # The warning signal to every step process: the workers save, node 0 decides to requeue.
     subprocess.run(["scancel", "--signal=USR2", contained_id], env=env, check=True)
     subprocess.run(["scancel", "--signal=USR2", old], env=env, check=True)
-    wait_until(lambda: (job / "resubmissions.jsonl").exists(), 120,
+    # The link is recorded first, then slurm_job_id moves to the new job: wait for both.
+    wait_until(lambda: ((job / "resubmissions.jsonl").exists()
+                        and (job / "slurm_job_id").read_text().strip() != old), 120,
                f"the continuation; outcomes {outcomes(job)}; {batch_log(job)[-2000:]}")
     new = (job / "slurm_job_id").read_text().strip()
     wait_until(lambda: len(outcomes(contained)) >= 2 and squeue(env, contained_id) in ("", "COMPLETED"), 300,

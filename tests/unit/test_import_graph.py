@@ -37,6 +37,9 @@ ALLOWED: dict[str, str] = {
     "hpc.sync -> hpc.report.wandb_story": "`hpc --help` imports hpc.sync for its add_parser; the "
                                           "story loads the ledger and its loader (Slurm client, "
                                           "tenacity)",
+    "hpc.report.load -> hpc.contract.slurm": "`hpc report DIR` needs no Slurm client (tenacity, "
+                                             "subprocess, the sacct parser: a tenth of its start); "
+                                             "a job id's queue times do",
     "hpc.api -> hpc.status": _COMMANDS,
     "hpc.api -> hpc.logs": _COMMANDS,
     "hpc.api -> hpc.sweeps": _COMMANDS,

@@ -50,7 +50,7 @@ def test_a_half_loaded_rank_is_never_the_source_even_at_the_lowest_rank():
 def test_with_no_step_held_whole_the_generation_has_no_source_and_every_member_gives_up():
     from runtime.inprocess.worker.membership import Membership
     from runtime.inprocess.worker.peers import ShardedFallback
-    from runtime.inprocess.worker.recovery import InProcess
+    from runtime.inprocess.worker.stages import InProcess
 
     store = dist.HashStore()
     inp = InProcess(store, rank=0, world_size=1, timeout=timedelta(seconds=5), step_bound_s=lambda: 5.0)
@@ -68,8 +68,8 @@ def test_with_no_step_held_whole_the_generation_has_no_source_and_every_member_g
 def test_the_transfer_marks_a_receiver_half_loaded_until_its_whole_state_is_loaded(monkeypatch):
     # The received state is loaded part by part after the broadcast: a failure in between
     # leaves the model overwritten and the optimizer not, which the phase must say.
-    from runtime.inprocess.worker import recovery
-    from runtime.inprocess.worker.recovery import InProcess
+    from runtime.inprocess.worker import stages
+    from runtime.inprocess.worker.stages import InProcess
 
     torch.manual_seed(0)
     inp = InProcess(dist.HashStore(), rank=1, world_size=2, timeout=timedelta(seconds=5),
@@ -79,7 +79,7 @@ def test_the_transfer_marks_a_receiver_half_loaded_until_its_whole_state_is_load
     source = torch.nn.Linear(3, 2)
     sent = {"models": [source.state_dict()], "optims": [{"state": {}, "param_groups": []}],
             "small": {}, "rng": None, "step": 9, "session": {}}
-    monkeypatch.setattr(recovery.transfer, "broadcast_state", lambda *a, **k: (sent, 0))
+    monkeypatch.setattr(stages.transfer, "broadcast_state", lambda *a, **k: (sent, 0))
     members = Members(gen=1, uids=("a/1", "b/1"), step=9, source=0)
     with pytest.raises(ValueError):   # the optimizer's part does not load
         inp._transfer(members, held=9)
@@ -94,9 +94,9 @@ def test_the_transfer_marks_a_receiver_half_loaded_until_its_whole_state_is_load
 
     inp.rank, inp._phase = 0, proto.UNTOUCHED   # the source sends and keeps its state
     sent_by_source = []
-    monkeypatch.setattr(recovery.transfer, "broadcast_state",
+    monkeypatch.setattr(stages.transfer, "broadcast_state",
                         lambda state, **k: (sent_by_source.append(state), (state, 0))[1])
-    monkeypatch.setattr(recovery.rng, "capture", lambda: None)
+    monkeypatch.setattr(stages.rng, "capture", lambda: None)
     inp._transfer(members, held=9)
     assert inp._phase == proto.UNTOUCHED and sent_by_source[0]["step"] == 9
 

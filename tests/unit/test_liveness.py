@@ -15,7 +15,7 @@ import pytest
 from hpc.contract.errors import SpecError
 from hpc.contract.jobdir import Outcome
 from hpc.contract.stall import check_stall_timeout, parse_stall_timeout
-from runtime.liveness import events
+from runtime.liveness import hang_log
 from runtime.liveness.deadline import OUTPUT, StallPolicy, deadline_s, p99, policy_for, step_deadline_s
 from runtime.liveness.heartbeat import Heartbeat, HeartbeatWriter, read_all
 from runtime.liveness.stacks import main_thread_first
@@ -307,14 +307,14 @@ def test_main_thread_comes_first_in_a_dump():
 
 # --- records ---------------------------------------------------------------------------------
 def test_hang_events_round_trip_and_reach_the_outcome_line(tmp_path: Path):
-    e = events.HangEvent(allocation=1, node="node2", node_rank=1, reason="rank 3 is stopped",
+    e = hang_log.HangEvent(allocation=1, node="node2", node_rank=1, reason="rank 3 is stopped",
                          suspect_rank=3, stacks="logs/alloc-1/hang-node2-1.txt", step=40,
                          ranks=("rank 2 ...", "rank 3 ..."))
-    events.append(tmp_path, e)
-    (tmp_path / events.HANGS).open("a").write("{garbage\n")
-    [back] = events.read(tmp_path, allocation=1)
+    hang_log.append(tmp_path, e)
+    (tmp_path / hang_log.HANGS).open("a").write("{garbage\n")
+    [back] = hang_log.read(tmp_path, allocation=1)
     assert back.ranks == e.ranks and back.suspect_rank == 3 and back.time > 0
-    assert events.read(tmp_path, allocation=0) == []
+    assert hang_log.read(tmp_path, allocation=0) == []
     line = Outcome(allocation=1, kind="finished", exit_code=0, hangs=(back.summary(),)).describe()
     assert "1 stall(s) recovered" in line and "suspect rank 3" in line and "hang-node2-1.txt" in line
 
@@ -391,7 +391,7 @@ def test_the_outcome_is_hang_only_when_the_watchdogs_kill_ended_the_allocation(t
     w = Watchdog(tmp_path, allocation=0, node_rank=0, policy=None)
     assert w.amend("app_error", "rank 1 exited with 1: ValueError: x") == \
         ("app_error", "rank 1 exited with 1: ValueError: x", ())
-    events.append(tmp_path, events.HangEvent(allocation=0, node="n1", node_rank=0, reason="r",
+    hang_log.append(tmp_path, hang_log.HangEvent(allocation=0, node="n1", node_rank=0, reason="r",
                                              suspect_rank=1, stacks="logs/alloc-0/hang-n1-1.txt"))
     kind, reason, lines = w.amend("app_error", "rank 0 exited with -9: (no error message)")
     assert kind == "hang" and reason.startswith("stall on n1") and len(lines) == 1
@@ -514,22 +514,22 @@ def test_only_hardware_like_stalls_mark_a_node_bad():
     assert BUSY not in HARDWARE_KINDS and USER not in HARDWARE_KINDS
 
 
-def _hang(step: int, kind: str = BUSY, rank: int | None = 0, node: str = "n1") -> events.HangEvent:
-    return events.HangEvent(allocation=0, node=node, node_rank=0, reason="rank 0 ran outside any "
+def _hang(step: int, kind: str = BUSY, rank: int | None = 0, node: str = "n1") -> hang_log.HangEvent:
+    return hang_log.HangEvent(allocation=0, node=node, node_rank=0, reason="rank 0 ran outside any "
                             "collective", suspect_rank=rank, stacks="logs/alloc-0/hang-n1-1.txt",
                             step=step, kind=kind)
 
 
 def test_the_same_stall_twice_is_a_pattern_with_advice():
-    assert events.repeated([]) is None
-    assert events.repeated([_hang(30)]) is None
-    assert events.repeated([_hang(30), _hang(31)]) is None
-    assert events.repeated([_hang(30), _hang(30, kind=FROZEN)]) is None
-    assert events.repeated([_hang(30), _hang(30, rank=1)]) is None
-    assert events.repeated([_hang(30), _hang(30, node="n2")]) is None
-    twice = events.repeated([_hang(30), _hang(12), _hang(30)])
+    assert hang_log.repeated([]) is None
+    assert hang_log.repeated([_hang(30)]) is None
+    assert hang_log.repeated([_hang(30), _hang(31)]) is None
+    assert hang_log.repeated([_hang(30), _hang(30, kind=FROZEN)]) is None
+    assert hang_log.repeated([_hang(30), _hang(30, rank=1)]) is None
+    assert hang_log.repeated([_hang(30), _hang(30, node="n2")]) is None
+    twice = hang_log.repeated([_hang(30), _hang(12), _hang(30)])
     assert twice is not None and twice.step == 30
-    assert events.repeated([_hang(30), _hang(30), _hang(31)]) is None, "only the latest counts"
+    assert hang_log.repeated([_hang(30), _hang(30), _hang(31)]) is None, "only the latest counts"
     advice = twice.advice()
     assert "twice at step 30" in advice and "session.phase" in advice and "--busy-timeout" in advice
     assert "--stall-timeout" in _hang(30, kind=COLLECTIVE, rank=None).advice()
@@ -539,9 +539,9 @@ def test_the_watchdog_ends_the_allocation_with_the_pattern(tmp_path: Path):
     from runtime.liveness.watchdog import Watchdog
 
     w = Watchdog(tmp_path, allocation=0, node_rank=0, policy=None)
-    events.append(tmp_path, _hang(30))
+    hang_log.append(tmp_path, _hang(30))
     assert w.repeated() is None
-    events.append(tmp_path, _hang(30))
+    hang_log.append(tmp_path, _hang(30))
     assert "twice at step 30" in (w.repeated() or "")
     kind, reason, lines = w.amend("app_error", "rank 0 exited with -9: (no error message)")
     assert kind == "hang" and "twice at step 30" in reason and len(lines) == 2

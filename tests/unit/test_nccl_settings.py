@@ -11,7 +11,7 @@ import pytest
 
 from hpc.contract.jobspec import JobSpec
 from runtime.launch.main import plan_launch
-from runtime.liveness.nccl import request_dumps
+from runtime.liveness.nccl_watch import request_dumps
 
 pytestmark = pytest.mark.unit
 

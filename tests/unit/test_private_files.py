@@ -98,3 +98,38 @@ def test_records_of_ended_processes_are_removed_and_live_ones_kept() -> None:
         live.wait()
         for path in files.values():
             path.unlink(missing_ok=True)
+
+
+def test_an_order_file_holds_no_secret_and_an_adopting_launcher_puts_its_own_back() -> None:
+    """A kept worker's order on file lacks its W&B key and tokens; the launcher that adopts it
+    after a host's loss starts a dead one's joiner with its own (the workers' inherited) key."""
+    import sys
+    import time
+
+    from runtime.inprocess.launcher import adopt
+    from runtime.liveness import proc
+
+    env = {"RANK": "3", "LOCAL_RANK": "0", "WANDB_API_KEY": "k" * 40, "HF_TOKEN": "hf_t",
+           "MY_DB_PASSWORD": "p", "WANDB_PROJECT": "gpt"}
+    order = node_files.Order(argv=(sys.executable, "-m", "runtime.worker", "train.py"), env=env, cwd="/")
+    assert node_files.Order.decode(order.record()).env == {"RANK": "3", "LOCAL_RANK": "0",
+                                                           "WANDB_PROJECT": "gpt"}
+    assert node_files.Order.decode(order.encode()).env == env     # the warm process gets it all
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", node_files.STANDBY_MODULE])
+    path = Path(node_files.order_file(standby.pid))
+    try:
+        while node_files.STANDBY_MODULE not in Path(f"/proc/{standby.pid}/cmdline").read_bytes().decode():
+            time.sleep(0.01)
+        jobdir.write_atomic(path, order.record(), durable=False)
+        assert "k" * 40 not in path.read_text() and "hf_t" not in path.read_text()
+        assert "WANDB_API_KEY" not in proc.environ(standby.pid)
+        launch = adopt.launch_of({0: standby.pid}, store="127.0.0.1:1", master_addr="127.0.0.1",
+                                 master_port=2, epoch=1)
+        joiner = launch["envs"][0]
+        assert joiner["RANK"] == "3" and joiner["WANDB_PROJECT"] == "gpt"
+        assert {k: joiner.get(k) for k in ("WANDB_API_KEY", "HF_TOKEN")} == \
+            {k: os.environ.get(k) for k in ("WANDB_API_KEY", "HF_TOKEN")}   # the launcher's own
+    finally:
+        standby.kill()
+        standby.wait()
+        path.unlink(missing_ok=True)

@@ -99,14 +99,14 @@ def test_shapes_newer_and_older_writers_still_read() -> None:
 
 
 def test_hangs_with_a_non_utf8_byte_read(tmp_path: Path) -> None:
-    from runtime.liveness import events
+    from runtime.liveness import hang_log
 
-    events.append(tmp_path, SAMPLES[1])
+    hang_log.append(tmp_path, SAMPLES[1])
     with open(tmp_path / "hangs.jsonl", "ab") as f:
         f.write(b"\xff\n")
-    events.append(tmp_path, SAMPLES[1])
-    assert events.read(tmp_path) == [SAMPLES[1], SAMPLES[1]]
-    assert len(events.take_unreported(tmp_path)) == 2
+    hang_log.append(tmp_path, SAMPLES[1])
+    assert hang_log.read(tmp_path) == [SAMPLES[1], SAMPLES[1]]
+    assert len(hang_log.take_unreported(tmp_path)) == 2
 
 
 def test_garbled_outcomes_read(tmp_path: Path) -> None:
@@ -147,7 +147,8 @@ def test_report_loads_a_damaged_job_directory(tmp_path: Path) -> None:
     jobdir.append_outcome(tmp_path, Outcome(allocation=0, kind="finished", exit_code=0, time=10.0))
     (tmp_path / "hangs.jsonl").write_bytes(records.encode(SAMPLES[1]) + b'\xff\n{"time": "x"}\n')
     (tmp_path / "events.jsonl").write_bytes(b'{"t": 1, "ev": "alloc_start", "alloc": 0}\n\xff\n[]\n'
-                                            b'{"t": "soon", "ev": "x"}\n')
+                                            b'{"t": "soon", "ev": "x"}\n'
+                                            b'{"t": ' + b"9" * 400 + b', "ev": "x"}\n')   # no float holds it
     (tmp_path / "jobspec.json").write_bytes(b"[1, 2]")
     assert [h["node"] for h in hang_events(tmp_path)] == ["n1"]
     ledger = load(tmp_path)

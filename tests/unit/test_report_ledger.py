@@ -342,3 +342,89 @@ def test_a_job_requeued_after_a_resize_holds_each_second_of_its_nodes_once():
     assert max(a1.node_ends.values()) <= a2.start
     for a in led.allocations:
         assert sum(a.categories.values()) == pytest.approx(a.node_s, rel=1e-9)
+
+
+def _repaint(segs: list[list], t0: float, t1: float, a, b, cat: str) -> list[list]:
+    """The timeline's paint as it was: every segment visited, sorted and merged again."""
+    if a is None or b is None:
+        return segs
+    a, b = max(a, t0), min(b, t1)
+    if b <= a:
+        return segs
+    out = []
+    for s0, s1, c in segs:
+        if s1 <= a or s0 >= b:
+            out.append([s0, s1, c])
+            continue
+        if s0 < a:
+            out.append([s0, a, c])
+        if s1 > b:
+            out.append([b, s1, c])
+    out.append([a, b, cat])
+    out.sort(key=lambda s: s[0])
+    merged: list[list] = []
+    for s in out:
+        if merged and merged[-1][2] == s[2] and abs(merged[-1][1] - s[0]) < 1e-9:
+            merged[-1][1] = s[1]
+        else:
+            merged.append(s)
+    return merged
+
+
+def test_a_paint_that_touches_only_its_neighbours_leaves_the_segments_a_full_repaint_leaves():
+    """The timeline's paint finds the segments it covers by bisection; its segments (their
+    bounds to the object: 3 and 3.0 print apart in the JSON) are those of the full repaint
+    over 2,000 random paints: overlapping, touching, nested, reversed, outside, None."""
+    import random
+
+    from hpc.contract.ledger import _Timeline
+
+    rng = random.Random(29)
+    for trial in range(20):
+        t0, t1 = 0.0, 100.0
+        tl, ref = _Timeline(t0, t1), [[t0, t1, "unaccounted"]]
+        for _ in range(100):
+            a, b = (rng.choice([None, rng.randint(-5, 105), float(rng.randint(-5, 105)), rng.uniform(-5, 105)])
+                    for _ in range(2))
+            cat = rng.choice(["startup", "rendezvous", "productive", "lost"])
+            tl.paint(a, b, cat)
+            ref = _repaint(ref, t0, t1, a, b, cat)
+            assert [[(type(x), x) for x in s] for s in tl.segs] == [[(type(x), x) for x in s] for s in ref]
+
+
+def restarting_job(n: int) -> list[dict]:
+    """``n`` nodes of one allocation whose worker group vanished and came back ``n // 25``
+    times (each a hang, then no end: 10 steps lost each time); half the nodes end without a
+    record of their own (silent)."""
+    def rank0(t, name, restart, **kw):
+        return {"t": t, "ev": name, "alloc": 0, "node": "n0", "rank": 0, "restart": restart, **kw}
+
+    k = n // 25
+    evs = [{"t": 0.001 * r, "ev": "alloc_start", "alloc": 0, "node": f"n{r}", "node_rank": r} for r in range(n)]
+    for g in range(k):
+        t, step = 10.0 + 100 * g, 50 * g
+        evs += [rank0(t, "session_start", g, t_proc=t - 0.5), rank0(t + 1, "rendezvous", g),
+                rank0(t + 1, "restore_begin", g), rank0(t + 2, "restore_end", g, step=step),
+                rank0(t + 2, "loop_start", g, step=step),
+                rank0(t + 60, "steps", g, t0=t + 2, first=step + 1, last=step + 60, count=60),
+                {"t": t + 70, "ev": "hang", "alloc": 0, "node": "n1", "reason": "stall", "step": step + 60}]
+    evs += [{"t": 10.0 + 100 * k, "ev": "alloc_end", "alloc": 0, "node": f"n{r}", "node_rank": r,
+             "kind": "node_failure"} for r in range(0, n, 2)]
+    return sorted(evs, key=lambda e: e["t"])
+
+
+def test_the_ledger_is_linear_in_its_events_when_groups_hangs_and_silent_nodes_grow_with_them():
+    """Each worker group looked for the next one that resumed among all after it, a vanished
+    group for the next sign of anyone, a hang for its last step window, and each silent node
+    for its first failure among all markers, each by a scan: O(groups x events), O(hangs x
+    events), O(nodes x markers). Counted in lines of Python run (not timed) at 100 and 800
+    nodes with their groups, hangs and silent nodes in proportion: eight times the events, at
+    most ten times the work (it was 38 times)."""
+    from tests.work import lines_run
+
+    for n in (100, 800):
+        (a,) = build(restarting_job(n)).allocations
+        assert a.restarts == n // 25 - 1 and a.lost_steps == 10 * (n // 25 - 1)
+        assert len(a.node_dead) == n // 2 - 1 and len(a.node_ends) == n   # n1 hung after the last failure
+    small, big = (lines_run(lambda evs=restarting_job(n): build(evs)) for n in (100, 800))
+    assert big <= 10 * small, (small, big)

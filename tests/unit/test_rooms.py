@@ -139,7 +139,7 @@ def test_the_rule_catches_each_kind_of_crossing() -> None:
         "runtime.ending.outcome", "runtime.session", "runtime.stopping", "runtime.worker.metrics"]
     assert side_of("runtime.newfile") is None and side_of("runtime.launch.newfile") == LAUNCHER
     assert side_of("runtime.inprocess.launcher.agent") == LAUNCHER
-    assert side_of("runtime.inprocess.worker.recovery") == WORKER
+    assert side_of("runtime.inprocess.worker.stages") == WORKER
     assert side_of("runtime.inprocess.protocol") == SHARED == side_of("runtime.inprocess")
 
 
@@ -165,8 +165,8 @@ def test_a_feature_lives_in_its_wing_and_no_file_name_carries_its_prefix() -> No
 SEAMS: dict[str, str] = {
     "runtime.launch.recovery": "the launcher's one seam: for_run() makes each agent run's recovery "
                                "object from --recovery (the restart path's does nothing)",
-    "runtime.session": "the Session's in-process steps (not behind one object yet: its branches "
-                       "on self._inproc)",
+    "runtime.worker.recovery": "the Session's one seam: for_session() makes the worker's recovery "
+                               "object from --recovery (the restart path's does nothing)",
 }
 
 
@@ -218,3 +218,117 @@ def test_the_job_imports_from_the_login_side_only_its_contract() -> None:
                      if e.module.split(".")[0] == "runtime" and e.target.split(".")[0] == "hpc"
                      and e.target.split(".")[:2] != ["hpc", "contract"])
     assert outside == []
+
+
+def test_the_event_recorder_records_and_the_checkpoint_room_decides_the_interval() -> None:
+    """``--checkpoint-interval auto`` is decided in ``runtime/checkpoint/auto_interval.py`` over
+    the contract's pure rule (``hpc.contract.young_daly``, ``hpc.contract.interval``), and the
+    Session owns it; ``runtime/events.py`` records events and asks nothing of the rule."""
+    edges, _ = imports(modules())
+    rule = {"hpc.contract.young_daly", "hpc.contract.interval", "runtime.checkpoint.auto_interval"}
+    assert sorted(e.target for e in edges if e.module == "runtime.events" and e.target in rule) == []
+    assert rule - {"runtime.checkpoint.auto_interval"} <= {
+        e.target for e in edges if e.module == "runtime.checkpoint.auto_interval"}
+    assert "runtime.checkpoint.auto_interval" in {e.target for e in edges if e.module == "runtime.session"}
+
+
+def _mode_comparisons(root: Path) -> list[str]:
+    """Where ``runtime/`` compares the recovery mode: a comparison with ``INPROCESS``/``RESTART``
+    or their strings, or a read of ``InProcessEnvironment...inprocess``."""
+    import ast
+
+    found = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(ast.unparse(x).endswith(("INPROCESS", "RESTART")) or
+                       (isinstance(x, ast.Constant) and x.value in ("inprocess", "restart")) for x in sides):
+                    found.append(f"{f.relative_to(root)}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr == "inprocess" \
+                    and "InProcessEnvironment" in ast.unparse(node.value):
+                found.append(f"{f.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_session_compares_the_recovery_mode_once_and_holds_no_in_process_step() -> None:
+    """The worker side compares the mode in one place (``runtime.worker.recovery.for_session``):
+    the Session asks the object made there at fixed points and names no in-process module, so
+    its loop reads the same whatever the recovery (it was 1,134 lines with 50 branches on
+    ``self._inproc``). On the launcher side, ``runtime.launch.recovery.for_run`` compares it, and
+    the NCCL variables of the workers' environment (``runtime.liveness.nccl_watch``) once more. Inside
+    the wing the mode is the feature's own (its adopter tells its workers by their environment)."""
+    root = Path(__file__).resolve().parents[2] / "runtime"
+    where = [w for w in _mode_comparisons(root) if not w.startswith("inprocess/")]   # the wing's own reads
+    worker = [w for w in where if side_of("runtime." + w.split(":")[0][:-3].replace("/", ".")) != LAUNCHER
+              and not w.startswith("liveness/nccl_watch.py")]
+    assert [w.split(":")[0] for w in worker] == ["worker/recovery.py"], where
+    assert sorted(w.split(":")[0] for w in where if w not in worker) == ["launch/recovery.py", "liveness/nccl_watch.py"], where
+    session = (root / "session.py").read_text()
+    assert "inproc" not in session.lower().replace("in-process", ""), "an in-process step in runtime/session.py"
+    assert len(session.splitlines()) <= 900
+
+
+def test_the_mode_check_sees_each_form(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("x = mode == recovery_settings.INPROCESS\ny = 'restart' != m\n"
+                                   "z = recovery_settings.InProcessEnvironment.from_env(e).inprocess\n"
+                                   "w = mode == 'other'\n")
+    assert _mode_comparisons(tmp_path) == ["a.py:1", "a.py:2", "a.py:3"]
+
+
+def _silent_broad_handlers(roots: list[Path], base: Path) -> list[str]:
+    """``except Exception`` / ``except BaseException`` handlers that go on (no ``raise`` in them)
+    without a comment, on the handler's line or its first, saying what may fail and why going
+    on is right."""
+    import ast
+
+    found = []
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            lines = f.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines))):
+                if not (isinstance(node, ast.ExceptHandler) and node.type is not None
+                        and ast.unparse(node.type) in ("Exception", "BaseException")):
+                    continue
+                if any(isinstance(n, ast.Raise) for b in node.body for n in ast.walk(b)):
+                    continue   # cleans up and raises again
+                said = ("#" in lines[node.lineno - 1] or "#" in lines[node.body[0].lineno - 1]
+                        or lines[node.lineno].lstrip().startswith("#"))
+                if not said:
+                    found.append(f"{f.relative_to(base)}:{node.lineno}")
+    return found
+
+
+def test_every_broad_handler_that_goes_on_says_why() -> None:
+    """A broad handler that swallows an error hides the next bug unless it says what it expects
+    to fail and why the job is better off going on (there were 55 in runtime/ alone)."""
+    base = Path(__file__).resolve().parents[2]
+    assert _silent_broad_handlers([base / "runtime", base / "hpc"], base) == []
+
+
+def test_the_broad_handler_check_sees_a_silent_one(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("try:\n    f()\nexcept Exception:\n    pass\n"
+                                   "try:\n    f()\nexcept Exception:  # a reason\n    pass\n"
+                                   "try:\n    f()\nexcept BaseException:\n    g()\n    raise\n")
+    assert _silent_broad_handlers([tmp_path], tmp_path) == ["a.py:3"]
+
+
+# File names that two runtime modules share because they are one concept on two sides.
+SHARED_NAMES: dict[str, str] = {
+    "agent": "torch's agent: the class composed per run (launch/) and the in-process part of it",
+    "recovery": "the one seam to the recovery, on the launcher's side (launch/) and the workers' (worker/)",
+    "standby": "the warm standby: the process (inprocess/worker/) and its launcher's keeper (inprocess/launcher/)",
+}
+
+
+def test_a_module_name_means_one_thing() -> None:
+    """Two modules of one name are two things a reader confuses (``events`` was both the
+    events.jsonl recorder and the stall records of hangs.jsonl; ``nccl`` both the workers' NCCL
+    settings and the in-process NCCL path), unless they are one concept seen from two sides."""
+    root = Path(__file__).resolve().parents[2] / "runtime"
+    by_name: dict[str, list[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        if not f.name.startswith("__"):
+            by_name.setdefault(f.stem, []).append(str(f.relative_to(root)))
+    twice = {n: places for n, places in by_name.items() if len(places) > 1}
+    assert sorted(twice) == sorted(SHARED_NAMES), twice

@@ -93,7 +93,78 @@ def test_every_results_file_opens_with_its_current_figures() -> None:
         if "The current figures" not in head or "benchmarks/" not in head:
             late.append(f.name)
     assert late == [], f"open with 'The current figures' and the command: {late}"
-    import json
 
+
+def test_the_campaign_record_is_the_current_campaign() -> None:
+    """``benchmarks/campaign.json`` is the current campaign at its top level and nothing else: no
+    ``earlier`` campaigns, no superseded runs beside it (git history keeps those, and
+    RESULTS-campaign.md names the commit). Its summary is what ``campaign.py --merge`` makes of
+    its runs, so the record reads back through the campaign's own reader."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
     campaign = json.loads((root / "campaign.json").read_text())
-    assert list(campaign)[0] == "current" and "runs" in campaign and "earlier" in campaign
+    assert list(campaign)[0] == "current" and "runs" in campaign
+    assert "earlier" not in campaign
+    keys = {"current", "config", "seeds", "contenders", "runs", "failed", "pictures", "references",
+            "machine", "what", "commands", "commit", "skipped", "cut_short"}
+    assert set(campaign) <= keys, f"not part of one campaign's record: {sorted(set(campaign) - keys)}"
+    sys.path.insert(0, str(root))
+    import campaign_metrics as cm
+
+    assert cm.merge([campaign])["contenders"] == campaign["contenders"]
+
+
+_SESSION_NUMBER = r"\bsessions?[\s-]+\d+\b(?!\.\d)"  # "Session 14", "session-9"; not "Session 0.99" (a ratio)
+_SESSION_KEY = r"(?:^|_)s\d+(?:_|$)"             # "inprocess_s12_3seeds", "paired_3seeds_s9"
+
+
+def _sessions_named(root: Path) -> list[str]:
+    """Where a product file names a work session by its number: a line of README.md, docs/*.md or
+    benchmarks/*.md, a top-level ``what``/``current`` string of benchmarks/*.json, or a key of
+    benchmarks/campaign.json at any depth (as ``path:line`` or ``path:key``)."""
+    import json
+    import re
+
+    said, key = re.compile(_SESSION_NUMBER, re.IGNORECASE), re.compile(_SESSION_KEY)
+    found = []
+    for f in [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "benchmarks").glob("*.md"))]:
+        text = f.read_text()   # whole, so that "session\n  10" split by a line break is seen
+        found += [f"{f.relative_to(root)}:{text.count(chr(10), 0, m.start()) + 1}" for m in said.finditer(text)]
+    for f in sorted((root / "benchmarks").glob("*.json")):
+        record = json.loads(f.read_text())
+        if isinstance(record, dict):
+            found += [f"{f.relative_to(root)}:{k}" for k in ("what", "current")
+                      if k in record and said.search(json.dumps(record[k]))]
+
+    def keys(value: object) -> list[str]:
+        if isinstance(value, dict):
+            return [k for k, v in value.items() for k in (k, *keys(v))]
+        return [k for v in value for k in keys(v)] if isinstance(value, list) else []
+
+    campaign = root / "benchmarks" / "campaign.json"
+    found += [f"{campaign.relative_to(root)}:{k}" for k in sorted(set(keys(json.loads(campaign.read_text()))))
+              if key.search(k)]
+    return found
+
+
+def test_the_session_check_tells_a_work_session_from_the_session_class() -> None:
+    import re
+
+    said, key = re.compile(_SESSION_NUMBER, re.IGNORECASE), re.compile(_SESSION_KEY)
+    for text in ("Session 14 (2026-11-27): all four contenders", "measured in session 9", "sessions 9 and 10",
+                 "passes on an H200 (session 9)", "the session-9 note", "22.9 median in session\n  10"):
+        assert said.search(text), text
+    for text in ("the Session's step overhead", "`Session` 0.9931 (0.9810-1.0090)", "Session 0.9931 at 10 ms",
+                 "import runtime.session", "session_start events", "a Session per process, 2 sessions"):
+        assert not said.search(text), text
+    assert all(key.search(k) for k in ("inprocess_s12_3seeds", "paired_3seeds_s9", "s10"))
+    assert not any(key.search(k) for k in ("lost_node_s", "lost_node_s_slurm", "steps", "seeds", "seed_2"))
+
+
+def test_no_product_file_names_a_work_session_by_number() -> None:
+    """A figure is dated by its date and commit, not by the work session that measured it: "Session
+    14 (2026-11-27)" or a record key ``..._s12`` tells a reader nothing about the product, and the
+    product's ``Session`` (the training loop's object) reads the same word."""
+    assert _sessions_named(Path(__file__).resolve().parents[2]) == []

@@ -183,27 +183,36 @@ class _Ckpt:
         return 0.002
 
 
-def test_auto_on_a_first_allocation_probes_early_then_keeps_the_bounds(tmp_path):
+def _recorded(tmp_path, allocation: int):
+    """A rank-0 recorder and the auto interval the Session pairs with it."""
+    from runtime.checkpoint.auto_interval import AutoInterval
     from runtime.events import SessionRecorder
 
-    rec = SessionRecorder(tmp_path, rank=0, allocation=0, restart=0, world_size=2)
+    rec = SessionRecorder(tmp_path, rank=0, allocation=allocation, restart=0, world_size=2)
+    return rec, AutoInterval(tmp_path, rank=0, key=rec.key, emit=rec.emit)
+
+
+def test_auto_on_a_first_allocation_probes_early_then_keeps_the_bounds(tmp_path):
+    rec, auto = _recorded(tmp_path, 0)
     ckpt = _Ckpt()
-    rec.restored(ckpt, 0, False, "auto")
+    auto.restored(ckpt, 0, "auto")
     assert ckpt.schedule.probe_step == 20                       # nothing measured: save soon
     assert ckpt.schedule.every_min == yd.MIN_INTERVAL_S / 60    # and within the bounds
     rec.close(None, None, 0)
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["probe_step"] for e in events if e["ev"] == "ckpt_interval"] == [20]   # recorded
     # A later allocation with a measured save: no probe, the rule alone.
     with (tmp_path / "events.jsonl").open("a") as f:
         for e in ({"t": 1.0, "ev": "ckpt_save", "alloc": 0, "rank": 0, "restart": 0, "block_s": 0.01},
                   {"t": 2.0, "ev": "ckpt_commit", "alloc": 0, "rank": 0, "restart": 0, "save_s": 0.3}):
             f.write(json.dumps(e) + "\n")
-    rec = SessionRecorder(tmp_path, rank=0, allocation=1, restart=0, world_size=2)
+    rec, auto = _recorded(tmp_path, 1)
     ckpt = _Ckpt()
-    rec.restored(ckpt, 40, True, "auto")
+    auto.restored(ckpt, 40, "auto")
     assert ckpt.schedule.probe_step is None and ckpt.schedule.every_min == 5.0
     rec.close(None, None, 40)
     ckpt = _Ckpt()
-    SessionRecorder(tmp_path, rank=0, allocation=2, restart=0, world_size=2).restored(ckpt, 40, True, "fixed")
+    _recorded(tmp_path, 2)[1].restored(ckpt, 40, "fixed")
     assert ckpt.schedule.every_min is None and ckpt.schedule.probe_step is None
 
 

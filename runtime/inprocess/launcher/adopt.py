@@ -126,7 +126,7 @@ def launch_of(pids: Mapping[int, int], *, store: str, master_addr: str, master_p
         if not argv:
             continue
         entry, args[lr] = argv[0], tuple(argv[1:])
-        envs[lr] = {**proc.environ(pid), **recovery_settings.InProcessEnvironment(store=store).to_env(),
+        envs[lr] = {**node_files.with_secrets(proc.environ(pid), os.environ), **recovery_settings.InProcessEnvironment(store=store).to_env(),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port), **job_env.JobEnvironment(rdzv_epoch=epoch).to_env()}
         outs[lr] = _log_file(pid)

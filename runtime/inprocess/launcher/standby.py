@@ -129,7 +129,7 @@ class Standby:
         path = None
         try:
             path = Path(node_files.order_file(proc.pid))
-            jobdir.write_atomic(path, order.encode(), durable=False)   # the worker's environment: 0600
+            jobdir.write_atomic(path, order.record(), durable=False)   # no secret values; 0600
             proc.stdin.write(order.encode().encode() + b"\n")
             proc.stdin.close()
         except OSError as e:   # it died meanwhile (a broken pipe), or no room for the record

@@ -6,6 +6,6 @@
   pure rules: :mod:`runtime.inprocess.protocol`);
 * :mod:`runtime.inprocess.worker.transfer`: one state transfer, by broadcast from the member that
   holds the agreed step (also the join path of a restarted worker or a hot spare);
-* :mod:`runtime.inprocess.worker.recovery`: the stages in order (abort, re-form, group, transfer,
+* :mod:`runtime.inprocess.worker.stages`: the stages in order (abort, re-form, group, transfer,
   re-wrap), driven by the Session.
 """

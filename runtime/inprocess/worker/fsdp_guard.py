@@ -1,6 +1,6 @@
 """FSDP2 under in-process recovery: its collectives never raise, and it re-binds to a new group.
 
-**Design** (issue 26; compared with torchft). torchft builds the model on its own
+**Design** (compared with torchft). torchft builds the model on its own
 ``ProcessGroup`` subclass whose inner backend is swapped at each reconfiguration, and wraps
 every operation so an error is reported to its manager instead of raised. We need the same two
 properties with less machinery, and torch 2.13's FSDP2 gives the seams:

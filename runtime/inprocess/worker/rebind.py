@@ -12,7 +12,7 @@ appears it first breaks this process's connections to the old store (a store req
 crashed host, whose packets go nowhere, would otherwise wait out its whole timeout) and the
 current generation's gloo connections (a step waiting on a lost peer ends now), then offers
 the new store to the recovery (:meth:`EpochWatch.take`), which re-forms there
-(:mod:`runtime.inprocess.worker.recovery`).
+(:mod:`runtime.inprocess.worker.stages`).
 """
 
 from __future__ import annotations

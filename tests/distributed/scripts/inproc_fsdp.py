@@ -10,7 +10,7 @@ with Session(seed=0) as s:
     model = s.wrap(torch.nn.Linear(4, 2), fsdp=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     start = s.restore(model=model, optim=opt)
-    print("INPROC=" + ("on" if s._inproc is not None else "off"), flush=True)
+    print("INPROC=" + ("on" if getattr(s._recovery, "inproc", None) is not None else "off"), flush=True)
     for step in s.steps(start, 3):
         model(torch.ones(3, 4)).sum().backward()
         opt.step()

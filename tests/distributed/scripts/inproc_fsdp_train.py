@@ -68,7 +68,7 @@ with Session(seed=0) as s:
     recovering[0] = os.environ.get("HPC_INPROC_JOIN") == "1"   # a joiner's restore is its recovery
     start = s.restore(model=model, optim=opt, sampler=sampler)
     recovering[0] = False
-    orig = s._recover
+    orig = getattr(s._recovery, "_recover", None)   # the Session's in-process part (runtime.inprocess.worker.session_part)
 
     def watched(*a, **k):   # instrumentation: files opened while recovering
         recovering[0] = True
@@ -76,7 +76,8 @@ with Session(seed=0) as s:
             return orig(*a, **k)
         finally:
             recovering[0] = False
-    s._recover = watched
+    if hasattr(s._recovery, "_recover"):   # the restart path's (a fallback) has none
+        s._recovery._recover = watched
     for step in s.steps(start, args.steps):
         batch = sampler.next_global_batch()
         mine = rank_slice(batch, s.rank, s.world_size)
@@ -89,7 +90,7 @@ with Session(seed=0) as s:
         time.sleep(args.step_sleep)
     full = [p.full_tensor() for p in model.parameters()]
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in full)).hexdigest()
-    copies = s._inproc.copies if s._inproc is not None else None
+    copies = getattr(getattr(s._recovery, "inproc", None), "copies", None)
     (out / f"result-{os.getpid()}.json").write_text(json.dumps({
         "pid": os.getpid(), "rank": s.rank, "world": s.world_size, "step": s.step, "weights": digest,
         "sampler": sampler.state_dict(), "opened_while_recovering": opened,

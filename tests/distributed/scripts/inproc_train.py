@@ -84,7 +84,7 @@ with Session(seed=0, log_every=args.log_every) as s:
     recovering[0] = os.environ.get("HPC_INPROC_JOIN") == "1"   # a joiner's restore is its recovery
     start = s.restore(model=model, optim=opt, sched=sched, sampler=sampler)
     recovering[0] = False
-    orig = s._recover
+    orig = getattr(s._recovery, "_recover", None)   # the Session's in-process part (runtime.inprocess.worker.session_part)
 
     def watched(*a, **k):   # instrumentation: files opened while recovering
         recovering[0] = True
@@ -92,7 +92,8 @@ with Session(seed=0, log_every=args.log_every) as s:
             return orig(*a, **k)
         finally:
             recovering[0] = False
-    s._recover = watched
+    if hasattr(s._recovery, "_recover"):   # the restart path's (a fallback) has none
+        s._recovery._recover = watched
     full = s.world_size
     for step in s.steps(start, args.steps):
         accum = plan_batches(args.global_batch, s.world_size, args.micro)   # per step: the world may change

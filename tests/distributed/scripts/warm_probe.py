@@ -1,6 +1,6 @@
 """A test worker that records how it was started: whether torch was imported before its first
 line (a fork of the warm server), its parent, session, generators, streams; rank 1 of the first
-start exits 3 (torch's agent restarts the workers); every worker's atexit handler leaves a file.
+start exits 3 once rank 0 has written its record (torch's agent restarts the workers); every worker's atexit handler leaves a file.
 
 The restarted workers then make and destroy 100 process groups, each under a DDP model, as a
 torchrun script ends (``destroy_process_group()`` while the model lives): without
@@ -37,10 +37,15 @@ record = {
 import torch.distributed as dist  # noqa: E402
 
 record["keeps_groups"] = bool(getattr(dist.destroy_process_group, "keeps_groups", False))
-(out / f"rec-{rank}-{restart}.json").write_text(json.dumps(record))
+(out / f".rec-{rank}-{restart}").write_text(json.dumps(record))
+(out / f".rec-{rank}-{restart}").rename(out / f"rec-{rank}-{restart}.json")   # whole when it is seen
 atexit.register(lambda: (out / f"atexit-{rank}-{restart}").write_text("ran"))
 print(f"warm probe rank {rank} restart {restart}", flush=True)
 if restart == 0 and rank == 1:
+    # rank 0's record first: a cold rank 0 still importing torch when rank 1 ends is stopped before it writes
+    deadline = time.time() + 120
+    while not (out / "rec-0-0.json").exists() and time.time() < deadline:
+        time.sleep(0.05)
     (out / "crashed").write_text(str(time.time()))
     sys.exit(3)
 if restart == 1:
