@@ -49,6 +49,9 @@ NODE_MEMORY_MB = 2000
 READY_TIMEOUT_S = 60.0
 LOW_PARTITION = "debug"
 HIGH_PARTITION = "high"
+# A preemptible partition with a realistic grace (sites give 30-300 s): for the jobs that must
+# save on the warning, which on this loaded machine may reach them 6 s into debug's 10 s.
+PATIENT_PARTITION = "patient"
 
 
 class ClusterError(RuntimeError):
@@ -294,6 +297,7 @@ MailProg=/bin/true
 MpiDefault=none
 {nodes}
 PartitionName={LOW_PARTITION} Nodes={all_nodes} Default=YES MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=10
+PartitionName={PATIENT_PARTITION} Nodes={all_nodes} MaxTime=01:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
 PartitionName={HIGH_PARTITION} Nodes={all_nodes} MaxTime=01:00:00 State=UP PriorityTier=10 PreemptMode=OFF
 """
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.slurm_cluster import PATIENT_PARTITION
 from tests.conftest import wait_until
 from tests.slurm.support import hpc, outcomes, restarts, wait_done
 from tests.wandb_offline import read_run
@@ -52,8 +53,8 @@ def result_of(run: subprocess.Popen[str], job: Path) -> dict:
     return json.loads((job / "result.json").read_text())
 
 
-def submit(env: dict[str, str], script: Path, job: Path, *args: str) -> str:
-    r = hpc(env, "submit", str(script), "--nodes", "2", "--nproc-per-node", "1", "--partition", "debug",
+def submit(env: dict[str, str], script: Path, job: Path, *args: str, partition: str = "debug") -> str:
+    r = hpc(env, "submit", str(script), "--nodes", "2", "--nproc-per-node", "1", "--partition", partition,
             "--job-dir", str(job), "--", *args, "--out", str(job / "result.json"))
     assert r.returncode == 0, r.stdout + r.stderr
     return (job / "slurm_job_id").read_text().strip()
@@ -94,8 +95,8 @@ def _check_lightning(env: dict[str, str], job: Path, job_id: str, expected: dict
     once from its last.ckpt, one W&B run, the weights of `hpc run`."""
     records = [(o["allocation"], o["kind"]) for o in outcomes(job)]
     assert records == [(0, "preempted"), (1, "finished")], outcomes(job)
-    # GraceTime is 10 s, but the warning reaches the launcher late on this loaded machine (seen:
-    # 3.9 s before Slurm's SIGTERM); the script then may not have exited (its W&B run finishing)
+    # The warning reaches the launcher late on this loaded machine (seen: 3.9 s before Slurm's
+    # SIGTERM in a 10-s GraceTime); the script then may not have exited (its W&B run finishing)
     # before the SIGTERM. Both ways the stop is recorded as the preemption and requeued; the
     # exit-75 path alone is checked locally (tests/distributed/test_lightning_signals.py).
     why = outcomes(job)[0]["reason"]
@@ -160,7 +161,7 @@ def _check_deepspeed(env: dict[str, str], job: Path, job_id: str, expected: dict
         outcomes(job)
     # The script saves on the warning within a second, then sys.exit(75); the interpreter's
     # teardown of torch and DeepSpeed took 7-15 s on these loaded 2-core nodes (torch with gloo
-    # alone: 6 s), past hpc's SIGTERM 7 s into the cluster's 10-s GraceTime. Both ways the
+    # alone: 6 s), past hpc's SIGTERM 7 s into a 10-s GraceTime. Both ways the
     # checkpoint of the warning's step is whole and the stop is the preemption, requeued.
     why = outcomes(job)[0]["reason"]
     assert "the script stopped for it (exit 75)" in why or "did not stop by themselves" in why, why
@@ -191,13 +192,16 @@ def test_preempted_lightning_hf_trainer_and_deepspeed_jobs_resume_as_hpc_run_doe
     each had its own preemption; one preemption, one requeue wait and one restart for all three
     instead of three)."""
     jobs = {"lightning": tmp_path / "lightning", "hf": tmp_path / "hf trainer", "deepspeed": tmp_path / "deepspeed"}
+    # The patient partition's 30-s GraceTime: on this loaded machine Slurm's warning reached the
+    # launchers up to 6 s late, which in debug's 10 s left the HF Trainer's save no time (seen in
+    # CI: the SIGTERM came before it saved).
     ids = {
         "lightning": submit(env, LIGHTNING, jobs["lightning"], "--steps", str(STEPS), "--step-sleep", STEP_SLEEP,
-                            "--wandb"),
+                            "--wandb", partition=PATIENT_PARTITION),
         "hf": submit(env, HF_TRAINER, jobs["hf"], "--steps", str(STEPS), "--save-steps", "4",
-                     "--step-sleep", STEP_SLEEP, "--wandb"),
+                     "--step-sleep", STEP_SLEEP, "--wandb", partition=PATIENT_PARTITION),
     }
-    r = hpc(env, "submit", str(DEEPSPEED), "--nodes", "2", "--nproc-per-node", "1", "--partition", "debug",
+    r = hpc(env, "submit", str(DEEPSPEED), "--nodes", "2", "--nproc-per-node", "1", "--partition", PATIENT_PARTITION,
             "--job-dir", str(jobs["deepspeed"]), "--", *DS_ARGS, "--step-sleep", STEP_SLEEP)
     assert r.returncode == 0, r.stdout + r.stderr
     ids["deepspeed"] = (jobs["deepspeed"] / "slurm_job_id").read_text().strip()

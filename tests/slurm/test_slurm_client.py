@@ -180,6 +180,7 @@ def test_partitions(client: SlurmClient) -> None:
     debug = client.show_partition("debug")
     assert debug.default and debug.max_time_s == 3600 and debug.total_nodes == 3
     assert debug.preempt_mode == "REQUEUE" and debug.grace_time_s == 10
-    assert {p.name for p in client.partitions()} == {"debug", "high"}
-    with pytest.raises(SlurmError, match="partitions are: debug, high"):
+    assert {p.name for p in client.partitions()} == {"debug", "patient", "high"}
+    assert client.show_partition("patient").grace_time_s == 30
+    with pytest.raises(SlurmError, match="partitions are: debug, patient, high"):
         client.show_partition("gpu")
